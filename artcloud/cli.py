@@ -1,0 +1,80 @@
+"""The `artcloud` command line.
+
+    artcloud serve --path DIR [--host H] [--port P]     the training + inference server (HTTPS)
+
+More commands (launch, down, status, logs, pull, run) arrive with the backends that need them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(
+    name="artcloud",
+    help="Train LLM agents with GRPO on LoRA adapters, on GPUs that live only as long as the job.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+class CLIError(Exception):
+    """Printed as one line on stderr; the process exits with status 2."""
+
+
+@app.callback()
+def _root() -> None:
+    """artcloud: a training server you can run here or on a short-lived cloud GPU."""
+
+
+@app.command()
+def serve(
+    path: Path = typer.Option(Path("./artcloud-data"), "--path", help="Folder for models, checkpoints and job logs (created if missing)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. Use 0.0.0.0 on a cloud machine."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="Port to listen on; 0 picks a free one."),
+    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="Server certificate (PEM path). Default: $ARTCLOUD_TLS_CERT, else a fresh CA is made under PATH/.tls."),
+    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="Private key of --tls-cert (PEM path). Default: $ARTCLOUD_TLS_KEY."),
+    token_file: Optional[str] = typer.Option(None, "--token-file", help="File holding the bearer token. Default: $ARTCLOUD_TOKEN, else a new token in PATH/.tls/token."),
+    engine: str = typer.Option("cpu", "--engine", help="Model engine: cpu (torch + transformers + peft)."),
+    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+) -> None:
+    """Serve OpenAI-compatible inference and GRPO training over HTTPS.
+
+    Every route but GET /health needs 'Authorization: Bearer TOKEN'. Models registered here keep
+    their checkpoints under PATH/PROJECT/MODEL/checkpoints/STEP; a restarted server resumes them.
+
+    Example: artcloud serve --path ./runs --port 8443
+    """
+    import ssl
+
+    from artcloud.server.serve import ServeError, run
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run(host=host, port=port, path=path, tls_cert=tls_cert, tls_key=tls_key, token_file=token_file,
+            engine=engine, log_level=log_level)
+    except ServeError as e:
+        raise CLIError(str(e)) from e
+    except ssl.SSLError as e:
+        raise CLIError(f"the TLS certificate or key cannot be used ({e.reason or e}): give a matching PEM pair") from e
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        app(args=argv, standalone_mode=True)
+    except CLIError as e:
+        print(f"artcloud: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

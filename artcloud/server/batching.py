@@ -1,0 +1,146 @@
+"""Dynamic batching of chat requests into the engine, and the lock that pauses inference during training.
+
+Requests queue up while the engine is busy; when it frees up, the batcher takes everything waiting
+(after a short gather window for stragglers, a few milliseconds against seconds of generation) and runs
+it as one engine call per adapter. Concurrent rollouts therefore share forward passes instead of
+queueing one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from artcloud.server.engines.base import Completion, GenerationRequest
+
+log = logging.getLogger("artcloud.server")
+
+
+class RWLock:
+    """Many readers (generation) or one writer (an adapter update). A waiting writer blocks new readers,
+    so training is never starved by a steady stream of rollouts."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    @asynccontextmanager
+    async def read(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writer and self._writers_waiting == 0)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @asynccontextmanager
+    async def write(self):
+        async with self._cond:
+            self._writers_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._writer and self._readers == 0)
+            finally:
+                self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+    @property
+    def writing(self) -> bool:
+        return self._writer
+
+
+@dataclass
+class Pending:
+    key: Any  # what must match to share an engine call (the model and requested step)
+    request: GenerationRequest
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+# run(key, requests) -> (completions per request, what was served, e.g. "NAME@STEP")
+RunBatch = Callable[[Any, list[GenerationRequest]], Awaitable[tuple[list[list[Completion]], str]]]
+
+
+class Batcher:
+    def __init__(self, run: RunBatch, *, max_rows: int = 64, gap_s: float = 0.004, max_wait_s: float = 0.05):
+        self.run = run
+        self.max_rows = max_rows
+        self.gap_s = gap_s
+        self.max_wait_s = max_wait_s
+        self.queue: asyncio.Queue[Pending] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self.batches = 0  # engine calls made (for /health and tests)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="artcloud-batcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def submit(self, key: Any, request: GenerationRequest) -> tuple[list[Completion], str]:
+        self.start()
+        item = Pending(key, request)
+        await self.queue.put(item)
+        return await item.future
+
+    async def _gather(self) -> list[Pending]:
+        items = [await self.queue.get()]
+        rows = items[0].request.n
+        deadline = time.monotonic() + self.max_wait_s
+        while rows < self.max_rows:
+            timeout = min(self.gap_s, deadline - time.monotonic())
+            if timeout <= 0:
+                break
+            try:
+                item = await asyncio.wait_for(self.queue.get(), timeout)
+            except asyncio.TimeoutError:
+                break
+            items.append(item)
+            rows += item.request.n
+        while not self.queue.empty() and rows < self.max_rows:  # whatever else is already here
+            item = self.queue.get_nowait()
+            items.append(item)
+            rows += item.request.n
+        return items
+
+    async def _loop(self) -> None:
+        while True:
+            items = await self._gather()
+            groups: dict[Any, list[Pending]] = {}
+            for item in items:
+                groups.setdefault(item.key, []).append(item)
+            for key, group in groups.items():
+                live = [p for p in group if not p.future.done()]  # a client may have gone away
+                if not live:
+                    continue
+                try:
+                    results, served = await self.run(key, [p.request for p in live])
+                    self.batches += 1
+                except Exception as e:  # the error belongs to these requests, not to the loop
+                    for p in live:
+                        if not p.future.done():
+                            p.future.set_exception(e)
+                    continue
+                for p, completions in zip(live, results):
+                    if not p.future.done():
+                        p.future.set_result((completions, served))

@@ -1,0 +1,189 @@
+"""Chat messages <-> tokens: prompt rendering through the model's chat template, tool calls, responses.
+
+The same `render_prompt` serves inference and training, so the context a trajectory is trained on is
+token-for-token the context its turns were sampled from.
+
+Tool calls use the Hermes format that Qwen2.5 and many open models speak:
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. A chat template that knows nothing of tools
+(SmolLM2's, for one) gets the tool list in its system message and tool traffic as plain text, so tools
+are never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from typing import Any
+
+from artcloud.server.engines.base import Completion
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+_TOOLS_SYSTEM = """\
+You may call one or more functions. Function signatures are inside <tools></tools>:
+<tools>
+{tools}
+</tools>
+For each call, return a JSON object inside <tool_call></tool_call>:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    # OpenAI content parts: keep the text ones.
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def _call_text(call: dict[str, Any]) -> str:
+    fn = call.get("function", {})
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    return "<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments": args}) + "\n</tool_call>"
+
+
+def template_knows_tools(tokenizer: Any) -> bool:
+    template = tokenizer.chat_template or ""
+    return "tools" in template and "tool_calls" in template
+
+
+def normalise_messages(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, knows_tools: bool
+) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: plain string content, tools spelled out if needed."""
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}
+        role = "system" if m["role"] == "developer" else m["role"]
+        msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"))}
+        if knows_tools:
+            if m.get("tool_calls"):
+                msg["tool_calls"] = m["tool_calls"]
+            if m.get("tool_call_id"):
+                msg["tool_call_id"] = m["tool_call_id"]
+        else:
+            if m.get("tool_calls"):
+                calls = "\n".join(_call_text(c) for c in m["tool_calls"])
+                msg["content"] = (msg["content"] + "\n" + calls).strip()
+            if role == "tool":
+                msg = {"role": "user", "content": f"<tool_response>\n{msg['content']}\n</tool_response>"}
+        out.append(msg)
+    if tools and not knows_tools:
+        listing = _TOOLS_SYSTEM.format(tools="\n".join(json.dumps(t) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + listing}
+        else:
+            out.insert(0, {"role": "system", "content": listing})
+    return out
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    """Token ids of the conversation so far, ending where the assistant's next turn starts."""
+    knows = template_knows_tools(tokenizer)
+    kwargs: dict[str, Any] = {"tools": tools} if (tools and knows) else {}
+    text = tokenizer.apply_chat_template(
+        normalise_messages(messages, tools, knows), add_generation_prompt=True, tokenize=False, **kwargs
+    )
+    # The template already wrote any BOS token it wants.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content without the tool-call blocks, OpenAI tool_calls) from a completion's text."""
+    calls = []
+    for raw in _TOOL_CALL.findall(text):
+        try:
+            obj = json.loads(raw)
+            name = obj["name"]
+        except (ValueError, KeyError, TypeError):
+            continue  # not a valid call: leave it in the content for the caller to see
+        args = obj.get("arguments", {})
+        calls.append({
+            "id": "call_" + uuid.uuid4().hex[:24],
+            "type": "function",
+            "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)},
+        })
+    if not calls:
+        return text, []
+    content = _TOOL_CALL.sub(lambda m: "" if _is_call(m.group(1)) else m.group(0), text).strip()
+    return content or None, calls
+
+
+def _is_call(raw: str) -> bool:
+    try:
+        return "name" in json.loads(raw)
+    except (ValueError, TypeError):
+        return False
+
+
+def completion_response(
+    *,
+    served_as: str,
+    prompt_ids: list[int],
+    completions: list[Completion],
+    tokenizer: Any,
+    want_logprobs: bool,
+    want_token_ids: bool,
+    parse_tools: bool,
+) -> dict[str, Any]:
+    """An OpenAI `chat.completion` object, plus vLLM-style `prompt_token_ids` and per-choice `token_ids`."""
+    choices = []
+    for i, c in enumerate(completions):
+        content: str | None = c.text
+        tool_calls: list[dict[str, Any]] = []
+        if parse_tools:
+            content, tool_calls = parse_tool_calls(c.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice: dict[str, Any] = {
+            "index": i,
+            "message": message,
+            "finish_reason": "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason,
+            "logprobs": _logprobs(c, tokenizer) if want_logprobs else None,
+        }
+        if want_token_ids:
+            choice["token_ids"] = c.token_ids
+        choices.append(choice)
+    completion_tokens = sum(len(c.token_ids) for c in completions)
+    body: dict[str, Any] = {
+        "id": "chatcmpl-" + uuid.uuid4().hex,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": served_as,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(prompt_ids) + completion_tokens,
+        },
+    }
+    if want_token_ids:
+        body["prompt_token_ids"] = prompt_ids
+    return body
+
+
+def _token_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
+    text = tokenizer.decode([token_id])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _logprobs(c: Completion, tokenizer: Any) -> dict[str, Any]:
+    content = []
+    for k, (tid, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+        entry = _token_entry(tokenizer, tid, lp)
+        entry["top_logprobs"] = (
+            [_token_entry(tokenizer, t, v) for t, v in c.top_logprobs[k]] if c.top_logprobs else []
+        )
+        content.append(entry)
+    return {"content": content}

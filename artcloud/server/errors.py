@@ -1,0 +1,51 @@
+"""Errors the server returns: JSON `{"error": {"code", "message", "field"}}` with a stable `code`.
+
+4xx means the request was at fault (and `field` names the part, e.g. `groups[0].trajectories[1].reward`);
+a 5xx is a bug in artcloud.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, field: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+
+    def body(self) -> dict[str, Any]:
+        error: dict[str, Any] = {"code": self.code, "message": self.message, "type": _TYPES.get(self.status, "error")}
+        if self.field is not None:
+            error["field"] = self.field
+            error["param"] = self.field  # where OpenAI clients look for it
+        return {"error": error}
+
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    503: "unavailable_error",
+}
+
+
+def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
+    """('body', 'groups', 0, 'trajectories', 1, 'reward') -> 'groups[0].trajectories[1].reward'."""
+    out = ""
+    for part in loc:
+        if part in ("body", "query", "path", "header") and not out:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and part in ("choice", "message") and out.endswith("]"):
+            continue  # the discriminated-union tag pydantic adds: not a field the user wrote
+        else:
+            out += ("." if out else "") + str(part)
+    return out

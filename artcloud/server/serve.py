@@ -1,0 +1,152 @@
+"""Run the server: check the path and port, set up TLS and the token, hand over to uvicorn.
+
+Every failure a user can cause (a taken port, an unwritable path, a missing certificate) raises
+ServeError with one line that says what to do; the CLI prints it and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from artcloud._version import __version__
+from artcloud.tls import LaunchSecrets, make_launch_secrets
+
+log = logging.getLogger("artcloud.server")
+
+ENV_TOKEN = "ARTCLOUD_TOKEN"
+ENV_CERT = "ARTCLOUD_TLS_CERT"
+ENV_KEY = "ARTCLOUD_TLS_KEY"
+
+
+class ServeError(Exception):
+    """A problem with how the server was started; the message is one line saying what to do."""
+
+
+@dataclass
+class TLSFiles:
+    cert: Path
+    key: Path
+    ca: Path | None  # only when the server made its own CA
+    token: str
+    token_file: Path | None
+
+
+def check_path(path: Path) -> Path:
+    path = path.expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise ServeError(f"--path {path} is not writable ({e.strerror}): pick a folder you can write to") from e
+    return path
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ServeError(
+                f"port {port} on {host} is already in use: pick another with --port (0 picks a free one), "
+                "or stop what listens there"
+            ) from e
+        raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}): check --host and --port") from e
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _pem_or_path(value: str, what: str, tls_dir: Path, name: str) -> Path:
+    """A PEM given inline (environment) goes into a 0600 file; a path is checked and used as it is."""
+    if "-----BEGIN" in value:
+        tls_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        target = tls_dir / name
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(value)
+        return target
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ServeError(f"{what} {path} does not exist: give the PEM file the launcher wrote")
+    return path
+
+
+def tls_setup(path: Path, host: str, cert: str | None, key: str | None, token: str | None, token_file: str | None) -> TLSFiles:
+    """Use the launcher's certificate, key and token, or make a CA, certificate and token of our own."""
+    cert = cert or os.environ.get(ENV_CERT)
+    key = key or os.environ.get(ENV_KEY)
+    if token_file:
+        try:
+            token = Path(token_file).expanduser().read_text().strip()
+        except OSError as e:
+            raise ServeError(f"--token-file {token_file} cannot be read ({e.strerror})") from e
+    token = token or os.environ.get(ENV_TOKEN)
+    if token is not None and len(token) < 16:
+        raise ServeError("the bearer token must have at least 16 characters: make one with `python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+    tls_dir = path / ".tls"
+    if bool(cert) != bool(key):
+        raise ServeError("give both --tls-cert and --tls-key (or neither, and the server makes its own)")
+    if cert and key:
+        if token is None:
+            raise ServeError(f"a launcher-made certificate needs its token too: pass --token-file or set {ENV_TOKEN}")
+        return TLSFiles(_pem_or_path(cert, "--tls-cert", tls_dir, "server.pem"), _pem_or_path(key, "--tls-key", tls_dir, "server.key"), None, token, None)
+    made: LaunchSecrets = make_launch_secrets(hosts=[host] if host not in ("0.0.0.0", "::") else [socket.gethostname()])
+    if token is not None:
+        made = LaunchSecrets(made.ca_cert, made.server_cert, made.server_key, token)
+    paths = made.write(tls_dir)
+    return TLSFiles(paths.server_cert, paths.server_key, paths.ca_cert, made.token, paths.token)
+
+
+def run(
+    *,
+    host: str,
+    port: int,
+    path: Path,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    token: str | None = None,
+    token_file: str | None = None,
+    engine: str = "cpu",
+    log_level: str = "info",
+    announce=print,
+) -> None:
+    import uvicorn
+
+    from artcloud.server.app import create_app
+    from artcloud.server.state import Registry
+
+    path = check_path(path)
+    tls = tls_setup(path, host, tls_cert, tls_key, token, token_file)
+    sock = bind(host, port)
+    actual_port = sock.getsockname()[1]
+    shown_host = "localhost" if host in ("127.0.0.1", "0.0.0.0", "::", "::1") else host
+    url = f"https://{shown_host}:{actual_port}"
+    announce(f"artcloud {__version__} serving on {url} (HTTPS only), checkpoints under {path}")
+    if tls.ca is not None:
+        announce(f"  CA certificate: {tls.ca}")
+        announce(f"  bearer token:   {tls.token_file}  (0600; never printed)")
+        announce(f"  try: curl --cacert {tls.ca} -H \"Authorization: Bearer $(cat {tls.token_file})\" {url}/v1/models")
+
+    registry = Registry(path, engine=engine)
+    app = create_app(registry, tls.token)
+    config = uvicorn.Config(
+        app,
+        ssl_certfile=str(tls.cert),
+        ssl_keyfile=str(tls.key),
+        log_level=log_level,
+        timeout_graceful_shutdown=10,
+        timeout_keep_alive=30,
+    )
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock])

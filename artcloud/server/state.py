@@ -1,0 +1,359 @@
+"""What a running server holds: engines (one per base model), the models registered on them, their jobs.
+
+Each engine runs on its own single worker thread, so generation, training and checkpoint writes for a
+base model never overlap; the asyncio side only queues work and answers HTTP. A model's RWLock makes
+inference wait while its adapter updates, then NAME@STEP+1 is what `NAME` means.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+from artcloud.protocol import RegisterRequest, TrainRequest
+from artcloud.server import checkpoints
+from artcloud.server.batching import Batcher, RWLock
+from artcloud.server.engines.base import Completion, Engine, GenerationRequest, TrainSample
+from artcloud.server.errors import ApiError
+from artcloud.server.jobs import Job, JobStore
+from artcloud.types import TrainConfig
+
+log = logging.getLogger("artcloud.server")
+
+OLD_STEPS_KEPT = 4  # adapters of older steps kept loaded for NAME@STEP requests
+
+
+def default_engine_factory(kind: str) -> Callable[[str], Engine]:
+    if kind == "cpu":
+        from artcloud.server.engines.cpu import CPUEngine
+
+        return CPUEngine
+    raise ValueError(f"unknown engine {kind!r}: this build has 'cpu'")
+
+
+class EngineHost:
+    """One engine and the one thread that may touch it."""
+
+    def __init__(self, base_model: str, factory: Callable[[str], Engine]):
+        self.base_model = base_model
+        self.factory = factory
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="artcloud-engine")
+        self.engine: Engine | None = None
+        self.batcher: Batcher | None = None
+
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args, **kwargs))
+
+    async def load(self) -> None:
+        self.engine = await self.call(self.factory, self.base_model)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+class ServedModel:
+    """A registered trainable model: a LoRA adapter on a host's engine, its step, its jobs."""
+
+    def __init__(self, spec: RegisterRequest, folder: Path, host: EngineHost, slot: str):
+        self.spec = spec
+        self.name = spec.name
+        self.folder = folder
+        self.host = host
+        self.slot = slot
+        self.step = 0
+        self.temperature = 1.0
+        self.history: list[dict[str, Any]] = []
+        self.lock = RWLock()
+        self.jobs = JobStore(spec.name, folder / "jobs")
+        self.submit_lock = asyncio.Lock()
+        self._queue: asyncio.Queue[tuple[Job, list[TrainSample], dict[str, Any], TrainConfig]] = asyncio.Queue()
+        self._worker: asyncio.Task | None = None
+        self._old: OrderedDict[int, str] = OrderedDict()
+
+    @property
+    def engine(self) -> Engine:
+        assert self.host.engine is not None
+        return self.host.engine
+
+    @property
+    def served_as(self) -> str:
+        return f"{self.name}@{self.step}"
+
+    # ------------------------------------------------------------------------------------- loading
+
+    async def load(self) -> bool:
+        """Resume from the newest complete checkpoint, or start step 0. Returns True if it resumed."""
+        checkpoints.clean_partial(self.folder)
+        found = await self.host.call(checkpoints.latest_valid, self.folder)
+        if found is None:
+            await self.host.call(self.engine.create_adapter, self.slot, self.spec.lora)
+            await self._commit(0)
+            resumed = False
+        else:
+            step, folder = found
+            await self.host.call(self.engine.load_adapter, self.slot, self.spec.lora, folder, optimizer=True)
+            state = checkpoints.read_trainer_state(folder)
+            self.step = step
+            self.history = state.get("history", [])
+            self.temperature = state.get("temperature", 1.0)
+            if "rng" in state:
+                self.engine.set_rng_state(state["rng"])
+            resumed = True
+        self.jobs.load()
+        self._worker = asyncio.get_running_loop().create_task(self._train_loop(), name=f"train-{self.name}")
+        return resumed
+
+    async def _commit(self, step: int) -> Path:
+        state = {
+            "history": self.history,
+            "rng": self.engine.rng_state(),
+            "base_model": self.spec.base_model,
+            "lora": self.spec.lora.model_dump(),
+            "temperature": self.temperature,
+        }
+        write = partial(self.engine.save_adapter, self.slot, optimizer=True)
+        return await self.host.call(checkpoints.commit, self.folder, step, write, state)
+
+    async def slot_for(self, step: int | None) -> tuple[str, int]:
+        """The engine slot serving `step` (None: the latest). Older steps load from their checkpoint."""
+        if step is None or step == self.step:
+            return self.slot, self.step
+        if step > self.step:
+            raise ApiError(404, "step_not_found", f"{self.name} is at step {self.step}; {self.name}@{step} does not exist yet", "model")
+        if step in self._old:
+            self._old.move_to_end(step)
+            return self._old[step], step
+        folder = checkpoints.step_folder(self.folder, step)
+        if folder is None:
+            raise ApiError(404, "step_not_found", f"no checkpoint of {self.name} at step {step}", "model")
+        slot = f"{self.slot}s{step}"
+        await self.host.call(self.engine.load_adapter, slot, self.spec.lora, folder, optimizer=False)
+        self._old[step] = slot
+        while len(self._old) > OLD_STEPS_KEPT:
+            _, evicted = self._old.popitem(last=False)
+            await self.host.call(self.engine.delete_adapter, evicted)
+        return slot, step
+
+    # ------------------------------------------------------------------------------------- training
+
+    def submit(self, job: Job, samples: list[TrainSample], stats: dict[str, Any], config: TrainConfig) -> None:
+        job.emit("queued", position=self._queue.qsize())
+        self._queue.put_nowait((job, samples, stats, config))
+
+    async def _train_loop(self) -> None:
+        while True:
+            job, samples, stats, config = await self._queue.get()
+            try:
+                await self._run(job, samples, stats, config)
+            except Exception as e:
+                log.exception("training job %s failed", job.id)
+                if not job.done:
+                    job.emit("error", code="internal_error", message=f"training failed: {e}", step=self.step)
+
+    async def _run(self, job: Job, samples: list[TrainSample], stats: dict[str, Any], config: TrainConfig) -> None:
+        job.emit("start", step=self.step, **stats)
+        if not samples:
+            job.emit(
+                "end", step=self.step, served_as=self.served_as, trained=False, metrics=stats,
+                message="every group had equal rewards, so there was nothing to learn: the adapter and step are unchanged",
+            )
+            return
+        loop = asyncio.get_running_loop()
+        next_step = self.step + 1
+
+        def on_step(metrics: dict[str, Any]) -> None:  # called on the engine thread
+            loop.call_soon_threadsafe(partial(job.emit, "step", step=next_step, **metrics))
+
+        async with self.lock.write():  # inference waits from here until NAME@next_step is served
+            t0 = time.time()
+            try:
+                steps = await self.host.call(self.engine.train_step, self.slot, samples, config, on_step)
+                record = _history_record(next_step, job.id, stats, steps, time.time() - t0)
+                self.history.append(record)
+                folder = await self._commit(next_step)
+            except BaseException:
+                # Put the adapter and optimizer back to the last committed step: a half-applied update
+                # is never served and never trained on.
+                if self.history and self.history[-1].get("step") == next_step:
+                    self.history.pop()
+                await self._reload_committed()
+                raise
+            self.step = next_step
+        job.emit("end", step=next_step, served_as=self.served_as, trained=True, metrics=record, checkpoint=str(folder))
+
+    async def _reload_committed(self) -> None:
+        folder = checkpoints.step_folder(self.folder, self.step)
+        if folder is not None:
+            await self.host.call(self.engine.load_adapter, self.slot, self.spec.lora, folder, optimizer=True)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "project": self.spec.project,
+            "base_model": self.spec.base_model,
+            "lora": self.spec.lora.model_dump(),
+            "step": self.step,
+            "served_as": self.served_as,
+            "temperature": self.temperature,
+            "training": self.lock.writing,
+            "checkpoints": checkpoints.committed_steps(self.folder),
+            "history": self.history,
+        }
+
+    async def close(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+
+
+def _history_record(step: int, job_id: str, stats: dict[str, Any], steps: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    record = {k: v for k, v in stats.items() if k != "skipped_groups"}
+    record.update(step=step, job_id=job_id, time=time.time(), seconds=seconds, gradient_steps=len(steps))
+    for key in ("loss", "grad_norm", "clip_fraction", "mean_ratio", "kl"):
+        values = [s[key] for s in steps if key in s]
+        if values:
+            record[key] = sum(values) / len(values)
+    return record
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a chat request goes: a host, the batching key, and the model (None for a bare base model)."""
+
+    host: EngineHost
+    key: tuple[str, str | None, int | None]  # (base model, model name, step)
+    model: ServedModel | None
+
+
+class Registry:
+    def __init__(self, root: Path, engine: str = "cpu", factory: Callable[[str], Engine] | None = None):
+        self.root = root
+        self.engine_kind = engine
+        self.factory = factory or default_engine_factory(engine)
+        self.hosts: dict[str, EngineHost] = {}
+        self.models: dict[str, ServedModel] = {}
+        self.ready = False
+        self.started_at = time.time()
+        self._register_lock = asyncio.Lock()
+
+    async def _host(self, base_model: str) -> EngineHost:
+        host = self.hosts.get(base_model)
+        if host is None:
+            host = EngineHost(base_model, self.factory)
+            await host.load()  # raises ModelNotFound
+            host.batcher = Batcher(partial(self._run_batch, host))
+            self.hosts[base_model] = host
+        return host
+
+    async def restore(self) -> None:
+        """Register again every model an earlier server kept under `root` (they resume where they were)."""
+        try:
+            for spec_path in sorted(self.root.glob("*/*/model.json")):
+                try:
+                    spec = RegisterRequest.model_validate_json(spec_path.read_text())
+                    await self.register(spec)
+                except Exception:
+                    log.exception("could not restore the model in %s", spec_path.parent)
+        finally:
+            self.ready = True
+
+    async def register(self, spec: RegisterRequest) -> dict[str, Any]:
+        from artcloud.server.engines.loading import ModelNotFound
+
+        async with self._register_lock:
+            current = self.models.get(spec.name)
+            if current is not None:
+                if current.spec != spec:
+                    raise ApiError(
+                        409, "model_conflict",
+                        f"a model named {spec.name!r} is already registered with project "
+                        f"{current.spec.project!r}, base model {current.spec.base_model!r} and its LoRA "
+                        "settings; register it with the same settings, or pick another name",
+                        "name",
+                    )
+                return {**current.info(), "resumed": True}
+            folder = self.root / spec.project / spec.name
+            spec_path = folder / "model.json"
+            if spec_path.exists():
+                saved = RegisterRequest.model_validate_json(spec_path.read_text())
+                if saved != spec:
+                    field = "base_model" if saved.base_model != spec.base_model else "lora"
+                    raise ApiError(
+                        409, "model_conflict",
+                        f"{spec.project}/{spec.name} already exists with base model {saved.base_model!r} "
+                        f"and lora {saved.lora.model_dump()}; register it the same way, or pick another name",
+                        field,
+                    )
+            try:
+                host = await self._host(spec.base_model)
+            except ModelNotFound as e:
+                raise ApiError(400, "base_model_not_found", str(e), "base_model") from e
+            folder.mkdir(parents=True, exist_ok=True)
+            checkpoints.write_json_atomic(spec_path, spec.model_dump(mode="json"))
+            model = ServedModel(spec, folder, host, slot=f"adapter{len(self.models) + 1}")
+            resumed = await model.load()
+            self.models[spec.name] = model
+            log.info("%s %s at step %d", "resumed" if resumed else "registered", spec.name, model.step)
+            return {**model.info(), "resumed": resumed}
+
+    def _check_ready(self) -> None:
+        if not self.ready:
+            raise ApiError(503, "not_ready", "the server is still loading its models; retry in a few seconds (GET /health says ready)")
+
+    def get(self, name: str) -> ServedModel:
+        self._check_ready()
+        model = self.models.get(name)
+        if model is None:
+            raise ApiError(404, "model_not_found", f"no model named {name!r} is registered here; registered: {sorted(self.models)}", "name")
+        return model
+
+    def resolve(self, requested: str) -> Target:
+        """`NAME`, `NAME@STEP` or a loaded base model's id."""
+        self._check_ready()
+        name, _, step_text = requested.rpartition("@") if "@" in requested else (requested, "", "")
+        model = self.models.get(name)
+        if model is not None:
+            step = None
+            if step_text:
+                if not step_text.isdigit():
+                    raise ApiError(400, "invalid_model", f"{requested!r}: the part after @ must be a step number", "model")
+                step = int(step_text)
+            return Target(model.host, (model.host.base_model, name, step), model)
+        host = self.hosts.get(requested)
+        if host is not None:
+            return Target(host, (requested, None, None), None)
+        served = sorted(self.models) + sorted(self.hosts)
+        raise ApiError(404, "model_not_found", f"no model {requested!r} is served here; served: {served}", "model")
+
+    async def _run_batch(self, host: EngineHost, key: tuple[str, str | None, int | None], requests: list[GenerationRequest]) -> tuple[list[list[Completion]], str]:
+        _, name, step = key
+        if name is None:
+            return await host.call(host.engine.generate, None, requests), host.base_model
+        model = self.models[name]
+        async with model.lock.read():
+            slot, served_step = await model.slot_for(step)
+            results = await host.call(host.engine.generate, slot, requests)
+        return results, f"{name}@{served_step}"
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "models": [
+                {"name": m.name, "project": m.spec.project, "base_model": m.spec.base_model, "step": m.step, "training": m.lock.writing}
+                for m in self.models.values()
+            ],
+            "engines": [{"base_model": h.base_model, "kind": self.engine_kind, "batches": h.batcher.batches if h.batcher else 0} for h in self.hosts.values()],
+        }
+
+    async def close(self) -> None:
+        for model in self.models.values():
+            await model.close()
+        for host in self.hosts.values():
+            if host.batcher is not None:
+                await host.batcher.stop()
+            host.close()

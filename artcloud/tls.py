@@ -1,0 +1,150 @@
+"""Per-launch TLS: a fresh CA, a server certificate signed by it, and a bearer token.
+
+The launcher (laptop) makes these for every launch; the server gets the certificate, key and token; the
+client trusts that CA alone. `cryptography` is imported inside the functions to keep `import artcloud` light.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import ipaddress
+import os
+import secrets
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class LaunchSecrets:
+    """PEM strings and the token for one launch. Never printed: the repr hides everything secret."""
+
+    ca_cert: str
+    server_cert: str
+    server_key: str = field(repr=False)
+    token: str = field(repr=False)
+
+    def write(self, folder: Path) -> "SecretPaths":
+        """Write the four files into `folder` (created 0700); key and token are 0600."""
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        paths = SecretPaths(
+            ca_cert=folder / "ca.pem",
+            server_cert=folder / "server.pem",
+            server_key=folder / "server.key",
+            token=folder / "token",
+        )
+        for path, text, mode in (
+            (paths.ca_cert, self.ca_cert, 0o644),
+            (paths.server_cert, self.server_cert, 0o644),
+            (paths.server_key, self.server_key, 0o600),
+            (paths.token, self.token, 0o600),
+        ):
+            _write_private(path, text, mode)
+        return paths
+
+
+@dataclass(frozen=True)
+class SecretPaths:
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+    token: Path
+
+
+def _write_private(path: Path, text: str, mode: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def make_launch_secrets(hosts: list[str] | None = None, days: int = 30) -> LaunchSecrets:
+    """A new CA and a server certificate for `hosts` (DNS names or IPs; loopback is always included)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = _dt.datetime.now(_dt.timezone.utc)
+    start, end = now - _dt.timedelta(minutes=5), now + _dt.timedelta(days=days)
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "artcloud launch CA")])
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                key_encipherment=False, data_encipherment=False, key_agreement=False,
+                encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+    names: list[x509.GeneralName] = []
+    for host in ["localhost", "127.0.0.1", "::1", *(hosts or [])]:
+        try:
+            entry: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
+        except ValueError:
+            entry = x509.DNSName(host)
+        if entry not in names:
+            names.append(entry)
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "artcloud server")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    pem = serialization.Encoding.PEM
+    return LaunchSecrets(
+        ca_cert=ca_cert.public_bytes(pem).decode(),
+        server_cert=cert.public_bytes(pem).decode(),
+        server_key=key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ).decode(),
+        token=new_token(),
+    )
+
+
+def client_ssl_context(ca_cert: str | Path) -> ssl.SSLContext:
+    """An SSL context that trusts `ca_cert` (PEM text or a path) and nothing else."""
+    # A bare PROTOCOL_TLS_CLIENT context starts with an empty trust store (create_default_context
+    # would add the system CAs): only the launch's CA can vouch for the server.
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.check_hostname = True
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    text = str(ca_cert)
+    if "-----BEGIN CERTIFICATE-----" in text:
+        ctx.load_verify_locations(cadata=text)
+    else:
+        ctx.load_verify_locations(cafile=text)
+    return ctx

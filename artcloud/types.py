@@ -1,0 +1,91 @@
+"""The types a user touches: trajectories, groups, and the knobs of training.
+
+These are plain pydantic models, shared by the laptop SDK and the server; nothing heavy is imported here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(BaseModel):
+    """The LoRA adapter that training updates. Fixed at registration: a model keeps its adapter shape."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(8, ge=1, le=512)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1)
+
+
+class TrainConfig(BaseModel):
+    """How one training step turns trajectory groups into an adapter update.
+
+    One `train` call is one step (the served name moves from NAME@STEP to NAME@STEP+1); it may take
+    several gradient steps (`gradient_steps` minibatches over the groups), each reported as an event.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float = Field(5e-5, gt=0.0, le=1.0)
+    loss: Literal["ppo", "cispo"] = "ppo"
+    clip_epsilon: float = Field(0.2, gt=0.0, le=10.0)
+    # Upper clip bound (DAPO's "clip higher"); None means the same as clip_epsilon.
+    clip_epsilon_high: float | None = Field(None, gt=0.0, le=10.0)
+    # k3 estimator of KL(policy || base model); 0 skips the reference forward pass entirely.
+    kl_coef: float = Field(0.0, ge=0.0)
+    max_grad_norm: float | None = Field(1.0, gt=0.0)
+    gradient_steps: int = Field(1, ge=1, le=64)
+    weight_decay: float = Field(0.0, ge=0.0)
+    # Divide advantages by the group's reward std (GRPO); False keeps only the mean baseline (Dr. GRPO).
+    scale_rewards: bool = True
+
+
+class Trajectory(BaseModel):
+    """One rollout: the conversation, with the policy's own turns kept as OpenAI `Choice`s (token ids, logprobs).
+
+    `messages_and_choices` mixes plain message dicts (context: system, user, tool results) with the
+    `Choice` objects (or their dicts) that the server returned; only the choices are trained on.
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    messages_and_choices: list[Any] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    reward: float = 0.0
+    metrics: dict[str, float] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    logs: list[str] = Field(default_factory=list)
+
+    @field_validator("reward")
+    @classmethod
+    def _finite_reward(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("reward must be a finite number, not NaN or infinity")
+        return v
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON the server's training route takes (Choice objects become plain dicts)."""
+        items = []
+        for item in self.messages_and_choices:
+            if hasattr(item, "model_dump"):
+                item = item.model_dump(mode="json", exclude_none=True)
+            items.append(item)
+        return {"messages_and_choices": items, "tools": self.tools, "reward": self.reward}
+
+
+class TrajectoryGroup(BaseModel):
+    """Trajectories that answer the same prompt; GRPO compares them with each other."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trajectories: list[Trajectory] = Field(min_length=1)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"trajectories": [t.to_wire() for t in self.trajectories]}

@@ -1,0 +1,50 @@
+"""Small helpers the tests share: rollouts through the server, and trajectory groups built from them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+
+def chat(client: httpx.Client, model: str, content: str = "Say something.", **kw: Any) -> dict[str, Any]:
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 8, "logprobs": True, **kw}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def group_from(response: dict[str, Any], prompt: str, rewards: list[float]) -> dict[str, Any]:
+    """A trajectory group: the user prompt, then each sampled choice as returned, with a reward."""
+    trajectories = []
+    for choice, reward in zip(response["choices"], rewards):
+        trajectories.append({
+            "messages_and_choices": [{"role": "user", "content": prompt}, choice],
+            "reward": reward,
+        })
+    return {"trajectories": trajectories}
+
+
+def rollout_groups(client: httpx.Client, model: str, prompts: list[str], n: int = 4, max_tokens: int = 8) -> list[dict[str, Any]]:
+    groups = []
+    for prompt in prompts:
+        resp = chat(client, model, prompt, n=n, max_tokens=max_tokens)
+        rewards = [len(c["token_ids"]) % 3 / 2 + i * 0.01 for i, c in enumerate(resp["choices"])]
+        groups.append(group_from(resp, prompt, rewards))
+    return groups
+
+
+def events(client: httpx.Client, job_id: str, after: int = 0, follow: bool = True) -> list[dict[str, Any]]:
+    with client.stream("GET", f"/artcloud/jobs/{job_id}/events", params={"after": after, "follow": follow}) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line) for line in r.iter_lines() if line.strip()]
+
+
+def train(client: httpx.Client, model: str, groups: list[dict[str, Any]], **config: Any) -> list[dict[str, Any]]:
+    """Post a job and follow it to its end; returns its events."""
+    r = client.post(f"/artcloud/models/{model}/train", json={"groups": groups, "config": config})
+    assert r.status_code == 202, r.text
+    evs = events(client, r.json()["job_id"])
+    assert evs[-1]["type"] == "end", evs[-1]
+    return evs
