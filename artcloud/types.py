@@ -22,6 +22,8 @@ class LoraConfig(BaseModel):
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1)
+    # Seed of the adapter's random init (LoRA A; B starts at 0): the same settings give the same adapter.
+    init_seed: int = 0
 
 
 class TrainConfig(BaseModel):

@@ -39,13 +39,14 @@ class Server:
     def start(self, timeout: float = 120.0) -> "Server":
         self.path.mkdir(parents=True, exist_ok=True)
         out = open(self.log, "ab")
+        offset = self.log.stat().st_size  # a restart appends to the same log: read only what is new
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "artcloud", "serve", "--path", str(self.path), "--port", "0", *self.args],
             stdout=out, stderr=subprocess.STDOUT, env=self.env,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            text = self.log.read_text(errors="replace")
+            text = self.log.read_bytes()[offset:].decode(errors="replace")
             m = re.findall(r"serving on (https://\S+)", text)
             if m:
                 self.url = m[-1]

@@ -35,10 +35,12 @@ def test_every_other_route_needs_the_token(tiny_server, path):
     assert missing.headers["www-authenticate"] == "Bearer"
 
 
-def test_plain_http_is_not_served(tiny_server):
+def test_plain_http_gets_a_readable_400(tiny_server):
     plain = tiny_server.url.replace("https://", "http://")
-    with pytest.raises(httpx.TransportError):
-        httpx.get(plain + "/health", timeout=5)
+    r = httpx.get(plain + "/v1/models", timeout=5)
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "https_required"
+    assert tiny_server.url in r.json()["error"]["message"]
 
 
 def test_only_the_launch_ca_is_trusted(tiny_server):

@@ -156,6 +156,22 @@ def clean_partial(model_dir: Path) -> list[str]:
     return removed
 
 
+def set_aside_after(model_dir: Path, step: int) -> list[str]:
+    """Move every STEP folder newer than `step` (a broken or unverifiable checkpoint) out of the way,
+    to `.invalid-STEP-xxxx`, so the next commit can use its number; nothing is deleted."""
+    root = checkpoints_dir(model_dir)
+    moved = []
+    if root.is_dir():
+        for entry in root.iterdir():
+            if entry.name.isdigit() and int(entry.name) > step:
+                target = root / f".invalid-{entry.name}-{uuid.uuid4().hex[:8]}"
+                os.rename(entry, target)
+                moved.append(target.name)
+    if moved:
+        log.warning("set aside checkpoints newer than step %d that did not verify: %s", step, ", ".join(moved))
+    return moved
+
+
 def step_folder(model_dir: Path, step: int) -> Path | None:
     folder = checkpoints_dir(model_dir) / str(step)
     return folder if (folder / MANIFEST).is_file() else None

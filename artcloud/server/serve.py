@@ -101,11 +101,34 @@ def tls_setup(path: Path, host: str, cert: str | None, key: str | None, token: s
         if token is None:
             raise ServeError(f"a launcher-made certificate needs its token too: pass --token-file or set {ENV_TOKEN}")
         return TLSFiles(_pem_or_path(cert, "--tls-cert", tls_dir, "server.pem"), _pem_or_path(key, "--tls-key", tls_dir, "server.key"), None, token, None)
+    reused = _reuse_own(tls_dir, token)
+    if reused is not None:
+        return reused
     made: LaunchSecrets = make_launch_secrets(hosts=[host] if host not in ("0.0.0.0", "::") else [socket.gethostname()])
     if token is not None:
         made = LaunchSecrets(made.ca_cert, made.server_cert, made.server_key, token)
     paths = made.write(tls_dir)
     return TLSFiles(paths.server_cert, paths.server_key, paths.ca_cert, made.token, paths.token)
+
+
+def _reuse_own(tls_dir: Path, token: str | None) -> TLSFiles | None:
+    """A restarted `artcloud serve --path P` keeps the CA and token it made before, while the
+    certificate has more than a day left, so clients that trust it keep working."""
+    import datetime as dt
+
+    from cryptography import x509
+
+    names = ("ca.pem", "server.pem", "server.key", "token")
+    if token is not None or not all((tls_dir / n).is_file() for n in names):
+        return None
+    try:
+        cert = x509.load_pem_x509_certificate((tls_dir / "server.pem").read_bytes())
+    except ValueError:
+        return None
+    if cert.not_valid_after_utc < dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=1):
+        return None
+    saved = (tls_dir / "token").read_text().strip()
+    return TLSFiles(tls_dir / "server.pem", tls_dir / "server.key", tls_dir / "ca.pem", saved, tls_dir / "token")
 
 
 def run(
@@ -125,6 +148,7 @@ def run(
 
     from artcloud.server.app import create_app
     from artcloud.server.state import Registry
+    from artcloud.server.tls_only import server_context, wrap_uvicorn_protocol
 
     path = check_path(path)
     tls = tls_setup(path, host, tls_cert, tls_key, token, token_file)
@@ -140,13 +164,16 @@ def run(
 
     registry = Registry(path, engine=engine)
     app = create_app(registry, tls.token)
+    context = server_context(str(tls.cert), str(tls.key))  # a bad cert/key pair fails here, before serving
+    # TLS is done by TLSOnlyProtocol (so plain HTTP gets a readable 400), on asyncio's own loop.
     config = uvicorn.Config(
         app,
-        ssl_certfile=str(tls.cert),
-        ssl_keyfile=str(tls.key),
+        loop="asyncio",
         log_level=log_level,
         timeout_graceful_shutdown=10,
         timeout_keep_alive=30,
     )
+    config.load()
+    wrap_uvicorn_protocol(config, context, hint=url)
     server = uvicorn.Server(config)
     server.run(sockets=[sock])

@@ -92,6 +92,7 @@ class ServedModel:
         """Resume from the newest complete checkpoint, or start step 0. Returns True if it resumed."""
         checkpoints.clean_partial(self.folder)
         found = await self.host.call(checkpoints.latest_valid, self.folder)
+        checkpoints.set_aside_after(self.folder, found[0] if found else -1)
         if found is None:
             await self.host.call(self.engine.create_adapter, self.slot, self.spec.lora)
             await self._commit(0)

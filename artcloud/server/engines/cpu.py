@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +64,13 @@ class CPUEngine(Engine):
             task_type="CAUSAL_LM",
         )
         cfg.base_model_name_or_path = self.base_model
-        if self.peft is None:
-            self.peft = get_peft_model(self.model, cfg, adapter_name=slot)
-        else:
-            self.peft.add_adapter(slot, cfg)
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            torch.manual_seed(lora.init_seed)
+            warnings.simplefilter("ignore", UserWarning)  # peft's notes about renamed base paths
+            if self.peft is None:
+                self.peft = get_peft_model(self.model, cfg, adapter_name=slot)
+            else:
+                self.peft.add_adapter(slot, cfg)
         self.loras[slot] = lora
         self.optimizers.pop(slot, None)
 

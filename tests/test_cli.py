@@ -1,0 +1,78 @@
+"""`artcloud serve` started wrongly: one readable line on stderr, exit status 2, nothing half-done."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import httpx
+
+from artcloud.tls import client_ssl_context, make_launch_secrets
+from conftest import Server
+
+
+def serve(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "artcloud", "serve", *args],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+    )
+
+
+def one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("artcloud: error:"), result.stderr
+    for w in words:
+        assert w in lines[0]
+
+
+def test_port_in_use(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        one_line_error(serve("--path", str(tmp_path / "d"), "--port", str(port)), "already in use", "--port")
+
+
+def test_path_not_writable(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    one_line_error(serve("--path", str(blocker / "data"), "--port", "0"), "not writable", str(blocker))
+
+
+def test_half_a_certificate_pair(tmp_path):
+    one_line_error(serve("--path", str(tmp_path), "--port", "0", "--tls-cert", "/nonexistent.pem"), "--tls-key")
+
+
+def test_short_token_is_refused(tmp_path):
+    one_line_error(serve("--path", str(tmp_path), "--port", "0", env={"ARTCLOUD_TOKEN": "short"}), "16 characters")
+
+
+def test_help_teaches():
+    out = subprocess.run([sys.executable, "-m", "artcloud", "serve", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for word in ("--path", "--port", "Bearer", "HTTPS"):
+        assert word in out.stdout
+
+
+def test_launcher_supplied_certificate_and_token(tmp_path):
+    """The launcher's way: cert, key and token in the environment; the server makes no CA of its own."""
+    secrets = make_launch_secrets()
+    env = {"ARTCLOUD_TLS_CERT": secrets.server_cert, "ARTCLOUD_TLS_KEY": secrets.server_key, "ARTCLOUD_TOKEN": secrets.token}
+    server = Server(tmp_path / "data", env=env)
+    server.path.mkdir(parents=True)
+    (server.path / ".tls").mkdir()
+    (server.path / ".tls" / "ca.pem").write_text(secrets.ca_cert)  # what the client trusts (the server never sees the CA key)
+    try:
+        server.start()
+        headers = {"Authorization": f"Bearer {secrets.token}"}
+        with httpx.Client(base_url=server.url, verify=client_ssl_context(secrets.ca_cert), headers=headers) as c:
+            assert c.get("/v1/models").status_code == 200
+        assert not (server.path / ".tls" / "token").exists()
+        log = server.log.read_text()
+        assert secrets.token not in log and "PRIVATE KEY" not in log
+        assert oct((server.path / ".tls" / "server.key").stat().st_mode & 0o777) == "0o600"
+    finally:
+        server.stop()
