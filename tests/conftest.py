@@ -37,6 +37,13 @@ class Server:
         self.log = path.parent / f"{path.name}.server.log"
 
     def start(self, timeout: float = 120.0) -> "Server":
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _start(self, timeout: float) -> "Server":
         self.path.mkdir(parents=True, exist_ok=True)
         out = open(self.log, "ab")
         offset = self.log.stat().st_size  # a restart appends to the same log: read only what is new
@@ -111,9 +118,9 @@ def start_server(tmp_path):
     servers: list[Server] = []
 
     def start(path: Path | None = None, *args: str, **kw) -> Server:
-        server = Server(path or tmp_path / f"srv{len(servers)}", *args, **kw).start()
-        servers.append(server)
-        return server
+        server = Server(path or tmp_path / f"srv{len(servers)}", *args, **kw)
+        servers.append(server)  # before start(): a server that fails to come up is still stopped
+        return server.start()
 
     yield start
     for s in servers:
@@ -123,12 +130,15 @@ def start_server(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory):
     """One server per test module, with `agent` registered on artcloud/tiny-random."""
-    server = Server(tmp_path_factory.mktemp("tiny") / "data").start()
-    with server.client() as c:
-        r = c.post("/artcloud/models", json={"name": "agent", "project": "tests", "base_model": TINY})
-        assert r.status_code == 200, r.text
-    yield server
-    server.stop()
+    server = Server(tmp_path_factory.mktemp("tiny") / "data")
+    try:
+        server.start()
+        with server.client() as c:
+            r = c.post("/artcloud/models", json={"name": "agent", "project": "tests", "base_model": TINY})
+            assert r.status_code == 200, r.text
+        yield server
+    finally:
+        server.stop()
 
 
 def free_port() -> int:
