@@ -16,6 +16,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -64,6 +65,8 @@ def main() -> None:
     rng = random.Random(args.seed)
 
     path = Path(tempfile.mkdtemp(prefix="artcloud-http-grpo-"))
+    # SIGTERM unwinds like Ctrl-C, so the `finally` below always stops the server.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     proc, url = start_server(path)
     try:
         token = (path / ".tls" / "token").read_text().strip()
