@@ -102,11 +102,10 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """(content without the tool-call blocks, OpenAI tool_calls) from a completion's text."""
     calls = []
     for raw in _TOOL_CALL.findall(text):
-        try:
-            obj = json.loads(raw)
-            name = obj["name"]
-        except (ValueError, KeyError, TypeError):
+        if not _is_call(raw):
             continue  # not a valid call: leave it in the content for the caller to see
+        obj = json.loads(raw)
+        name = obj["name"]
         args = obj.get("arguments", {})
         calls.append({
             "id": "call_" + uuid.uuid4().hex[:24],
@@ -121,9 +120,10 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
 
 def _is_call(raw: str) -> bool:
     try:
-        return "name" in json.loads(raw)
-    except (ValueError, TypeError):
+        obj = json.loads(raw)
+    except ValueError:
         return False
+    return isinstance(obj, dict) and isinstance(obj.get("name"), str) and bool(obj["name"])
 
 
 def completion_response(

@@ -15,9 +15,9 @@ import torch
 def group_advantages(rewards: list[float], *, scale: bool = True, eps: float = 1e-6) -> list[float] | None:
     """(r - mean) / std within one group; None when every reward is equal (nothing to learn from)."""
     n = len(rewards)
-    mean = sum(rewards) / n
     if n < 2 or max(rewards) - min(rewards) <= eps:
         return None
+    mean = sum(rewards) / n
     if not scale:
         return [r - mean for r in rewards]
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1))  # unbiased, like torch.std
@@ -78,11 +78,12 @@ def policy_loss(
         d = ref_lp - new_lp
         kl = torch.exp(d) - d - 1.0
         per_token = per_token + kl_coef * kl
-        kl_value = float((kl * mask).sum() / mask.sum().clamp(min=1.0))
+        kl_value = float(torch.where(mask > 0, kl, 0.0).sum() / mask.sum().clamp(min=1.0))
 
     tokens = mask.sum().clamp(min=1.0)
     denom = denominator if denominator is not None else tokens
-    loss = (per_token * mask).sum() / denom
+    # where(), not a product: padding positions may hold inf (exp overflow) and inf * 0 is NaN.
+    loss = torch.where(mask > 0, per_token, 0.0).sum() / denom
     with torch.no_grad():
         clip_fraction = float((clipped.float() * mask).sum() / tokens)
         mean_ratio = float((ratio * mask).sum() / tokens)

@@ -307,10 +307,14 @@ class CPUEngine(Engine):
         from peft import get_peft_model_state_dict
         from safetensors.torch import save_file
 
-        state = get_peft_model_state_dict(self.peft, adapter_name=slot)
+        # save_embedding_layers=False: LoRA never targets embeddings here, and "auto" would look the
+        # base model up on the hub at every save.
+        state = get_peft_model_state_dict(self.peft, adapter_name=slot, save_embedding_layers=False)
         save_file({k: v.detach().contiguous() for k, v in state.items()}, folder / "adapter_model.safetensors")
         cfg = self.peft.peft_config[slot].to_dict()
         cfg["base_model_name_or_path"] = self.base_model
+        # peft keeps target_modules as a set; written as a string it would become a regex matching nothing.
+        cfg = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in cfg.items()}
         (folder / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
         files = ["adapter_config.json", "adapter_model.safetensors"]
         if optimizer:

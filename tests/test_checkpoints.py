@@ -1,0 +1,209 @@
+"""Checkpoint folders: atomic commit, manifest verification, skipping broken checkpoints, cleanup."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from artcloud.server import checkpoints as ck
+
+
+def _writer(payload: dict[str, bytes]):
+    def write_files(folder: Path) -> list[str]:
+        for name, data in payload.items():
+            (folder / name).write_bytes(data)
+        return list(payload)
+
+    return write_files
+
+
+FILES = {
+    "adapter_model.safetensors": bytes(range(256)) * 40,
+    "adapter_config.json": b'{"r": 8}',
+    "optimizer.pt": b"\x00\x01optimizer-state" * 100,
+}
+
+
+def _commit(model_dir: Path, step: int, files: dict[str, bytes] = FILES, state: dict | None = None) -> Path:
+    return ck.commit(model_dir, step, _writer(files), state or {"history": [step]})
+
+
+def _leftovers(model_dir: Path) -> list[str]:
+    return sorted(p.name for p in ck.checkpoints_dir(model_dir).iterdir())
+
+
+def test_commit_writes_files_state_and_manifest(tmp_path):
+    folder = _commit(tmp_path, 3, state={"rng": [1, 2, 3], "step": 999})
+    assert folder == tmp_path / "checkpoints" / "3"
+    assert folder.is_dir()
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*FILES, ck.TRAINER_STATE, ck.MANIFEST])
+
+    state = ck.read_trainer_state(folder)
+    assert state == {"rng": [1, 2, 3], "step": 3}  # the committed step wins
+
+    manifest = json.loads((folder / ck.MANIFEST).read_text())
+    assert manifest["format"] == ck.FORMAT
+    assert manifest["step"] == 3
+    assert set(manifest["files"]) == {*FILES, ck.TRAINER_STATE}  # everything but the manifest itself
+    for name, meta in manifest["files"].items():
+        data = (folder / name).read_bytes()
+        assert meta["size"] == len(data)
+        assert meta["sha256"] == hashlib.sha256(data).hexdigest()
+    for name, data in FILES.items():
+        assert (folder / name).read_bytes() == data
+
+    assert ck.verify(folder)["step"] == 3
+    assert ck.committed_steps(tmp_path) == [3]
+    assert ck.step_folder(tmp_path, 3) == folder
+    assert ck.step_folder(tmp_path, 4) is None
+    assert ck.latest_valid(tmp_path) == (3, folder)
+    assert _leftovers(tmp_path) == ["3"]  # no temporary folder left behind
+
+
+def test_folder_appears_only_after_commit(tmp_path):
+    seen = {}
+
+    def write_files(folder: Path) -> list[str]:
+        # While the engine writes, the step folder does not exist yet; only a temporary one does.
+        seen["during"] = _leftovers(tmp_path)
+        seen["tmp_name"] = folder.name
+        (folder / "a.bin").write_bytes(b"x")
+        return ["a.bin"]
+
+    ck.commit(tmp_path, 1, write_files, {})
+    assert "1" not in seen["during"]
+    assert seen["tmp_name"].startswith(".tmp-")
+    assert seen["during"] == [seen["tmp_name"]]
+    assert _leftovers(tmp_path) == ["1"]
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("disk full"), KeyboardInterrupt()])
+def test_crash_while_writing_leaves_nothing(tmp_path, exc):
+    def write_files(folder: Path) -> list[str]:
+        (folder / "adapter_model.safetensors").write_bytes(b"half")
+        raise exc
+
+    with pytest.raises(type(exc)):
+        ck.commit(tmp_path, 5, write_files, {})
+    assert not (tmp_path / "checkpoints" / "5").exists()
+    assert _leftovers(tmp_path) == []
+    assert ck.committed_steps(tmp_path) == []
+    assert ck.latest_valid(tmp_path) is None
+
+
+def test_listed_file_missing_fails_commit_cleanly(tmp_path):
+    def write_files(folder: Path) -> list[str]:
+        (folder / "a.bin").write_bytes(b"x")
+        return ["a.bin", "never-written.bin"]
+
+    with pytest.raises(OSError):
+        ck.commit(tmp_path, 2, write_files, {})
+    assert _leftovers(tmp_path) == []
+
+
+def test_commit_existing_step_raises(tmp_path):
+    folder = _commit(tmp_path, 4)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    called = []
+
+    def write_files(f: Path) -> list[str]:
+        called.append(f)
+        return []
+
+    with pytest.raises(FileExistsError):
+        ck.commit(tmp_path, 4, write_files, {})
+    assert not called
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert _leftovers(tmp_path) == ["4"]
+
+
+def _flip_byte(path: Path, at: int = 10) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_verify_detects_corruption(tmp_path):
+    folder = _commit(tmp_path, 1)
+    _flip_byte(folder / "adapter_model.safetensors")
+    with pytest.raises(ck.CorruptCheckpoint, match="sha256"):
+        ck.verify(folder)
+    # same size: only the hash catches it
+    assert ck.verify(folder, hashes=False)["step"] == 1
+
+    folder2 = _commit(tmp_path, 2)
+    p = folder2 / "optimizer.pt"
+    p.write_bytes(p.read_bytes()[:-7])
+    with pytest.raises(ck.CorruptCheckpoint, match="size"):
+        ck.verify(folder2, hashes=False)
+
+    folder3 = _commit(tmp_path, 3)
+    (folder3 / "adapter_config.json").unlink()
+    with pytest.raises(ck.CorruptCheckpoint, match="missing"):
+        ck.verify(folder3)
+
+    folder4 = _commit(tmp_path, 4)
+    (folder4 / ck.MANIFEST).write_text("{not json")
+    with pytest.raises(ck.CorruptCheckpoint):
+        ck.verify(folder4)
+
+    folder5 = _commit(tmp_path, 5)
+    m = json.loads((folder5 / ck.MANIFEST).read_text())
+    m["format"] = 99
+    (folder5 / ck.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ck.CorruptCheckpoint, match="format"):
+        ck.verify(folder5)
+
+
+def test_latest_valid_skips_broken_newer_checkpoints(tmp_path):
+    good = _commit(tmp_path, 1)
+    _commit(tmp_path, 2)
+    bad_hash = _commit(tmp_path, 3)
+    truncated = _commit(tmp_path, 4)
+    _flip_byte(bad_hash / "adapter_model.safetensors", at=100)
+    p = truncated / "adapter_model.safetensors"
+    p.write_bytes(p.read_bytes()[:1000])
+    # a newer folder without manifest (a copy that never finished): not a checkpoint at all
+    no_manifest = tmp_path / "checkpoints" / "5"
+    no_manifest.mkdir()
+    for name, data in FILES.items():
+        (no_manifest / name).write_bytes(data)
+
+    assert ck.committed_steps(tmp_path) == [1, 2, 3, 4]
+    assert ck.step_folder(tmp_path, 5) is None
+    assert ck.latest_valid(tmp_path) == (2, tmp_path / "checkpoints" / "2")
+
+    (tmp_path / "checkpoints" / "2" / ck.TRAINER_STATE).write_text('{"step": 2, "evil": true}')
+    assert ck.latest_valid(tmp_path) == (1, good)
+
+
+def test_clean_partial_removes_tmp_folders_only(tmp_path):
+    _commit(tmp_path, 1)
+    root = ck.checkpoints_dir(tmp_path)
+    for name in (".tmp-2-deadbeef", ".tmp-3-cafebabe"):
+        (root / name).mkdir()
+        (root / name / "adapter_model.safetensors").write_bytes(b"partial")
+    (root / "notes.txt").write_text("keep me")
+
+    removed = ck.clean_partial(tmp_path)
+    assert sorted(removed) == [".tmp-2-deadbeef", ".tmp-3-cafebabe"]
+    assert _leftovers(tmp_path) == ["1", "notes.txt"]
+    assert ck.clean_partial(tmp_path) == []
+    assert ck.latest_valid(tmp_path)[0] == 1
+
+
+def test_empty_model_dir(tmp_path):
+    assert ck.committed_steps(tmp_path) == []
+    assert ck.latest_valid(tmp_path) is None
+    assert ck.clean_partial(tmp_path) == []
+
+
+def test_write_json_atomic(tmp_path):
+    path = tmp_path / "state.json"
+    ck.write_json_atomic(path, {"a": 1})
+    ck.write_json_atomic(path, {"a": 2, "b": [1]})
+    assert json.loads(path.read_text()) == {"a": 2, "b": [1]}
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
