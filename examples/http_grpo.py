@@ -17,7 +17,6 @@ import os
 import random
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,9 +24,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import httpx
-
-from artcloud.tls import client_ssl_context
+from artcloud.backends.process import ServerProcess
 
 TOPICS = ["the sea", "a cat", "winter", "coffee", "the moon", "a library", "rain", "music", "a forest",
           "bread", "trains", "the desert", "a city at night", "friendship", "mountains", "a garden"]
@@ -36,20 +33,6 @@ TOPICS = ["the sea", "a cat", "winter", "coffee", "the moon", "a library", "rain
 def reward(text: str) -> float:
     words = len(re.findall(r"[A-Za-z0-9']+", text))
     return max(0.0, 1.0 - abs(words - 5) / 5)
-
-
-def start_server(path: Path) -> tuple[subprocess.Popen, str]:
-    log = open(path / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "artcloud", "serve", "--path", str(path), "--port", "0", "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    for _ in range(600):
-        m = re.search(r"serving on (https://\S+)", (path / "server.log").read_text(errors="replace"))
-        if m:
-            return proc, m.group(1)
-        if proc.poll() is not None:
-            sys.exit("the server exited:\n" + (path / "server.log").read_text()[-2000:])
-        time.sleep(0.1)
-    sys.exit("the server did not start")
 
 
 def main() -> None:
@@ -64,21 +47,13 @@ def main() -> None:
     args = ap.parse_args()
     rng = random.Random(args.seed)
 
-    path = Path(tempfile.mkdtemp(prefix="artcloud-http-grpo-"))
-    # SIGTERM unwinds like Ctrl-C, so the `finally` below always stops the server.
+    # SIGTERM unwinds like Ctrl-C, so leaving the `with` below always stops the server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    proc, url = start_server(path)
-    try:
-        token = (path / ".tls" / "token").read_text().strip()
-        client = httpx.Client(base_url=url, verify=client_ssl_context(path / ".tls" / "ca.pem"),
-                              headers={"Authorization": f"Bearer {token}"}, timeout=600)
-        while True:
-            try:
-                if client.get("/health").json()["ready"]:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+    server = ServerProcess(Path(tempfile.mkdtemp(prefix="artcloud-http-grpo-")) / "data", log_level="warning")
+    print("starting artcloud serve on this machine ...")
+    with server:
+        url = server.url
+        client = server.client()
         lora = {"rank": 16, "alpha": 32, "init_seed": args.seed}
         r = client.post("/artcloud/models", json={"name": "five-words", "project": "demo", "base_model": args.model, "lora": lora})
         r.raise_for_status()
@@ -110,9 +85,6 @@ def main() -> None:
             print(f"step {step + 1:2d}  mean reward {mean:.2f}  ({last['type']}, {time.time() - t0:4.1f} s)  e.g. {sample!r}")
         first, last3 = sum(curve[:3]) / 3, sum(curve[-3:]) / 3
         print(f"mean reward, first 3 steps {first:.2f} -> last 3 steps {last3:.2f} ({last3 - first:+.2f})")
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 if __name__ == "__main__":

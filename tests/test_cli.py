@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import httpx
+from conftest import Server
 
 from artcloud.tls import client_ssl_context, make_launch_secrets
-from conftest import Server
 
 
 def serve(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:

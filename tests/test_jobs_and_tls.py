@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from artcloud import tls
 from artcloud.protocol import Event
 from artcloud.server.jobs import JobStore, request_hash
-from artcloud import tls
 
 # ------------------------------------------------------------------------------------------ jobs
 

@@ -9,7 +9,6 @@ import threading
 import httpx
 import openai
 import pytest
-
 from helpers import chat, events, group_from, rollout_groups, train
 
 TINY = "artcloud/tiny-random"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from helpers import chat, group_from, train
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-from artcloud.protocol import RegisterRequest, TrainRequest
+from artcloud.protocol import RegisterRequest
 from artcloud.server import checkpoints
 from artcloud.server.batching import Batcher, RWLock
 from artcloud.server.engines.base import Completion, Engine, GenerationRequest, TrainSample

@@ -78,7 +78,7 @@ def policy_loss(
         d = ref_lp - new_lp
         kl = torch.exp(d) - d - 1.0
         per_token = per_token + kl_coef * kl
-        kl_value = float(torch.where(mask > 0, kl, 0.0).sum() / mask.sum().clamp(min=1.0))
+        kl_value = float(torch.where(mask > 0, kl.detach(), 0.0).sum() / mask.sum().clamp(min=1.0))
 
     tokens = mask.sum().clamp(min=1.0)
     denom = denominator if denominator is not None else tokens
