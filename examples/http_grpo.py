@@ -64,7 +64,7 @@ def main() -> None:
             t0 = time.time()
             groups = []
             for topic in rng.sample(TOPICS, args.prompts):
-                messages = [{"role": "user", "content": f"Say something about {topic}."}]
+                messages = [{"role": "user", "content": f"Describe {topic} in exactly five words."}]
                 resp = client.post("/v1/chat/completions", json={
                     "model": "five-words", "messages": messages, "n": args.group, "max_tokens": args.max_tokens,
                     "temperature": 1.0, "logprobs": True, "seed": rng.randrange(1 << 30),
