@@ -4,7 +4,7 @@ Starts a server on this machine (CPU, SmolLM2-135M-Instruct), then loops: sample
 through the OpenAI-compatible route (with logprobs), score them, post them as a training job, follow its
 events. The task: answer in exactly five words (reward 1 - |words - 5| / 5, floored at 0).
 
-    python examples/http_grpo.py [--steps 12] [--seed 0] [--model artcloud/tiny-random]
+    python examples/http_grpo.py [--steps 16] [--seed 0] [--model artcloud/tiny-random]
 
 The client SDK (artcloud.TrainableModel + LocalBackend) wraps exactly these calls.
 """
@@ -38,7 +38,7 @@ def reward(text: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=2, help="prompts per step")
     ap.add_argument("--group", type=int, default=8, help="answers per prompt (GRPO group size)")
     ap.add_argument("--max-tokens", type=int, default=24)
