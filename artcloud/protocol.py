@@ -7,12 +7,11 @@ standard `logprobs.content[i].logprob` (the sampling policy's logprob of each sa
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from artcloud.types import LoraConfig, TrainConfig
+from artcloud.types import FiniteFloat, LoraConfig, TrainConfig
 
 # ---------------------------------------------------------------------------------------------- models
 
@@ -121,14 +120,7 @@ class WireTrajectory(BaseModel):
 
     messages_and_choices: list[Item] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
-    reward: float
-
-    @field_validator("reward")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("reward must be a finite number, not NaN or infinity")
-        return v
+    reward: FiniteFloat
 
 
 class WireGroup(BaseModel):

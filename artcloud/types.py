@@ -6,11 +6,21 @@ These are plain pydantic models, shared by the laptop SDK and the server; nothin
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _finite(v: float) -> float:
+    if not math.isfinite(v):
+        raise ValueError("must be a finite number, not NaN or infinity")
+    return v
+
+
+# JSON from Python may carry NaN and Infinity; a reward never may.
+FiniteFloat = Annotated[float, AfterValidator(_finite)]
 
 
 class LoraConfig(BaseModel):
@@ -60,17 +70,10 @@ class Trajectory(BaseModel):
 
     messages_and_choices: list[Any] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
-    reward: float = 0.0
+    reward: FiniteFloat = 0.0
     metrics: dict[str, float] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
-
-    @field_validator("reward")
-    @classmethod
-    def _finite_reward(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("reward must be a finite number, not NaN or infinity")
-        return v
 
     def to_wire(self) -> dict[str, Any]:
         """The JSON the server's training route takes (Choice objects become plain dicts)."""

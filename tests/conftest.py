@@ -56,6 +56,35 @@ def tiny_server(tmp_path_factory):
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The tiny model's matrices are small: with other processes on the machine, intra-op threads only
+    wait for each other (10x slower). One thread for the module, then back as it was."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_engine_with_adapter(slot: str, scale: float):
+    """A CPUEngine on tiny-random with a LoRA adapter whose A and B are random (so it changes the
+    function and every LoRA parameter gets a gradient)."""
+    import torch
+
+    from artcloud.server.engines.cpu import CPUEngine
+    from artcloud.types import LoraConfig
+
+    engine = CPUEngine(TINY)
+    engine.create_adapter(slot, LoraConfig(rank=4, alpha=8.0))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, p in engine._params(slot):
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return engine
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

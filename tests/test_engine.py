@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_engine_with_adapter
 
 from artcloud.server.engines.base import GenerationRequest, SamplingParams, StopStrings, TrainSample
 from artcloud.train import packing
@@ -14,28 +15,12 @@ TINY = "artcloud/tiny-random"
 LORA = LoraConfig(rank=4, alpha=8.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tiny model's matrices are small: with other processes on the machine, intra-op threads only
-    # wait for each other (10x slower). One thread for this module, then back as it was.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def engine():
-    from artcloud.server.engines.cpu import CPUEngine
-
-    e = CPUEngine(TINY)
-    e.create_adapter("gen", LORA)
-    # A non-zero adapter, so generation through it differs from the base model.
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, p in e._params("gen"):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return e
+    return tiny_engine_with_adapter("gen", scale=0.1)  # non-zero: generation differs from the base model
 
 
 def _prompt(engine, text: str) -> list[int]:

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_engine_with_adapter
 
 from artcloud.server.engines.base import TrainSample
 from artcloud.train import grpo, packing
 from artcloud.train.grpo import group_advantages, policy_loss, token_logprobs
-from artcloud.types import LoraConfig
 
 TINY = "artcloud/tiny-random"
 
@@ -219,28 +219,11 @@ def test_token_logprobs_equals_log_softmax_gather():
 # ------------------------------------------------------------------------------------------ packing
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Small matrices: intra-op threads only wait for each other when the machine is busy.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def lora_model():
-    from artcloud.server.engines.cpu import CPUEngine
-
-    engine = CPUEngine(TINY)
-    engine.create_adapter("pk", LoraConfig(rank=4, alpha=8.0))
+def lora_model(one_torch_thread):
+    engine = tiny_engine_with_adapter("pk", scale=0.05)
     model = engine.peft
     model.set_adapter("pk")
-    # Non-zero B (and A) so the adapter changes the function and every LoRA parameter has a gradient.
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, p in engine._params("pk"):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     return engine, model
 
 
