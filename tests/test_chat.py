@@ -230,3 +230,23 @@ def test_tool_call_roundtrip_through_parse(plain_tok):
     text = plain_tok.decode(render_prompt(plain_tok, history, TOOLS))
     assert "ok\n<tool_call>" in text
     assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text
+
+
+def test_token_bytes_rebuild_multibyte_text(tok):
+    """OpenAI's `bytes` field: the raw bytes of each token, even when a token is half a character."""
+    from artcloud.server.chat import token_bytes
+
+    text = "héllo ☃ Paris"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    pieces = [token_bytes(tok, i) for i in ids]
+    assert bytes(b for piece in pieces for b in piece).decode("utf-8") == text
+
+    def whole(piece: list[int]) -> bool:
+        try:
+            bytes(piece).decode("utf-8")
+            return True
+        except UnicodeDecodeError:
+            return False
+
+    # The tiny vocabulary splits the snowman into byte tokens: some tokens are not text on their own.
+    assert not all(whole(p) for p in pieces)

@@ -11,6 +11,7 @@ are never silently dropped.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -173,9 +174,37 @@ def completion_response(
     return body
 
 
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte <-> printable-character map, inverted (what byte-level BPE vocabularies are written in)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> list[int]:
+    """The raw bytes of one token, as OpenAI's `bytes` field wants them: a token may be part of a
+    multi-byte character, which `decode` alone would turn into U+FFFD."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    table = _byte_level_table()
+    if piece and all(ch in table for ch in piece):
+        return [table[ch] for ch in piece]
+    m = _BYTE_FALLBACK.match(piece or "")
+    if m:  # SentencePiece byte fallback
+        return [int(m.group(1), 16)]
+    return list(tokenizer.decode([token_id]).encode("utf-8"))
+
+
 def _token_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
-    text = tokenizer.decode([token_id])
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"token": tokenizer.decode([token_id]), "logprob": logprob, "bytes": token_bytes(tokenizer, token_id)}
 
 
 def _logprobs(c: Completion, tokenizer: Any) -> dict[str, Any]:
