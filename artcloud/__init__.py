@@ -1,21 +1,50 @@
 """artcloud: train LLM agents with GRPO on LoRA adapters, on GPUs that live only as long as the job.
 
-`import artcloud` stays light: torch, transformers, fastapi, sky, modal and boto3 load only
-when a code path needs them (the server, an engine, a provisioner).
+`import artcloud` stays light: torch, transformers, fastapi, sky, modal and boto3 load only when a code
+path needs them (the server, an engine, a provisioner). Backends and the model classes load on first use.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from artcloud._version import __version__
-from artcloud.types import (
-    LoraConfig,
-    TrainConfig,
-    Trajectory,
-    TrajectoryGroup,
-)
+from artcloud.types import LoraConfig, TrainConfig, Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from artcloud.backends.local import LocalBackend
+    from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone, VersionMismatch
+    from artcloud.gather import GatherError, gather_trajectory_groups
+    from artcloud.model import LinearTemperatureAnnealer, Model, TrainableModel, TrainResult
+
+_LAZY = {
+    "LocalBackend": "artcloud.backends.local",
+    "RemoteBackend": "artcloud.backends.remote",
+    "ArtcloudError": "artcloud.backends.remote",
+    "ServerGone": "artcloud.backends.remote",
+    "VersionMismatch": "artcloud.backends.remote",
+    "gather_trajectory_groups": "artcloud.gather",
+    "GatherError": "artcloud.gather",
+    "Model": "artcloud.model",
+    "TrainableModel": "artcloud.model",
+    "TrainResult": "artcloud.model",
+    "LinearTemperatureAnnealer": "artcloud.model",
+}
 
 __all__ = [
-    "__version__",
-    "LoraConfig",
-    "TrainConfig",
-    "Trajectory",
-    "TrajectoryGroup",
+    "__version__", "LoraConfig", "TrainConfig", "Trajectory", "TrajectoryGroup",
+    "LocalBackend", "RemoteBackend", "ArtcloudError", "ServerGone", "VersionMismatch",
+    "gather_trajectory_groups", "GatherError",
+    "Model", "TrainableModel", "TrainResult", "LinearTemperatureAnnealer",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'artcloud' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

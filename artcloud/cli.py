@@ -42,6 +42,7 @@ def serve(
     token_file: Optional[str] = typer.Option(None, "--token-file", help="File holding the bearer token. Default: $ARTCLOUD_TOKEN, else a new token in PATH/.tls/token."),
     engine: str = typer.Option("cpu", "--engine", help="Model engine: cpu (torch + transformers + peft)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+    parent_pid: Optional[int] = typer.Option(None, "--parent-pid", help="Exit when this process is gone (set by LocalBackend)."),
 ) -> None:
     """Serve OpenAI-compatible inference and GRPO training over HTTPS.
 
@@ -57,7 +58,7 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         run(host=host, port=port, path=path, tls_cert=tls_cert, tls_key=tls_key, token_file=token_file,
-            engine=engine, log_level=log_level)
+            engine=engine, log_level=log_level, parent_pid=parent_pid)
     except ServeError as e:
         raise CLIError(str(e)) from e
     except ssl.SSLError as e:

@@ -5,10 +5,11 @@ These are plain pydantic models, shared by the laptop SDK and the server; nothin
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Awaitable, Iterable, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr
 
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -86,11 +87,41 @@ class Trajectory(BaseModel):
 
 
 class TrajectoryGroup(BaseModel):
-    """Trajectories that answer the same prompt; GRPO compares them with each other."""
+    """Trajectories that answer the same prompt; GRPO compares them with each other.
+
+    Built from trajectories, or from awaitables that produce them (`TrajectoryGroup(rollout(s) for _ in
+    range(8))`), which `gather_trajectory_groups` (or `await group.resolve()`) runs concurrently.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    trajectories: list[Trajectory] = Field(min_length=1)
+    trajectories: list[Trajectory] = Field(default_factory=list)
+    _pending: list[Any] = PrivateAttr(default_factory=list)
+
+    def __init__(self, trajectories: Iterable[Trajectory | Awaitable[Trajectory]] | None = None, /, **data: Any):
+        pending: list[Any] = []
+        if trajectories is not None:
+            ready = []
+            for item in trajectories:
+                (pending if inspect.isawaitable(item) else ready).append(item)
+            data["trajectories"] = ready
+        super().__init__(**data)
+        self._pending = pending
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def resolve(self) -> "TrajectoryGroup":
+        """Await the pending rollouts (concurrently); an exception in one is raised."""
+        if self._pending:
+            import asyncio  # here, not at the top: asyncio is a third of `import artcloud` otherwise
+
+            pending, self._pending = self._pending, []
+            self.trajectories.extend(await asyncio.gather(*pending))
+        return self
 
     def to_wire(self) -> dict[str, Any]:
+        if self._pending:
+            raise RuntimeError("this group still has rollouts to run: use gather_trajectory_groups or await group.resolve()")
         return {"trajectories": [t.to_wire() for t in self.trajectories]}

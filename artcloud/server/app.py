@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -41,11 +42,13 @@ PUBLIC_PATHS = {"/health"}
 
 class TokenAuth:
     """ASGI middleware: `Authorization: Bearer TOKEN` on every path but /health, compared in constant time.
-    It sits in front of routing, so even a 404 is only answered to someone holding the token."""
+    It sits in front of routing, so even a 404 is only answered to someone holding the token.
+    Each authenticated request renews the server's lease (`registry.last_request_at`)."""
 
-    def __init__(self, app: Any, token: str):
+    def __init__(self, app: Any, token: str, registry: Registry):
         self.app = app
         self.expected = f"Bearer {token}".encode()
+        self.registry = registry
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
@@ -65,6 +68,7 @@ class TokenAuth:
                 ApiError(401, code, message).body(), status_code=401, headers={"WWW-Authenticate": "Bearer"}
             )
             return await response(scope, receive, send)
+        self.registry.last_request_at = time.time()
         return await self.app(scope, receive, send)
 
 
@@ -84,7 +88,7 @@ def create_app(registry: Registry, token: str) -> FastAPI:
         redoc_url=None,
         openapi_url=None,  # served below, behind the token
     )
-    app.add_middleware(TokenAuth, token=token)
+    app.add_middleware(TokenAuth, token=token, registry=registry)
     _error_handlers(app)
 
     @app.get("/health")
@@ -153,6 +157,11 @@ def create_app(registry: Registry, token: str) -> FastAPI:
             want_token_ids=req.return_token_ids,
             parse_tools=bool(req.tools),
         )
+
+    @app.post("/artcloud/heartbeat")
+    async def heartbeat() -> dict[str, Any]:
+        """A client's sign of life (any authenticated request counts too): the server's lease."""
+        return {"ok": True, "version": __version__, "last_request_at": registry.last_request_at}
 
     # ------------------------------------------------------------------------------------- models
 

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,6 +145,7 @@ def run(
     token_file: str | None = None,
     engine: str = "cpu",
     log_level: str = "info",
+    parent_pid: int | None = None,
     announce=print,
 ) -> None:
     import uvicorn
@@ -178,4 +180,23 @@ def run(
     config.load()
     wrap_uvicorn_protocol(config, context, hint=url)
     server = uvicorn.Server(config)
+    if parent_pid is not None:
+        _exit_with_parent(server, parent_pid)
     server.run(sockets=[sock])
+
+
+def _exit_with_parent(server, parent_pid: int, every_s: float = 0.5) -> None:
+    """Shut down (gracefully) once the process that started us is gone, however it died: a local
+    server must never outlive its client. Polling works on every OS; LocalBackend also asks Linux
+    for PR_SET_PDEATHSIG."""
+    import threading
+
+    def watch() -> None:
+        while not server.should_exit:
+            if os.getppid() != parent_pid:
+                log.warning("parent process %d is gone: shutting down", parent_pid)
+                server.should_exit = True
+                return
+            time.sleep(every_s)
+
+    threading.Thread(target=watch, name="artcloud-parent-watch", daemon=True).start()

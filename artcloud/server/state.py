@@ -241,6 +241,7 @@ class Registry:
         self.models: dict[str, ServedModel] = {}
         self.ready = False
         self.started_at = time.time()
+        self.last_request_at = time.time()
         self._register_lock = asyncio.Lock()
 
     async def _host(self, base_model: str) -> EngineHost:

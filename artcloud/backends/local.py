@@ -1,0 +1,161 @@
+"""LocalBackend: `artcloud serve` as a child process of this one, on this machine.
+
+A fresh CA, certificate and token per start, handed to the child through its environment (never a file
+the client leaves behind, never a log line). The server goes away with `await backend.down()`, on leaving
+`async with`, at interpreter exit, and, because the child watches its parent (and on Linux also asks the
+kernel for PR_SET_PDEATHSIG), even when this process is killed outright: no orphan server, ever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from artcloud.backends.remote import ArtcloudError, RemoteBackend
+from artcloud.tls import make_launch_secrets
+
+DEFAULT_PATH = Path(".artcloud") / "local"
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: --parent-pid polling still ends the server
+
+
+class LocalBackend(RemoteBackend):
+    """Runs the training server here (CPU engine unless this machine has more). Checkpoints live under
+    `path` (default ./.artcloud/local), so a new LocalBackend on the same path resumes the models."""
+
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        startup_timeout: float = 600.0,
+        log_level: str = "warning",
+        **kwargs: Any,
+    ):
+        self.path = Path(path) if path is not None else DEFAULT_PATH
+        self.port = port
+        self.host = host
+        self.startup_timeout = startup_timeout
+        self.log_level = log_level
+        self._secrets = make_launch_secrets()
+        super().__init__("https://localhost", token=self._secrets.token, ca_cert=self._secrets.ca_cert, **kwargs)
+        self._proc: subprocess.Popen | None = None
+        self.log_file = self.path / "server.log"
+
+    def __repr__(self) -> str:
+        state = f"{self.base_url}, pid {self._proc.pid}" if self.running else "stopped"
+        return f"LocalBackend(path={str(self.path)!r}, {state})"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    # ------------------------------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        if self.running:
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        offset = self.log_file.stat().st_size if self.log_file.exists() else 0
+        env = {
+            **os.environ,
+            "ARTCLOUD_TLS_CERT": self._secrets.server_cert,
+            "ARTCLOUD_TLS_KEY": self._secrets.server_key,
+            "ARTCLOUD_TOKEN": self._secrets.token,
+            "PYTHONUNBUFFERED": "1",
+        }
+        cmd = [sys.executable, "-m", "artcloud", "serve", "--path", str(self.path), "--host", self.host,
+               "--port", str(self.port or 0), "--log-level", self.log_level, "--parent-pid", str(os.getpid())]
+        with open(self.log_file, "ab") as out:
+            self._proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
+        atexit.register(self._stop_now)
+        try:
+            self.base_url = await self._read_url(offset)
+            self._version_checked = False
+            await self._wait_ready()
+        except BaseException:
+            self._stop_now()
+            raise
+
+    async def _read_url(self, offset: int) -> str:
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            text = self.log_file.read_bytes()[offset:].decode(errors="replace")
+            found = re.findall(r"serving on (https://\S+)", text)
+            if found:
+                return found[-1]
+            if self._proc.poll() is not None:
+                raise ArtcloudError(self._died_message(text), code="server_exited")
+            if time.monotonic() > deadline:
+                raise ArtcloudError(f"the local server did not start in {self.startup_timeout:.0f} s; its log:\n{self.tail()}",
+                                    code="startup_timeout")
+            await asyncio.sleep(0.1)
+
+    def _died_message(self, text: str) -> str:
+        lines = [line for line in text.splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("artcloud: error:")]
+        if errors:  # the CLI's own one-line reason (port in use, path not writable, ...)
+            return errors[-1].removeprefix("artcloud: error: ")
+        return f"the local server exited with status {self._proc.returncode}; its last lines:\n" + "\n".join(lines[-20:])
+
+    async def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            if self._proc.poll() is not None:
+                raise ArtcloudError(self._died_message(self.tail(40)), code="server_exited")
+            try:
+                if (await self.health()).get("ready"):
+                    return
+            except ArtcloudError as e:
+                if e.code == "version_mismatch":
+                    raise
+            if time.monotonic() > deadline:
+                raise ArtcloudError(f"the local server was not ready after {self.startup_timeout:.0f} s; its log:\n{self.tail()}",
+                                    code="startup_timeout")
+            await asyncio.sleep(0.2)
+
+    async def register(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        await self.start()
+        return await super().register(*args, **kwargs)
+
+    async def down(self) -> None:
+        await self.close()
+        await asyncio.get_running_loop().run_in_executor(None, self._stop_now)
+
+    def _stop_now(self, timeout: float = 30.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        atexit.unregister(self._stop_now)
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

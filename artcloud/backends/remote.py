@@ -1,0 +1,254 @@
+"""RemoteBackend: the one HTTP client of the artcloud protocol.
+
+Every backend ends here: LocalBackend, SkyBackend and ModalBackend only add how a server comes to life
+and goes away, then hand over a URL, the launch's CA and its token. The client trusts that CA alone,
+refuses a server of another artcloud version, retries idempotent calls (and training posts, which carry
+an idempotency key) on connection errors and 5xx, follows training events by cursor so that a dropped
+connection loses nothing, and sends heartbeats for the server's lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+from artcloud._version import __version__
+from artcloud.tls import client_ssl_context
+
+log = logging.getLogger("artcloud.client")
+
+EventCallback = Callable[[dict[str, Any]], None]
+
+
+class ArtcloudError(Exception):
+    """An error answered by the server (`code`, `message`, `field`) or met on the way to it."""
+
+    def __init__(self, message: str, *, code: str = "error", field: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.code = code
+        self.field = field
+        self.status = status
+
+
+class VersionMismatch(ArtcloudError):
+    pass
+
+
+class ServerGone(ArtcloudError):
+    """The server stopped answering (it died, or its machine went away)."""
+
+
+def _retryable(exc: BaseException) -> bool:
+    if isinstance(exc, httpx.TransportError):
+        return True
+    return isinstance(exc, ArtcloudError) and exc.status is not None and exc.status >= 500
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        err = response.json()["error"]
+        message, code, field = err["message"], err.get("code", "error"), err.get("field")
+    except (ValueError, KeyError, TypeError):
+        message, code, field = response.text[:500] or response.reason_phrase, "http_error", None
+    raise ArtcloudError(f"{response.status_code} {code}: {message}", code=code, field=field, status=response.status_code)
+
+
+class RemoteBackend:
+    """A running `artcloud serve`, reached at `base_url` over HTTPS with the launch's token and CA."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str,
+        ca_cert: str | Path,
+        timeout: float = 120.0,
+        retries: int = 6,
+        heartbeat_every_s: float = 60.0,
+    ):
+        if not base_url.startswith("https://"):
+            raise ValueError(f"artcloud servers speak HTTPS only: use https://..., not {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self._token = token
+        self.ca_cert = ca_cert
+        self.timeout = timeout
+        self.retries = retries
+        self.heartbeat_every_s = heartbeat_every_s
+        self._http: httpx.AsyncClient | None = None
+        self._heartbeat: asyncio.Task | None = None
+        self._version_checked = False
+
+    def __repr__(self) -> str:  # never the token
+        return f"{type(self).__name__}({self.base_url!r})"
+
+    # ------------------------------------------------------------------------------------- plumbing
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(
+                base_url=self.base_url,
+                verify=client_ssl_context(self.ca_cert),
+                headers={"Authorization": f"Bearer {self._token}", "User-Agent": f"artcloud/{__version__}"},
+                timeout=httpx.Timeout(self.timeout, connect=30.0),
+            )
+        return self._http
+
+    async def _call(self, method: str, path: str, *, json_body: Any = None, retry: bool = True,
+                    params: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> dict[str, Any]:
+        attempts = AsyncRetrying(
+            stop=stop_after_attempt(self.retries if retry else 1),
+            wait=wait_exponential_jitter(initial=0.5, max=15.0),
+            retry=retry_if_exception(_retryable),
+            reraise=True,
+        )
+        try:
+            async for attempt in attempts:
+                with attempt:
+                    response = await self._client().request(method, path, json=json_body, params=params, headers=headers)
+                    _raise_for(response)
+                    return response.json()
+        except httpx.TransportError as e:
+            raise ServerGone(f"the artcloud server at {self.base_url} does not answer ({type(e).__name__}: {e})",
+                             code="server_unreachable") from e
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Check the server: its version must equal this client's."""
+        await self.health()
+
+    async def health(self) -> dict[str, Any]:
+        body = await self._call("GET", "/health")
+        server_version = body.get("version")
+        if server_version != __version__:
+            raise VersionMismatch(
+                f"the server runs artcloud {server_version} and this client artcloud {__version__}: "
+                "launch the server from this client's version (or install the server's version here)",
+                code="version_mismatch",
+            )
+        self._version_checked = True
+        return body
+
+    async def wait_ready(self, timeout: float = 600.0) -> dict[str, Any]:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            body = await self.health()
+            if body.get("ready"):
+                return body
+            if asyncio.get_running_loop().time() > deadline:
+                raise ArtcloudError(f"the server at {self.base_url} was not ready after {timeout:.0f} s", code="not_ready")
+            await asyncio.sleep(0.5)
+
+    async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def down(self) -> None:
+        """A RemoteBackend does not own its server: this only closes the connection."""
+        await self.close()
+
+    async def __aenter__(self) -> "RemoteBackend":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.down()
+
+    def _start_heartbeats(self) -> None:
+        if self._heartbeat is None and self.heartbeat_every_s > 0:
+            self._heartbeat = asyncio.get_running_loop().create_task(self._beat(), name="artcloud-heartbeat")
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_every_s)
+            try:
+                await self._call("POST", "/artcloud/heartbeat", retry=False)
+            except ArtcloudError as e:
+                log.warning("heartbeat to %s failed: %s", self.base_url, e)
+
+    # ------------------------------------------------------------------------------------- models
+
+    async def register(self, name: str, project: str, base_model: str, lora: dict[str, Any]) -> dict[str, Any]:
+        if not self._version_checked:
+            await self.health()
+        info = await self._call("POST", "/artcloud/models",
+                                json_body={"name": name, "project": project, "base_model": base_model, "lora": lora})
+        self._start_heartbeats()
+        return info
+
+    async def model_info(self, name: str) -> dict[str, Any]:
+        return await self._call("GET", f"/artcloud/models/{name}")
+
+    async def set_temperature(self, name: str, temperature: float) -> None:
+        await self._call("PUT", f"/artcloud/models/{name}/temperature", json_body={"temperature": temperature})
+
+    def openai_client(self, **kwargs: Any):
+        """An `openai.AsyncOpenAI` bound to this server: the launch's CA alone is trusted."""
+        import openai
+
+        return openai.AsyncOpenAI(
+            base_url=self.base_url + "/v1",
+            api_key=self._token,
+            http_client=openai.DefaultAsyncHttpxClient(verify=client_ssl_context(self.ca_cert)),
+            **kwargs,
+        )
+
+    # ------------------------------------------------------------------------------------- training
+
+    async def start_train(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST a training job. The body's idempotency_key makes a retried POST return the same job."""
+        assert body.get("idempotency_key"), "training posts must carry an idempotency key"
+        return await self._call("POST", f"/artcloud/models/{name}/train", json_body=body)
+
+    async def follow_job(self, job_id: str, on_event: EventCallback | None = None,
+                         reconnect_for_s: float = 300.0) -> list[dict[str, Any]]:
+        """Every event of a job, in order, until it ends. A dropped stream reconnects from its cursor."""
+        events: list[dict[str, Any]] = []
+        loop = asyncio.get_running_loop()
+        failing_since: float | None = None
+        delay = 0.5
+        while True:
+            try:
+                async with self._client().stream("GET", f"/artcloud/jobs/{job_id}/events",
+                                                 params={"after": len(events), "follow": "true"},
+                                                 timeout=httpx.Timeout(self.timeout, read=None)) as response:
+                    if response.status_code >= 400:
+                        await response.aread()
+                        _raise_for(response)
+                    async for line in response.aiter_lines():
+                        if not line.strip():
+                            continue  # keep-alive
+                        event = json.loads(line)
+                        if event["seq"] != len(events) + 1:
+                            continue  # never count an event twice
+                        events.append(event)
+                        failing_since, delay = None, 0.5
+                        if on_event is not None:
+                            on_event(event)
+                        if event["type"] in ("end", "error"):
+                            return events
+            except (httpx.TransportError, ArtcloudError) as e:
+                if isinstance(e, ArtcloudError) and not _retryable(e):
+                    raise
+                now = loop.time()
+                failing_since = failing_since or now
+                if now - failing_since > reconnect_for_s:
+                    raise ServerGone(f"lost the event stream of {job_id} for {reconnect_for_s:.0f} s: the server at "
+                                     f"{self.base_url} is gone ({e})", code="server_unreachable") from e
+                log.info("event stream of %s dropped (%s); reconnecting after seq %d", job_id, e, len(events))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
