@@ -48,3 +48,60 @@ def train(client: httpx.Client, model: str, groups: list[dict[str, Any]], **conf
     evs = events(client, r.json()["job_id"])
     assert evs[-1]["type"] == "end", evs[-1]
     return evs
+
+
+class TCPProxy:
+    """A TCP proxy on loopback (its own thread and event loop) whose live connections can be cut."""
+
+    def __init__(self, target_host: str, target_port: int):
+        import asyncio
+        import threading
+
+        self.target = (target_host, target_port)
+        self.port = 0
+        self.cuts = 0
+        self._writers: set = set()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
+
+    def _run(self) -> None:
+        import asyncio
+
+        async def pipe(reader, writer):
+            try:
+                while data := await reader.read(65536):
+                    writer.write(data)
+                    await writer.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                writer.close()
+
+        async def handle(client_reader, client_writer):
+            server_reader, server_writer = await asyncio.open_connection(*self.target)
+            self._writers.update({client_writer, server_writer})
+            await asyncio.gather(pipe(client_reader, server_writer), pipe(server_reader, client_writer))
+            self._writers.discard(client_writer)
+            self._writers.discard(server_writer)
+
+        async def main():
+            server = await asyncio.start_server(handle, "127.0.0.1", 0)
+            self.port = server.sockets[0].getsockname()[1]
+            self._ready.set()
+            await asyncio.Event().wait()
+
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(main())
+
+    def cut(self) -> None:
+        """Drop every live connection, both ways (as a flaky network would)."""
+        def close_all():
+            for w in list(self._writers):
+                w.transport.abort()
+            self._writers.clear()
+            self.cuts += 1
+
+        self._loop.call_soon_threadsafe(close_all)

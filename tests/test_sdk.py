@@ -1,0 +1,204 @@
+"""The client SDK against real servers: LocalBackend, TrainableModel, gather, the annealer, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from urllib.parse import urlparse
+
+import pytest
+from helpers import TCPProxy
+
+import artcloud
+from artcloud.backends.remote import ArtcloudError, RemoteBackend, VersionMismatch
+
+TINY = "artcloud/tiny-random"
+
+
+async def rollout(client, model, prompt: str, **kw) -> artcloud.Trajectory:
+    messages = [{"role": "user", "content": prompt}]
+    r = await client.chat.completions.create(model=model.name, messages=messages, max_tokens=8, logprobs=True, **kw)
+    choice = r.choices[0]
+    # Reward: longer answers are better (anything that varies within a group will do here).
+    return artcloud.Trajectory(messages_and_choices=[*messages, choice], reward=len(choice.message.content or "") / 20)
+
+
+def groups_for(client, model, prompts, n=4):
+    return [artcloud.TrajectoryGroup(rollout(client, model, p) for _ in range(n)) for p in prompts]
+
+
+def test_import_artcloud_is_light():
+    code = "import sys, artcloud; print(' '.join(m for m in ('torch','transformers','fastapi','uvicorn','sky','modal','boto3','peft','vllm','unsloth') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_register_rollouts_train_through_local_backend(tmp_path):
+    async def main():
+        async with artcloud.LocalBackend(path=tmp_path / "local") as backend:
+            model = artcloud.TrainableModel(name="agent", project="sdk", base_model=TINY, config=artcloud.LoraConfig(rank=4))
+            await model.register(backend)
+            assert "token" not in repr(backend).lower() and backend._token not in repr(backend)
+            client = model.openai_client()
+            groups = await artcloud.gather_trajectory_groups(groups_for(client, model, ["one", "two"]), progress=False)
+            assert [len(g.trajectories) for g in groups] == [4, 4]
+            result = await model.train(groups, config=artcloud.TrainConfig(learning_rate=1e-3), progress=False)
+            assert result.step == 1 and result.trained and model.inference_name() == "agent@1"
+            assert await model.get_step() == 1
+            assert [e["type"] for e in result.events][-1] == "end"
+            served = await client.chat.completions.create(model="agent", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+            assert served.model == "agent@1"
+            pid = backend._proc.pid
+        return pid
+
+    pid = asyncio.run(main())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_annealer_sets_the_default_temperature_and_explicit_wins(tmp_path):
+    async def main():
+        async with artcloud.LocalBackend(path=tmp_path / "local") as backend:
+            model = artcloud.TrainableModel(name="cool", project="sdk", base_model=TINY)
+            model.set_temperature_annealer(artcloud.LinearTemperatureAnnealer(start=0.0, end=1.0, steps=2))
+            await model.register(backend)
+            assert (await backend.model_info("cool"))["temperature"] == 0.0
+            client = model.openai_client()
+            msgs = [{"role": "user", "content": "same?"}]
+            greedy = [(await client.chat.completions.create(model="cool", messages=msgs, max_tokens=10)).choices[0].message.content for _ in range(2)]
+            assert greedy[0] == greedy[1]  # temperature 0 by default now
+            hot = {(await client.chat.completions.create(model="cool", messages=msgs, max_tokens=10, temperature=2.0, seed=s)).choices[0].message.content for s in range(3)}
+            assert hot != {greedy[0]}  # an explicit temperature wins
+            groups = await artcloud.gather_trajectory_groups(groups_for(client, model, ["a"], n=3), progress=False)
+            groups[0].trajectories[0].reward += 1.0  # never all equal
+            await model.train(groups, progress=False)
+            assert (await backend.model_info("cool"))["temperature"] == pytest.approx(0.5)
+
+    asyncio.run(main())
+
+
+def test_bad_calls_say_what_to_do(tmp_path):
+    model = artcloud.TrainableModel(name="m", project="sdk", base_model=TINY)
+    with pytest.raises(RuntimeError, match="register"):
+        asyncio.run(model.train([]))
+
+    async def main():
+        async with artcloud.LocalBackend(path=tmp_path / "local") as backend:
+            await model.register(backend)
+            client = model.openai_client()
+            with pytest.raises(ValueError, match="no trajectory groups"):
+                await model.train([])
+            one = await artcloud.TrajectoryGroup([rollout(client, model, "x")]).resolve()
+            with pytest.raises(ValueError, match="at least 2"):
+                await model.train([one])
+            msgs = [{"role": "user", "content": "x"}]
+            plain = await client.chat.completions.create(model="m", messages=msgs, max_tokens=3)
+            no_lp = artcloud.TrajectoryGroup(trajectories=[artcloud.Trajectory(messages_and_choices=[*msgs, plain.choices[0]], reward=r) for r in (0, 1)])
+            with pytest.raises(ValueError, match="logprobs=True"):
+                await model.train([no_lp])
+            assert await model.get_step() == 0
+
+    asyncio.run(main())
+
+
+def test_version_mismatch_names_both_versions(tmp_path, monkeypatch):
+    async def main():
+        async with artcloud.LocalBackend(path=tmp_path / "local") as backend:
+            monkeypatch.setattr("artcloud.backends.remote.__version__", "0.0.1")
+            with pytest.raises(VersionMismatch, match=rf"{artcloud.__version__}.*0\.0\.1"):
+                await backend.health()
+
+    asyncio.run(main())
+
+
+def test_remote_backend_refuses_plain_http():
+    with pytest.raises(ValueError, match="HTTPS only"):
+        RemoteBackend("http://localhost:1234", token="t" * 20, ca_cert="x")
+
+
+def test_port_in_use_is_one_clear_error(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+
+        async def main():
+            backend = artcloud.LocalBackend(path=tmp_path / "local", port=port)
+            with pytest.raises(ArtcloudError, match="already in use"):
+                await backend.start()
+            assert not backend.running
+
+        asyncio.run(main())
+
+
+def test_cut_connection_during_training_loses_no_event_and_trains_once(tmp_path):
+    async def main():
+        async with artcloud.LocalBackend(path=tmp_path / "local") as local:
+            model = artcloud.TrainableModel(name="flaky", project="sdk", base_model=TINY)
+            await model.register(local)
+            client = model.openai_client()
+            groups = await artcloud.gather_trajectory_groups(groups_for(client, model, [f"p{i}" for i in range(6)]), progress=False)
+            port = urlparse(local.base_url).port
+            proxy = TCPProxy("127.0.0.1", port)
+            remote = RemoteBackend(f"https://localhost:{proxy.port}", token=local._token, ca_cert=local.ca_cert)
+            await remote.start()
+            via_proxy = artcloud.TrainableModel(name="flaky", project="sdk", base_model=TINY)
+            await via_proxy.register(remote)
+
+            seen = []
+            original = remote.follow_job
+
+            async def follow_and_cut(job_id, on_event=None, **kw):
+                def cut_after_first(event):
+                    seen.append(event["seq"])
+                    if event["seq"] == 1:
+                        proxy.cut()  # the stream (and every pooled connection) dies mid-job
+                    if on_event:
+                        on_event(event)
+                return await original(job_id, cut_after_first, **kw)
+
+            remote.follow_job = follow_and_cut
+            result = await via_proxy.train(groups, config=artcloud.TrainConfig(gradient_steps=3), progress=False)
+            await remote.close()
+            assert proxy.cuts == 1
+            assert seen == list(range(1, len(result.events) + 1))  # every event once, in order
+            assert [e["type"] for e in result.events] == ["queued", "start", "step", "step", "step", "end"]
+            assert result.step == 1 and await model.get_step() == 1  # trained exactly once
+
+    asyncio.run(main())
+
+
+def test_killing_the_client_leaves_no_server(tmp_path):
+    script = textwrap.dedent(f"""
+        import asyncio, artcloud
+        async def main():
+            backend = artcloud.LocalBackend(path={str(tmp_path / 'local')!r})
+            await backend.start()
+            print(backend._proc.pid, flush=True)
+            await asyncio.sleep(600)
+        asyncio.run(main())
+    """)
+    client = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    server_pid = int(client.stdout.readline())
+    os.kill(server_pid, 0)  # it runs
+    client.send_signal(signal.SIGKILL)  # no atexit, no finally: the hardest way to die
+    client.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            return
+        try:  # reap it if it became our zombie
+            os.waitpid(server_pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.2)
+    os.kill(server_pid, signal.SIGKILL)
+    pytest.fail("the server outlived its client")
