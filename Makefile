@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-fast demo bench bench-rollouts bench-grpo clean
+.PHONY: install test test-fast demo bench bench-import bench-rollouts bench-grpo clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,9 +31,12 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 demo: $(STAMP)
-	$(BIN)/python examples/http_grpo.py
+	$(BIN)/python examples/five_words.py
 
-bench: bench-rollouts bench-grpo
+bench: bench-import bench-rollouts bench-grpo
+
+bench-import: $(STAMP)
+	$(BIN)/python bench/import_time.py
 
 bench-rollouts: $(STAMP)
 	$(BIN)/python bench/rollouts.py

@@ -202,3 +202,71 @@ def test_killing_the_client_leaves_no_server(tmp_path):
         time.sleep(0.2)
     os.kill(server_pid, signal.SIGKILL)
     pytest.fail("the server outlived its client")
+
+
+def test_server_dying_mid_training_is_a_clear_error(tmp_path):
+    async def main():
+        async with artcloud.LocalBackend(path=tmp_path / "local") as backend:
+            model = artcloud.TrainableModel(name="doomed", project="sdk", base_model=TINY)
+            await model.register(backend)
+            client = model.openai_client()
+            groups = await artcloud.gather_trajectory_groups(groups_for(client, model, [f"p{i}" for i in range(8)], n=4), progress=False)
+            original = backend.follow_job
+
+            async def follow_and_kill(job_id, on_event=None, **kw):
+                def kill_on_start(event):
+                    if event["type"] == "start":
+                        backend._proc.kill()  # the server dies mid-job
+                return await original(job_id, kill_on_start, **kw)
+
+            backend.follow_job = follow_and_kill
+            t0 = time.monotonic()
+            with pytest.raises(artcloud.ServerGone, match="exited"):
+                await model.train(groups, config=artcloud.TrainConfig(gradient_steps=4), progress=False)
+            assert time.monotonic() - t0 < 60  # told at once, not after minutes of retries
+        # A new server on the same path resumes at the last committed step (the interrupted one never was).
+        async with artcloud.LocalBackend(path=tmp_path / "local") as backend:
+            await model.register(backend)
+            assert model.step == 0
+
+    asyncio.run(main())
+
+
+def test_the_demo_loop_at_a_small_scale(tmp_path):
+    out = tmp_path / "curve.png"
+    run = subprocess.run(
+        [sys.executable, "examples/five_words.py", "--model", TINY, "--steps", "3", "--prompts", "2", "--group", "3",
+         "--max-tokens", "6", "--out", str(out), "--path", str(tmp_path / "srv")],
+        capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert run.stdout.count("mean reward") >= 3 and "the server is stopped" in run.stdout
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ctrl_c_during_training_stops_the_server(tmp_path):
+    script = textwrap.dedent(f"""
+        import asyncio, artcloud
+        async def rollout(client, model, prompt):
+            msgs = [{{"role": "user", "content": prompt}}]
+            r = await client.chat.completions.create(model=model.name, messages=msgs, max_tokens=24, logprobs=True)
+            return artcloud.Trajectory(messages_and_choices=[*msgs, r.choices[0]], reward=len(r.choices[0].message.content))
+        async def main():
+            async with artcloud.LocalBackend(path={str(tmp_path / 'local')!r}) as backend:
+                model = artcloud.TrainableModel(name="m", project="sdk", base_model={TINY!r})
+                await model.register(backend)
+                client = model.openai_client()
+                groups = await artcloud.gather_trajectory_groups(
+                    [artcloud.TrajectoryGroup(rollout(client, model, f"p{{i}}") for _ in range(4)) for i in range(16)], progress=False)
+                print(backend._proc.pid, flush=True)
+                await model.train(groups * 8, config=artcloud.TrainConfig(gradient_steps=64), progress=False)
+        asyncio.run(main())
+    """)
+    client = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server_pid = int(client.stdout.readline())
+    time.sleep(1.0)  # training has started
+    client.send_signal(signal.SIGINT)
+    _, err = client.communicate(timeout=60)
+    assert client.returncode != 0 and "KeyboardInterrupt" in err
+    with pytest.raises(ProcessLookupError):
+        os.kill(server_pid, 0)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from artcloud.backends.remote import ArtcloudError, RemoteBackend
+from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone
 from artcloud.tls import make_launch_secrets
 
 DEFAULT_PATH = Path(".artcloud") / "local"
@@ -138,6 +138,14 @@ class LocalBackend(RemoteBackend):
                 raise ArtcloudError(f"the local server was not ready after {self.startup_timeout:.0f} s; its log:\n{self.tail()}",
                                     code="startup_timeout")
             await asyncio.sleep(0.2)
+
+    def _check_alive(self) -> None:
+        if self._proc is not None and self._proc.poll() is not None:
+            raise ServerGone(
+                f"the local server exited (status {self._proc.returncode}) while we were talking to it; "
+                f"its checkpoints under {self.path} are intact. Its last lines:\n{self.tail()}",
+                code="server_exited",
+            )
 
     async def register(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         await self.start()

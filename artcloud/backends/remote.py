@@ -167,6 +167,10 @@ class RemoteBackend:
     async def __aexit__(self, *exc: Any) -> None:
         await self.down()
 
+    def _check_alive(self) -> None:
+        """Raise ServerGone if the server is known to be dead. A remote one cannot be known: the event
+        stream keeps reconnecting for a while instead. LocalBackend knows its child process."""
+
     def _start_heartbeats(self) -> None:
         if self._heartbeat is None and self.heartbeat_every_s > 0:
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat(), name="artcloud-heartbeat")
@@ -243,6 +247,7 @@ class RemoteBackend:
             except (httpx.TransportError, ArtcloudError) as e:
                 if isinstance(e, ArtcloudError) and not _retryable(e):
                     raise
+                self._check_alive()
                 now = loop.time()
                 failing_since = failing_since or now
                 if now - failing_since > reconnect_for_s:

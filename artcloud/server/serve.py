@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -183,6 +184,12 @@ def run(
     if parent_pid is not None:
         _exit_with_parent(server, parent_pid)
     server.run(sockets=[sock])
+    # An engine thread may still be inside a training step that will never be committed; the interpreter
+    # would wait for it at exit (minutes, on a big model). Leave now: nothing on disk is half-written.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _exit_with_parent(server, parent_pid: int, every_s: float = 0.5) -> None:

@@ -55,7 +55,9 @@ class EngineHost:
         self.engine = await self.call(self.factory, self.base_model)
 
     def close(self) -> None:
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        # Do not wait for a running generation or training step: whatever it was doing is not committed
+        # (checkpoints are renamed into place only when complete), and a server asked to stop must stop.
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 class ServedModel:
