@@ -45,7 +45,8 @@ class TrainResult:
 
 
 class Model:
-    """A model served by a backend (inference only)."""
+    """A model served by a backend, for inference only (no `train`). Registered as an adapter that is
+    never trained, so it answers exactly as its base model does, under its own name."""
 
     def __init__(self, *, name: str, project: str, base_model: str):
         self.name = name
