@@ -33,6 +33,15 @@ def groups_for(client, model, prompts, n=4):
     return [artcloud.TrajectoryGroup(rollout(client, model, p) for _ in range(n)) for p in prompts]
 
 
+async def model_with_groups(backend, name: str, prompts: int, n: int = 4):
+    """A registered TrainableModel on tiny-random, its OpenAI client, and gathered groups to train on."""
+    model = artcloud.TrainableModel(name=name, project="sdk", base_model=TINY)
+    await model.register(backend)
+    client = model.openai_client()
+    groups = await artcloud.gather_trajectory_groups(groups_for(client, model, [f"p{i}" for i in range(prompts)], n=n), progress=False)
+    return model, client, groups
+
+
 def test_import_artcloud_is_light():
     code = "import sys, artcloud; print(' '.join(m for m in ('torch','transformers','fastapi','uvicorn','sky','modal','boto3','peft','vllm','unsloth') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
@@ -140,10 +149,7 @@ def test_port_in_use_is_one_clear_error(tmp_path):
 def test_cut_connection_during_training_loses_no_event_and_trains_once(tmp_path):
     async def main():
         async with artcloud.LocalBackend(path=tmp_path / "local") as local:
-            model = artcloud.TrainableModel(name="flaky", project="sdk", base_model=TINY)
-            await model.register(local)
-            client = model.openai_client()
-            groups = await artcloud.gather_trajectory_groups(groups_for(client, model, [f"p{i}" for i in range(6)]), progress=False)
+            model, _, groups = await model_with_groups(local, "flaky", prompts=6)
             port = urlparse(local.base_url).port
             proxy = TCPProxy("127.0.0.1", port)
             remote = RemoteBackend(f"https://localhost:{proxy.port}", token=local._token, ca_cert=local.ca_cert)
@@ -207,10 +213,7 @@ def test_killing_the_client_leaves_no_server(tmp_path):
 def test_server_dying_mid_training_is_a_clear_error(tmp_path):
     async def main():
         async with artcloud.LocalBackend(path=tmp_path / "local") as backend:
-            model = artcloud.TrainableModel(name="doomed", project="sdk", base_model=TINY)
-            await model.register(backend)
-            client = model.openai_client()
-            groups = await artcloud.gather_trajectory_groups(groups_for(client, model, [f"p{i}" for i in range(8)], n=4), progress=False)
+            model, _, groups = await model_with_groups(backend, "doomed", prompts=8)
             original = backend.follow_job
 
             async def follow_and_kill(job_id, on_event=None, **kw):
