@@ -89,3 +89,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    """One real S3 server (SeaweedFS) for the whole session."""
+    from seaweed import SeaweedS3
+
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweed")).start()
+    yield server
+    server.stop()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from artcloud.server import checkpoints as ck
+from artcloud.storage import checkpoints as ck
 
 
 def _writer(payload: dict[str, bytes]):

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from artcloud.protocol import RegisterRequest
-from artcloud.server import checkpoints
 from artcloud.server.batching import Batcher, RWLock
 from artcloud.server.engines.base import Completion, Engine, GenerationRequest, TrainSample
 from artcloud.server.errors import ApiError
 from artcloud.server.jobs import Job, JobStore
+from artcloud.storage import checkpoints
 from artcloud.types import TrainConfig
 
 log = logging.getLogger("artcloud.server")
