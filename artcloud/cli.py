@@ -43,6 +43,7 @@ def serve(
     engine: str = typer.Option("cpu", "--engine", help="Model engine: cpu (torch + transformers + peft)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
     parent_pid: Optional[int] = typer.Option(None, "--parent-pid", help="Exit when this process is gone (set by LocalBackend)."),
+    s3: Optional[str] = typer.Option(None, "--s3", help="Push every checkpoint to s3://BUCKET/PREFIX and resume from it. Default: $ARTCLOUD_S3. Endpoint and credentials: ARTCLOUD_S3_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY."),
 ) -> None:
     """Serve OpenAI-compatible inference and GRPO training over HTTPS.
 
@@ -56,9 +57,11 @@ def serve(
     from artcloud.server.serve import ServeError, run
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         run(host=host, port=port, path=path, tls_cert=tls_cert, tls_key=tls_key, token_file=token_file,
-            engine=engine, log_level=log_level, parent_pid=parent_pid)
+            engine=engine, log_level=log_level, parent_pid=parent_pid, s3=s3)
     except ServeError as e:
         raise CLIError(str(e)) from e
     except ssl.SSLError as e:

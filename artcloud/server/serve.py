@@ -24,6 +24,7 @@ log = logging.getLogger("artcloud.server")
 ENV_TOKEN = "ARTCLOUD_TOKEN"
 ENV_CERT = "ARTCLOUD_TLS_CERT"
 ENV_KEY = "ARTCLOUD_TLS_KEY"
+ENV_S3 = "ARTCLOUD_S3"
 
 
 class ServeError(Exception):
@@ -48,6 +49,23 @@ def check_path(path: Path) -> Path:
     except OSError as e:
         raise ServeError(f"--path {path} is not writable ({e.strerror}): pick a folder you can write to") from e
     return path
+
+
+def s3_store(uri: str | None):
+    """The S3 checkpoint store, checked now (credentials, bucket, write access): a wrong setting fails at
+    start-up, not at step 50."""
+    if not uri:
+        return None
+    from artcloud.storage.s3 import CheckpointStore, S3Config, StorageError
+
+    try:
+        store = CheckpointStore(S3Config.from_uri(uri))
+        store.check()
+    except StorageError as e:
+        raise ServeError(str(e)) from e
+    except ImportError as e:
+        raise ServeError("--s3 needs boto3: pip install 'artcloud[s3]'") from e
+    return store
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -147,6 +165,7 @@ def run(
     engine: str = "cpu",
     log_level: str = "info",
     parent_pid: int | None = None,
+    s3: str | None = None,
     announce=print,
 ) -> None:
     import uvicorn
@@ -156,6 +175,7 @@ def run(
     from artcloud.server.tls_only import server_context, wrap_uvicorn_protocol
 
     path = check_path(path)
+    store = s3_store(s3 or os.environ.get(ENV_S3))
     tls = tls_setup(path, host, tls_cert, tls_key, token, token_file)
     sock = bind(host, port)
     actual_port = sock.getsockname()[1]
@@ -167,7 +187,9 @@ def run(
         announce(f"  bearer token:   {tls.token_file}  (0600; never printed)")
         announce(f"  try: curl --cacert {tls.ca} -H \"Authorization: Bearer $(cat {tls.token_file})\" {url}/v1/models")
 
-    registry = Registry(path, engine=engine)
+    if store is not None:
+        announce(f"  checkpoints are pushed to {store.config.uri}")
+    registry = Registry(path, engine=engine, store=store)
     app = create_app(registry, tls.token)
     context = server_context(str(tls.cert), str(tls.key))  # a bad cert/key pair fails here, before serving
     # TLS is done by TLSOnlyProtocol (so plain HTTP gets a readable 400), on asyncio's own loop.

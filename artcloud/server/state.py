@@ -22,7 +22,9 @@ from artcloud.server.batching import Batcher, RWLock
 from artcloud.server.engines.base import Completion, Engine, GenerationRequest, TrainSample
 from artcloud.server.errors import ApiError
 from artcloud.server.jobs import Job, JobStore
+from artcloud.server.pusher import Pusher
 from artcloud.storage import checkpoints
+from artcloud.storage.s3 import CheckpointStore
 from artcloud.types import TrainConfig
 
 log = logging.getLogger("artcloud.server")
@@ -63,8 +65,10 @@ class EngineHost:
 class ServedModel:
     """A registered trainable model: a LoRA adapter on a host's engine, its step, its jobs."""
 
-    def __init__(self, spec: RegisterRequest, folder: Path, host: EngineHost, slot: str):
+    def __init__(self, spec: RegisterRequest, folder: Path, host: EngineHost, slot: str, store: CheckpointStore | None = None):
         self.spec = spec
+        self.store = store
+        self.pusher = Pusher(store, spec.project, spec.name) if store is not None else None
         self.name = spec.name
         self.folder = folder
         self.host = host
@@ -93,6 +97,8 @@ class ServedModel:
     async def load(self) -> bool:
         """Resume from the newest complete checkpoint, or start step 0. Returns True if it resumed."""
         checkpoints.clean_partial(self.folder)
+        if self.store is not None:
+            await self._pull_if_newer()
         found = await self.host.call(checkpoints.latest_valid, self.folder)
         checkpoints.set_aside_after(self.folder, found[0] if found else -1)
         if found is None:
@@ -113,6 +119,16 @@ class ServedModel:
         self._worker = asyncio.get_running_loop().create_task(self._train_loop(), name=f"train-{self.name}")
         return resumed
 
+    async def _pull_if_newer(self) -> None:
+        """A fresh machine (or one behind) first fetches the newest checkpoint committed on S3."""
+        loop = asyncio.get_running_loop()
+        remote = await loop.run_in_executor(None, self.store.latest, self.spec.project, self.name)
+        local = checkpoints.committed_steps(self.folder)
+        if remote is not None and (not local or remote > local[-1]):
+            log.info("pulling %s step %d from %s", self.name, remote, self.store.config.uri)
+            await loop.run_in_executor(None, self.store.pull, self.spec.project, self.name, remote,
+                                       checkpoints.checkpoints_dir(self.folder))
+
     async def _commit(self, step: int) -> Path:
         state = {
             "history": self.history,
@@ -122,7 +138,10 @@ class ServedModel:
             "temperature": self.temperature,
         }
         write = partial(self.engine.save_adapter, self.slot, optimizer=True)
-        return await self.host.call(checkpoints.commit, self.folder, step, write, state)
+        folder = await self.host.call(checkpoints.commit, self.folder, step, write, state)
+        if self.pusher is not None:
+            self.pusher.schedule(folder)  # in the background: training goes on
+        return folder
 
     async def slot_for(self, step: int | None) -> tuple[str, int]:
         """The engine slot serving `step` (None: the latest). Older steps load from their checkpoint."""
@@ -189,7 +208,8 @@ class ServedModel:
                 await self._reload_committed()
                 raise
             self.step = next_step
-        job.emit("end", step=next_step, served_as=self.served_as, trained=True, metrics=record, checkpoint=str(folder))
+        job.emit("end", step=next_step, served_as=self.served_as, trained=True, metrics=record, checkpoint=str(folder),
+                 s3=self.pusher.status() if self.pusher else None)
 
     async def _reload_committed(self) -> None:
         folder = checkpoints.step_folder(self.folder, self.step)
@@ -207,12 +227,19 @@ class ServedModel:
             "temperature": self.temperature,
             "training": self.lock.writing,
             "checkpoints": checkpoints.committed_steps(self.folder),
+            "s3": self.pusher.status() if self.pusher else None,
             "history": self.history,
         }
 
     async def close(self) -> None:
         if self._worker is not None:
             self._worker.cancel()
+        if self.pusher is not None:
+            try:
+                await self.pusher.flush()  # the final push before the server exits
+            except Exception as e:
+                log.error("final push of %s failed: %s", self.name, e)
+            self.pusher.close()
 
 
 def _history_record(step: int, job_id: str, stats: dict[str, Any], steps: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
@@ -235,8 +262,10 @@ class Target:
 
 
 class Registry:
-    def __init__(self, root: Path, engine: str = "cpu", factory: Callable[[str], Engine] | None = None):
+    def __init__(self, root: Path, engine: str = "cpu", factory: Callable[[str], Engine] | None = None,
+                 store: CheckpointStore | None = None):
         self.root = root
+        self.store = store
         self.engine_kind = engine
         self.factory = factory or default_engine_factory(engine)
         self.hosts: dict[str, EngineHost] = {}
@@ -300,7 +329,7 @@ class Registry:
                 raise ApiError(400, "base_model_not_found", str(e), "base_model") from e
             folder.mkdir(parents=True, exist_ok=True)
             checkpoints.write_json_atomic(spec_path, spec.model_dump(mode="json"))
-            model = ServedModel(spec, folder, host, slot=f"adapter{len(self.models) + 1}")
+            model = ServedModel(spec, folder, host, slot=f"adapter{len(self.models) + 1}", store=self.store)
             resumed = await model.load()
             self.models[spec.name] = model
             log.info("%s %s at step %d", "resumed" if resumed else "registered", spec.name, model.step)
@@ -348,7 +377,8 @@ class Registry:
     def health(self) -> dict[str, Any]:
         return {
             "models": [
-                {"name": m.name, "project": m.spec.project, "base_model": m.spec.base_model, "step": m.step, "training": m.lock.writing}
+                {"name": m.name, "project": m.spec.project, "base_model": m.spec.base_model, "step": m.step, "training": m.lock.writing,
+                 "s3": m.pusher.status() if m.pusher else None}
                 for m in self.models.values()
             ],
             "engines": [{"base_model": h.base_model, "kind": self.engine_kind, "batches": h.batcher.batches if h.batcher else 0} for h in self.hosts.values()],

@@ -1,0 +1,68 @@
+"""The server with --s3: every checkpoint pushed in the background, and a new machine resumes from S3."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from helpers import rollout_groups, train
+from seaweed import ACCESS_KEY, SECRET_KEY
+from test_cli import one_line_error, serve
+
+from artcloud.storage.s3 import CheckpointStore, S3Config
+
+TINY = "artcloud/tiny-random"
+SPEC = {"name": "agent", "project": "s3", "base_model": TINY}
+
+
+def s3_env(seaweed, secret: str = SECRET_KEY) -> dict[str, str]:
+    return {"ARTCLOUD_S3_ENDPOINT_URL": seaweed.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": secret,
+            "AWS_REGION": "us-east-1"}
+
+
+def wait_pushed(client, step: int, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s3 = client.get("/artcloud/models/agent").json()["s3"]
+        if s3["pushed_step"] == step and not s3["pending"]:
+            return s3
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} was not pushed: {s3}")
+
+
+def test_checkpoints_reach_s3_and_a_new_server_resumes_from_them(seaweed, start_server, tmp_path):
+    bucket = f"srv-{uuid.uuid4().hex[:10]}"
+    seaweed.client().create_bucket(Bucket=bucket)
+    uri = f"s3://{bucket}/team"
+    a = start_server(tmp_path / "a", "--s3", uri, env=s3_env(seaweed))
+    with a.client() as c:
+        assert c.post("/artcloud/models", json=SPEC).status_code == 200
+        end = train(c, "agent", rollout_groups(c, "agent", ["x", "y"], n=4), learning_rate=1e-3)[-1]
+        assert end["data"]["s3"]["uri"] == uri
+        status = wait_pushed(c, 1)
+        assert status["errors"] == 0 and status["pushed_bytes"] > 0
+        health = c.get("/health").json()
+        assert health["models"][0]["s3"]["pushed_step"] == 1
+    store = CheckpointStore(S3Config(bucket=bucket, prefix="team", endpoint_url=seaweed.endpoint,
+                                     access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY))
+    assert store.committed_steps("s3", "agent") == [0, 1] and store.latest("s3", "agent") == 1
+    a.stop()
+
+    # Another machine: an empty path, the same S3 location.
+    b = start_server(tmp_path / "b", "--s3", uri, env=s3_env(seaweed))
+    with b.client() as c:
+        info = c.post("/artcloud/models", json=SPEC).json()
+        assert info["resumed"] is True and info["step"] == 1
+    local_a = (a.path / "s3" / "agent" / "checkpoints" / "1" / "manifest.json").read_text()
+    local_b = (b.path / "s3" / "agent" / "checkpoints" / "1" / "manifest.json").read_text()
+    assert local_a == local_b  # the same adapter, optimizer and trainer state, byte for byte
+
+
+def test_wrong_s3_credentials_fail_at_start(seaweed, tmp_path):
+    bucket = f"bad-{uuid.uuid4().hex[:10]}"
+    seaweed.client().create_bucket(Bucket=bucket)
+    result = serve("--path", str(tmp_path / "d"), "--port", "0", "--s3", f"s3://{bucket}/x", env=s3_env(seaweed, secret="wrong-secret"))
+    one_line_error(result, "refused")
+    assert "wrong-secret" not in result.stderr
+    missing = serve("--path", str(tmp_path / "d"), "--port", "0", "--s3", "s3://no-such-bucket-xyz/x", env=s3_env(seaweed))
+    one_line_error(missing, "does not exist")
