@@ -1,6 +1,7 @@
 """The `artcloud` command line.
 
     artcloud serve --path DIR [--host H] [--port P]     the training + inference server (HTTPS)
+    artcloud pull PROJECT/MODEL [--step N] [--to DIR]    a checkpoint from S3, verified
 
 More commands (launch, down, status, logs, pull, run) arrive with the backends that need them.
 """
@@ -68,6 +69,31 @@ def serve(
         raise CLIError(f"the TLS certificate or key cannot be used ({e.reason or e}): give a matching PEM pair") from e
     except ValueError as e:
         raise CLIError(str(e)) from e
+
+
+@app.command()
+def pull(
+    target: str = typer.Argument(..., help="The model, as PROJECT/MODEL."),
+    step: str = typer.Option("latest", "--step", help="A step number, or 'latest' (the newest committed one)."),
+    to: Optional[Path] = typer.Option(None, "--to", help="Folder to pull into; the checkpoint lands in TO/STEP. Default: ./checkpoints/PROJECT/MODEL."),
+    s3: Optional[str] = typer.Option(None, "--s3", help="Where the checkpoints are: s3://BUCKET/PREFIX. Default: $ARTCLOUD_S3."),
+) -> None:
+    """Download a checkpoint from S3, verified against its manifest.
+
+    The folder loads with peft as it is: PeftModel.from_pretrained(base_model, FOLDER).
+
+    Example: artcloud pull mail/agent-1 --s3 s3://my-bucket/runs --to ./agent-1
+    """
+    from artcloud.storage.checkpoints import CorruptCheckpoint
+    from artcloud.storage.s3 import StorageError, pull_checkpoint
+
+    if step != "latest" and not step.isdigit():
+        raise CLIError(f"--step takes a step number or 'latest', not {step!r}")
+    try:
+        folder = pull_checkpoint(target, s3=s3, step=None if step == "latest" else int(step), to=to)
+    except (StorageError, CorruptCheckpoint) as e:
+        raise CLIError(str(e)) from e
+    print(f"pulled {target} step {folder.name} into {folder}")
 
 
 def main(argv: list[str] | None = None) -> None:

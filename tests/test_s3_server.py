@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 import uuid
 
@@ -56,6 +59,25 @@ def test_checkpoints_reach_s3_and_a_new_server_resumes_from_them(seaweed, start_
     local_a = (a.path / "s3" / "agent" / "checkpoints" / "1" / "manifest.json").read_text()
     local_b = (b.path / "s3" / "agent" / "checkpoints" / "1" / "manifest.json").read_text()
     assert local_a == local_b  # the same adapter, optimizer and trainer state, byte for byte
+
+    # `artcloud pull`: the committed step, verified, in a folder peft loads as it is.
+    pulled = serve_pull("s3/agent", uri, seaweed, "--to", str(tmp_path / "pulled"))
+    assert pulled.returncode == 0, pulled.stderr
+    folder = tmp_path / "pulled" / "1"
+    assert (folder / "manifest.json").read_text() == local_a
+    from peft import PeftModel
+
+    from artcloud.server.engines import loading
+
+    base, _ = loading.load(TINY)
+    PeftModel.from_pretrained(base, str(folder))  # loads as it is
+    nothing = serve_pull("s3/nobody", uri, seaweed)
+    one_line_error(nothing, "no committed checkpoint")
+
+
+def serve_pull(target: str, uri: str, seaweed, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "artcloud", "pull", target, "--s3", uri, *args], capture_output=True, text=True,
+                          env={**os.environ, **s3_env(seaweed)}, timeout=120)
 
 
 def test_wrong_s3_credentials_fail_at_start(seaweed, tmp_path):

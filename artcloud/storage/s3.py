@@ -234,7 +234,9 @@ class CheckpointStore:
                     steps.append(int(step))
         return sorted(steps)
 
-    def pull(self, project: str, model: str, step: int | None, dest: Path) -> Path:
+    def pull(self, project: str, model: str, step: int | None, dest: Path,
+             on_manifest: Callable[[dict[str, Any]], None] | None = None,
+             on_bytes: Callable[[int], None] | None = None) -> Path:
         """Download step (None: LATEST) into dest/STEP, every file checked against the committed manifest.
         Written to a temporary folder and renamed: a failed or corrupt pull leaves nothing behind."""
         if step is None:
@@ -244,12 +246,15 @@ class CheckpointStore:
         manifest = self._get_json(self._step_key(project, model, step, checkpoints.MANIFEST))
         if manifest is None:
             raise StorageError(f"step {step} of {project}/{model} is not committed under {self.config.uri}")
+        if on_manifest is not None:
+            on_manifest(manifest)
         dest.mkdir(parents=True, exist_ok=True)
         final = dest / str(step)
         tmp = Path(tempfile.mkdtemp(prefix=f".pull-{step}-", dir=dest))
         try:
             def download(name: str) -> None:
-                self._retry(self.s3.download_file, self.config.bucket, self._step_key(project, model, step, name), str(tmp / name))
+                self._retry(self.s3.download_file, self.config.bucket, self._step_key(project, model, step, name), str(tmp / name),
+                            Callback=on_bytes)
 
             with ThreadPoolExecutor(self.workers, thread_name_prefix="s3-pull") as pool:
                 list(pool.map(download, manifest["files"]))
@@ -262,3 +267,29 @@ class CheckpointStore:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return final
+
+
+def pull_checkpoint(target: str, *, s3: str | None = None, step: int | None = None, to: Path | None = None,
+                    progress: bool = True) -> Path:
+    """Download PROJECT/MODEL's checkpoint (the latest committed one unless `step`) from `s3`
+    (default $ARTCLOUD_S3) into `to`/STEP (default ./checkpoints/PROJECT/MODEL), verified. The folder
+    loads with `peft.PeftModel.from_pretrained(base_model, folder)` as it is."""
+    project, _, model = target.partition("/")
+    if not project or not model or "/" in model:
+        raise StorageError(f"name a model as PROJECT/MODEL, not {target!r}")
+    uri = s3 or os.environ.get("ARTCLOUD_S3")
+    if not uri:
+        raise StorageError("say where the checkpoints are: --s3 s3://BUCKET/PREFIX (or set ARTCLOUD_S3)")
+    store = CheckpointStore(S3Config.from_uri(uri))
+    dest = to or Path("checkpoints") / project / model
+    if not progress:
+        return store.pull(project, model, step, dest)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    with Progress(TextColumn(f"[bold]pull {target}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True) as bar:
+        task = bar.add_task("pull", total=None)
+        return store.pull(
+            project, model, step, dest,
+            on_manifest=lambda m: bar.update(task, total=sum(f["size"] for f in m["files"].values())),
+            on_bytes=lambda n: bar.advance(task, n),
+        )
