@@ -94,7 +94,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory):
     """One real S3 server (SeaweedFS) for the whole session."""
-    from seaweed import SeaweedS3
+    from artcloud.storage.seaweed import SeaweedS3
 
     server = SeaweedS3(tmp_path_factory.mktemp("seaweed")).start()
     yield server

