@@ -88,3 +88,22 @@ def test_wrong_s3_credentials_fail_at_start(seaweed, tmp_path):
     assert "wrong-secret" not in result.stderr
     missing = serve("--path", str(tmp_path / "d"), "--port", "0", "--s3", "s3://no-such-bucket-xyz/x", env=s3_env(seaweed))
     one_line_error(missing, "does not exist")
+
+
+def test_a_second_server_on_the_same_model_and_prefix_is_refused(seaweed, start_server, tmp_path):
+    bucket = f"two-{uuid.uuid4().hex[:10]}"
+    seaweed.client().create_bucket(Bucket=bucket)
+    uri = f"s3://{bucket}/shared"
+    a = start_server(tmp_path / "a", "--s3", uri, env=s3_env(seaweed))
+    b = start_server(tmp_path / "b", "--s3", uri, env=s3_env(seaweed))
+    with a.client() as ca, b.client() as cb:
+        assert ca.post("/artcloud/models", json=SPEC).status_code == 200
+        refused = cb.post("/artcloud/models", json=SPEC)
+        assert refused.status_code == 409
+        error = refused.json()["error"]
+        assert error["code"] == "model_locked" and error["field"] == "name" and "another server" in error["message"]
+        # Another model on the same prefix is fine: the claim is per model.
+        assert cb.post("/artcloud/models", json={**SPEC, "name": "other"}).status_code == 200
+    a.stop()  # A lets go of its claim on the way out: now B may take the model over
+    with b.client() as cb:
+        assert cb.post("/artcloud/models", json=SPEC).status_code == 200

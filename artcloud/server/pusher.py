@@ -21,8 +21,9 @@ log = logging.getLogger("artcloud.server")
 
 
 class Pusher:
-    def __init__(self, store: CheckpointStore, project: str, model: str):
+    def __init__(self, store: CheckpointStore, project: str, model: str, owner: str):
         self.store = store
+        self.owner = owner
         self.project = project
         self.model = model
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"s3-push-{model}")
@@ -43,8 +44,7 @@ class Pusher:
         while self._wanted is not None:
             folder, self._wanted = self._wanted, None
             try:
-                result = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self.store.push, self.project, self.model, folder)
+                result = await asyncio.get_running_loop().run_in_executor(self._executor, self._push, folder)
             except Exception as e:  # retried inside push; what reaches here is reported, and the next push retries
                 self.errors += 1
                 self.last_error = f"{type(e).__name__}: {e}"
@@ -58,6 +58,17 @@ class Pusher:
             self.last_error = None
             log.info("pushed %s step %d to %s: %d bytes in %.1f s", self.model, result.step, self.store.config.uri,
                      result.uploaded_bytes, result.seconds)
+
+    def _push(self, folder: Path):
+        # Renew our claim first: if another server took the model over, we must not write over it.
+        self.store.claim(self.project, self.model, self.owner)
+        return self.store.push(self.project, self.model, folder)
+
+    async def claim(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.store.claim, self.project, self.model, self.owner)
+
+    async def release(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.store.release, self.project, self.model, self.owner)
 
     async def flush(self, timeout: float = 600.0) -> None:
         """Wait for pending pushes (a final push before the server exits)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from artcloud.server.errors import ApiError
 from artcloud.server.jobs import Job, JobStore
 from artcloud.server.pusher import Pusher
 from artcloud.storage import checkpoints
-from artcloud.storage.s3 import CheckpointStore
+from artcloud.storage.s3 import CheckpointStore, StorageError
 from artcloud.types import TrainConfig
 
 log = logging.getLogger("artcloud.server")
@@ -65,10 +66,11 @@ class EngineHost:
 class ServedModel:
     """A registered trainable model: a LoRA adapter on a host's engine, its step, its jobs."""
 
-    def __init__(self, spec: RegisterRequest, folder: Path, host: EngineHost, slot: str, store: CheckpointStore | None = None):
+    def __init__(self, spec: RegisterRequest, folder: Path, host: EngineHost, slot: str,
+                 store: CheckpointStore | None = None, owner: str = ""):
         self.spec = spec
         self.store = store
-        self.pusher = Pusher(store, spec.project, spec.name) if store is not None else None
+        self.pusher = Pusher(store, spec.project, spec.name, owner) if store is not None else None
         self.name = spec.name
         self.folder = folder
         self.host = host
@@ -97,7 +99,11 @@ class ServedModel:
     async def load(self) -> bool:
         """Resume from the newest complete checkpoint, or start step 0. Returns True if it resumed."""
         checkpoints.clean_partial(self.folder)
-        if self.store is not None:
+        if self.pusher is not None:
+            try:
+                await self.pusher.claim()  # one writer per model and S3 location
+            except StorageError as e:
+                raise ApiError(409, "model_locked", str(e), "name") from e
             await self._pull_if_newer()
         found = await self.host.call(checkpoints.latest_valid, self.folder)
         checkpoints.set_aside_after(self.folder, found[0] if found else -1)
@@ -239,6 +245,10 @@ class ServedModel:
                 await self.pusher.flush()  # the final push before the server exits
             except Exception as e:
                 log.error("final push of %s failed: %s", self.name, e)
+            try:
+                await self.pusher.release()
+            except Exception as e:
+                log.warning("could not release the S3 claim on %s: %s", self.name, e)
             self.pusher.close()
 
 
@@ -266,6 +276,7 @@ class Registry:
                  store: CheckpointStore | None = None):
         self.root = root
         self.store = store
+        self.instance = uuid.uuid4().hex  # this server's identity when it claims a model on S3
         self.engine_kind = engine
         self.factory = factory or default_engine_factory(engine)
         self.hosts: dict[str, EngineHost] = {}
@@ -329,7 +340,7 @@ class Registry:
                 raise ApiError(400, "base_model_not_found", str(e), "base_model") from e
             folder.mkdir(parents=True, exist_ok=True)
             checkpoints.write_json_atomic(spec_path, spec.model_dump(mode="json"))
-            model = ServedModel(spec, folder, host, slot=f"adapter{len(self.models) + 1}", store=self.store)
+            model = ServedModel(spec, folder, host, slot=f"adapter{len(self.models) + 1}", store=self.store, owner=self.instance)
             resumed = await model.load()
             self.models[spec.name] = model
             log.info("%s %s at step %d", "resumed" if resumed else "registered", spec.name, model.step)

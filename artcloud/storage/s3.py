@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ from artcloud.storage import checkpoints
 log = logging.getLogger("artcloud.storage")
 
 LATEST = "LATEST"
+OWNER = "OWNER"
 
 
 class StorageError(Exception):
@@ -165,6 +167,48 @@ class CheckpointStore:
             if _retryable(e) or type(e).__name__.endswith("ConnectionError"):
                 raise StorageError(f"cannot reach S3 at {self.config.endpoint_url or 'AWS'} for {where}: {e}") from e
             raise
+
+    # ------------------------------------------------------------------------------------- ownership
+
+    def claim(self, project: str, model: str, owner: str, stale_after_s: float = 900.0) -> None:
+        """Make this server the one writer of PROJECT/MODEL here, or refuse.
+
+        Two servers training the same model would write different step N's over each other. The OWNER
+        object is created only if absent (If-None-Match: *) and renewed or taken over only if unchanged
+        since read (If-Match: ETag), so of two racing servers exactly one wins; an owner that stopped
+        renewing for `stale_after_s` (a dead server) is taken over."""
+        from botocore.exceptions import ClientError
+
+        key = self._key(project, model, OWNER)
+        now = time.time()
+        mine = {"owner": owner, "host": socket.gethostname(), "pid": os.getpid(), "renewed_at": now}
+        try:
+            self._retry(self.s3.put_object, Bucket=self.config.bucket, Key=key, Body=json.dumps(mine).encode(), IfNoneMatch="*")
+            return
+        except ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") not in (409, 412):
+                raise
+        current = self._retry(self.s3.get_object, Bucket=self.config.bucket, Key=key)
+        record = json.loads(current["Body"].read())
+        age = now - float(record.get("renewed_at", 0))
+        if record.get("owner") != owner and age < stale_after_s:
+            raise StorageError(
+                f"{project}/{model} under {self.config.uri} is being trained by another server "
+                f"({record.get('host')}, pid {record.get('pid')}, seen {age:.0f} s ago): stop it, use another S3 "
+                f"prefix, or wait until it has been silent for {stale_after_s:.0f} s"
+            )
+        try:
+            self._retry(self.s3.put_object, Bucket=self.config.bucket, Key=key, Body=json.dumps(mine).encode(),
+                        IfMatch=current["ETag"])
+        except ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):
+                raise StorageError(f"another server claimed {project}/{model} under {self.config.uri} at the same moment") from e
+            raise
+
+    def release(self, project: str, model: str, owner: str) -> None:
+        record = self._get_json(self._key(project, model, OWNER))
+        if record is not None and record.get("owner") == owner:
+            self._retry(self.s3.delete_object, Bucket=self.config.bucket, Key=self._key(project, model, OWNER))
 
     # ------------------------------------------------------------------------------------- push
 
