@@ -44,6 +44,8 @@ def serve(
     engine: str = typer.Option("cpu", "--engine", help="Model engine: cpu (torch + transformers + peft)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
     parent_pid: Optional[int] = typer.Option(None, "--parent-pid", help="Exit when this process is gone (set by LocalBackend)."),
+    keep_last: int = typer.Option(0, "--keep-last", min=0, help="Keep only the newest K checkpoints (plus the best, and always the latest), here and on S3. 0 keeps all."),
+    keep_best: str = typer.Option("reward_mean", "--keep-best", help="The training metric whose best step --keep-last also keeps."),
     s3: Optional[str] = typer.Option(None, "--s3", help="Push every checkpoint to s3://BUCKET/PREFIX and resume from it. Default: $ARTCLOUD_S3. Endpoint and credentials: ARTCLOUD_S3_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY."),
 ) -> None:
     """Serve OpenAI-compatible inference and GRPO training over HTTPS.
@@ -62,7 +64,7 @@ def serve(
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         run(host=host, port=port, path=path, tls_cert=tls_cert, tls_key=tls_key, token_file=token_file,
-            engine=engine, log_level=log_level, parent_pid=parent_pid, s3=s3)
+            engine=engine, log_level=log_level, parent_pid=parent_pid, s3=s3, keep_last=keep_last, keep_best=keep_best)
     except ServeError as e:
         raise CLIError(str(e)) from e
     except ssl.SSLError as e:
@@ -76,6 +78,8 @@ def pull(
     target: str = typer.Argument(..., help="The model, as PROJECT/MODEL."),
     step: str = typer.Option("latest", "--step", help="A step number, or 'latest' (the newest committed one)."),
     to: Optional[Path] = typer.Option(None, "--to", help="Folder to pull into; the checkpoint lands in TO/STEP. Default: ./checkpoints/PROJECT/MODEL."),
+    keep_last: int = typer.Option(0, "--keep-last", min=0, help="Keep only the newest K checkpoints (plus the best, and always the latest), here and on S3. 0 keeps all."),
+    keep_best: str = typer.Option("reward_mean", "--keep-best", help="The training metric whose best step --keep-last also keeps."),
     s3: Optional[str] = typer.Option(None, "--s3", help="Where the checkpoints are: s3://BUCKET/PREFIX. Default: $ARTCLOUD_S3."),
 ) -> None:
     """Download a checkpoint from S3, verified against its manifest.

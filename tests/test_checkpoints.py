@@ -207,3 +207,11 @@ def test_write_json_atomic(tmp_path):
     ck.write_json_atomic(path, {"a": 2, "b": [1]})
     assert json.loads(path.read_text()) == {"a": 2, "b": [1]}
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_retention_plan_keeps_the_newest_the_best_and_always_the_latest():
+    steps = [0, 1, 2, 3, 4, 5]
+    assert ck.plan_retention(steps, keep_last=0) == []
+    assert ck.plan_retention(steps, keep_last=2) == [0, 1, 2, 3]
+    assert ck.plan_retention(steps, keep_last=2, metric={1: 0.9, 2: 0.1, 5: 0.3}) == [0, 2, 3]
+    assert ck.plan_retention([7], keep_last=1, metric={7: 0.0}) == []

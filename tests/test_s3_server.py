@@ -107,3 +107,23 @@ def test_a_second_server_on_the_same_model_and_prefix_is_refused(seaweed, start_
     a.stop()  # A lets go of its claim on the way out: now B may take the model over
     with b.client() as cb:
         assert cb.post("/artcloud/models", json=SPEC).status_code == 200
+
+
+def test_retention_keeps_the_latest_k_and_the_best_here_and_on_s3(seaweed, start_server, tmp_path):
+    bucket = f"ret-{uuid.uuid4().hex[:10]}"
+    seaweed.client().create_bucket(Bucket=bucket)
+    s = start_server(tmp_path / "r", "--s3", f"s3://{bucket}/r", "--keep-last", "2", env=s3_env(seaweed))
+    with s.client() as c:
+        c.post("/artcloud/models", json=SPEC)
+        for i in range(4):
+            train(c, "agent", rollout_groups(c, "agent", [f"q{i}"], n=3), learning_rate=1e-3)
+            wait_pushed(c, i + 1)
+        info = c.get("/artcloud/models/agent").json()
+        history = {r["step"]: r["reward_mean"] for r in info["history"]}
+    best = max(history, key=lambda k: (history[k], k))
+    expected = sorted({3, 4, best})
+    assert info["checkpoints"] == expected
+    store = CheckpointStore(S3Config(bucket=bucket, prefix="r", endpoint_url=seaweed.endpoint,
+                                     access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY))
+    assert store.committed_steps("s3", "agent") == expected and store.latest("s3", "agent") == 4
+    assert "retention: deleted" in s.log.read_text()

@@ -13,7 +13,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from artcloud.storage.s3 import CheckpointStore
 
@@ -21,9 +21,11 @@ log = logging.getLogger("artcloud.server")
 
 
 class Pusher:
-    def __init__(self, store: CheckpointStore, project: str, model: str, owner: str):
+    def __init__(self, store: CheckpointStore, project: str, model: str, owner: str,
+                 retention: Callable[[list[int]], list[int]] | None = None):
         self.store = store
         self.owner = owner
+        self.retention = retention  # committed steps on S3 -> the ones to delete
         self.project = project
         self.model = model
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"s3-push-{model}")
@@ -62,7 +64,11 @@ class Pusher:
     def _push(self, folder: Path):
         # Renew our claim first: if another server took the model over, we must not write over it.
         self.store.claim(self.project, self.model, self.owner)
-        return self.store.push(self.project, self.model, folder)
+        result = self.store.push(self.project, self.model, folder)
+        if self.retention is not None:
+            for step in self.retention(self.store.committed_steps(self.project, self.model)):
+                self.store.delete_step(self.project, self.model, step)
+        return result
 
     async def claim(self) -> None:
         await asyncio.get_running_loop().run_in_executor(self._executor, self.store.claim, self.project, self.model, self.owner)

@@ -166,12 +166,14 @@ def run(
     log_level: str = "info",
     parent_pid: int | None = None,
     s3: str | None = None,
+    keep_last: int = 0,
+    keep_best: str = "reward_mean",
     announce=print,
 ) -> None:
     import uvicorn
 
     from artcloud.server.app import create_app
-    from artcloud.server.state import Registry
+    from artcloud.server.state import Registry, Retention
     from artcloud.server.tls_only import server_context, wrap_uvicorn_protocol
 
     path = check_path(path)
@@ -189,7 +191,7 @@ def run(
 
     if store is not None:
         announce(f"  checkpoints are pushed to {store.config.uri}")
-    registry = Registry(path, engine=engine, store=store)
+    registry = Registry(path, engine=engine, store=store, retention=Retention(keep_last=keep_last, metric=keep_best))
     app = create_app(registry, tls.token)
     context = server_context(str(tls.cert), str(tls.key))  # a bad cert/key pair fails here, before serving
     # TLS is done by TLSOnlyProtocol (so plain HTTP gets a readable 400), on asyncio's own loop.

@@ -67,10 +67,12 @@ class ServedModel:
     """A registered trainable model: a LoRA adapter on a host's engine, its step, its jobs."""
 
     def __init__(self, spec: RegisterRequest, folder: Path, host: EngineHost, slot: str,
-                 store: CheckpointStore | None = None, owner: str = ""):
+                 store: CheckpointStore | None = None, owner: str = "", retention: Retention | None = None):
         self.spec = spec
         self.store = store
-        self.pusher = Pusher(store, spec.project, spec.name, owner) if store is not None else None
+        self.retention = retention or Retention()
+        self.pusher = (Pusher(store, spec.project, spec.name, owner, retention=self._to_delete)
+                       if store is not None else None)
         self.name = spec.name
         self.folder = folder
         self.host = host
@@ -214,8 +216,20 @@ class ServedModel:
                 await self._reload_committed()
                 raise
             self.step = next_step
+        await self._apply_local_retention()
         job.emit("end", step=next_step, served_as=self.served_as, trained=True, metrics=record, checkpoint=str(folder),
                  s3=self.pusher.status() if self.pusher else None)
+
+    def _to_delete(self, steps: list[int]) -> list[int]:
+        metric = {r["step"]: r[self.retention.metric] for r in self.history if self.retention.metric in r}
+        return checkpoints.plan_retention(steps, keep_last=self.retention.keep_last, metric=metric)
+
+    async def _apply_local_retention(self) -> None:
+        for step in self._to_delete(checkpoints.committed_steps(self.folder)):
+            await self.host.call(checkpoints.delete, self.folder, step)
+            slot = self._old.pop(step, None)
+            if slot is not None:
+                await self.host.call(self.engine.delete_adapter, slot)
 
     async def _reload_committed(self) -> None:
         folder = checkpoints.step_folder(self.folder, self.step)
@@ -263,6 +277,15 @@ def _history_record(step: int, job_id: str, stats: dict[str, Any], steps: list[d
 
 
 @dataclass(frozen=True)
+class Retention:
+    """Keep the newest `keep_last` checkpoints and the best by `metric` (a history key); 0 keeps all.
+    The latest committed checkpoint is never deleted."""
+
+    keep_last: int = 0
+    metric: str = "reward_mean"
+
+
+@dataclass(frozen=True)
 class Target:
     """Where a chat request goes: a host, the batching key, and the model (None for a bare base model)."""
 
@@ -273,8 +296,9 @@ class Target:
 
 class Registry:
     def __init__(self, root: Path, engine: str = "cpu", factory: Callable[[str], Engine] | None = None,
-                 store: CheckpointStore | None = None):
+                 store: CheckpointStore | None = None, retention: Retention | None = None):
         self.root = root
+        self.retention = retention or Retention()
         self.store = store
         self.instance = uuid.uuid4().hex  # this server's identity when it claims a model on S3
         self.engine_kind = engine
@@ -340,7 +364,7 @@ class Registry:
                 raise ApiError(400, "base_model_not_found", str(e), "base_model") from e
             folder.mkdir(parents=True, exist_ok=True)
             checkpoints.write_json_atomic(spec_path, spec.model_dump(mode="json"))
-            model = ServedModel(spec, folder, host, slot=f"adapter{len(self.models) + 1}", store=self.store, owner=self.instance)
+            model = ServedModel(spec, folder, host, slot=f"adapter{len(self.models) + 1}", store=self.store, owner=self.instance, retention=self.retention)
             resumed = await model.load()
             self.models[spec.name] = model
             log.info("%s %s at step %d", "resumed" if resumed else "registered", spec.name, model.step)

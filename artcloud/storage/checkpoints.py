@@ -179,3 +179,25 @@ def step_folder(model_dir: Path, step: int) -> Path | None:
 
 def read_trainer_state(folder: Path) -> dict[str, Any]:
     return json.loads((folder / TRAINER_STATE).read_text())
+
+
+def plan_retention(steps: list[int], *, keep_last: int, metric: dict[int, float] | None = None) -> list[int]:
+    """The steps to delete: all but the newest `keep_last` and the best step by `metric` (highest value).
+    The latest step is never deleted; keep_last <= 0 keeps everything."""
+    if keep_last <= 0 or not steps:
+        return []
+    steps = sorted(steps)
+    keep = set(steps[-keep_last:]) | {steps[-1]}
+    scored = [s for s in steps if metric and s in metric]
+    if scored:
+        keep.add(max(scored, key=lambda s: (metric[s], s)))
+    return [s for s in steps if s not in keep]
+
+
+def delete(model_dir: Path, step: int) -> None:
+    """Remove a checkpoint: renamed out of the committed namespace first, so no reader sees half of it."""
+    folder = checkpoints_dir(model_dir) / str(step)
+    doomed = checkpoints_dir(model_dir) / f".tmp-delete-{step}-{uuid.uuid4().hex[:8]}"
+    os.rename(folder, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+    log.info("retention: deleted local checkpoint %s", folder)

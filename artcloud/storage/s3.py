@@ -260,6 +260,18 @@ class CheckpointStore:
             raise
         return head.get("Metadata", {}).get("sha256")
 
+    def delete_step(self, project: str, model: str, step: int) -> None:
+        """Uncommit a step (its manifest goes first), then delete its files. Never the LATEST step."""
+        if step == self.latest(project, model):
+            raise StorageError(f"refusing to delete step {step} of {project}/{model}: it is the latest committed one")
+        prefix = self._step_key(project, model, step) + "/"
+        self._retry(self.s3.delete_object, Bucket=self.config.bucket, Key=prefix + checkpoints.MANIFEST)
+        paginator = self.s3.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.config.bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                self._retry(self.s3.delete_object, Bucket=self.config.bucket, Key=obj["Key"])
+        log.info("retention: deleted %s%s", f"s3://{self.config.bucket}/", prefix)
+
     # ------------------------------------------------------------------------------------- read
 
     def latest(self, project: str, model: str) -> int | None:
