@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-fast demo bench bench-import bench-rollouts bench-grpo clean
+.PHONY: install test test-fast demo bench bench-import bench-rollouts bench-grpo bench-s3 clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,7 +33,7 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/five_words.py
 
-bench: bench-import bench-rollouts bench-grpo
+bench: bench-import bench-rollouts bench-grpo bench-s3
 
 bench-import: $(STAMP)
 	$(BIN)/python bench/import_time.py
@@ -43,6 +43,9 @@ bench-rollouts: $(STAMP)
 
 bench-grpo: $(STAMP)
 	$(BIN)/python bench/grpo_step.py
+
+bench-s3: $(STAMP)
+	$(BIN)/python bench/s3_sync.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone, VersionMismatch
     from artcloud.gather import GatherError, gather_trajectory_groups
     from artcloud.model import LinearTemperatureAnnealer, Model, TrainableModel, TrainResult
+    from artcloud.storage.s3 import pull_checkpoint
 
 _LAZY = {
     "LocalBackend": "artcloud.backends.local",
@@ -29,13 +30,14 @@ _LAZY = {
     "TrainableModel": "artcloud.model",
     "TrainResult": "artcloud.model",
     "LinearTemperatureAnnealer": "artcloud.model",
+    "pull_checkpoint": "artcloud.storage.s3",
 }
 
 __all__ = [
     "__version__", "LoraConfig", "TrainConfig", "Trajectory", "TrajectoryGroup",
     "LocalBackend", "RemoteBackend", "ArtcloudError", "ServerGone", "VersionMismatch",
     "gather_trajectory_groups", "GatherError",
-    "Model", "TrainableModel", "TrainResult", "LinearTemperatureAnnealer",
+    "Model", "TrainableModel", "TrainResult", "LinearTemperatureAnnealer", "pull_checkpoint",
 ]
 
 
