@@ -13,8 +13,11 @@ addressing via AWS_CONFIG_FILE, env credentials). Measured, side by side, altern
   (3) resume: pull of the latest step, `CheckpointStore.pull` (sha256-verified) vs `aws s3 sync` down
 
 Targets: (1) artcloud >= 1.5x faster than aws; (2) artcloud moves 0 bytes. Medians over --repeats
-(default 3). For reference (1) also times one `aws s3 sync` of the whole checkpoints folder (all N at once).
-Results go to bench/out/s3_sync.json.
+(default 3). Each aws side includes its processes' start (about 1 s of CPU each), which is what a
+trainer shelling out per checkpoint pays; for reference (1) also times one `aws s3 sync` of the whole
+checkpoints folder (all N at once). CPU seconds are reported as client (this process, or the aws
+processes) + server (SeaweedFS); client and server share the machine's cores. Results go to
+bench/out/s3_sync.json.
 
     .venv/bin/python bench/s3_sync.py
     .venv/bin/python bench/s3_sync.py --checkpoints 3 --adapter-mb 10 --optimizer-mb 20 --repeats 1
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -43,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
 PROJECT, MODEL = "bench", "m"
 MiB = 1 << 20
-console = Console(width=max(Console().width, 130))
+console = Console(width=max(Console().width, 160))
 
 
 def find_aws(flag: str | None) -> str:
@@ -54,15 +58,14 @@ def find_aws(flag: str | None) -> str:
 
 
 def make_checkpoints(model_dir: Path, args: argparse.Namespace) -> list[Path]:
-    def writer(adapter: int, optim: int):
-        def write(folder: Path) -> list[str]:
-            (folder / "adapter_model.safetensors").write_bytes(os.urandom(adapter))
-            (folder / "optimizer.pt").write_bytes(os.urandom(optim))
-            return ["adapter_model.safetensors", "optimizer.pt"]
-        return write
+    files = {"adapter_model.safetensors": args.adapter_mb * MiB, "optimizer.pt": args.optimizer_mb * MiB}
 
-    return [checkpoints.commit(model_dir, step, writer(args.adapter_mb * MiB, args.optimizer_mb * MiB),
-                               {"global_step": step, "rng": list(range(8))})
+    def write(folder: Path) -> list[str]:
+        for name, size in files.items():
+            (folder / name).write_bytes(os.urandom(size))  # random: nothing compresses or dedups
+        return list(files)
+
+    return [checkpoints.commit(model_dir, step, write, {"global_step": step, "rng": [step] * 8})
             for step in range(1, args.checkpoints + 1)]
 
 
@@ -87,14 +90,27 @@ class Aws:
         return subprocess.run([self.exe, "--version"], env=self.env, capture_output=True, text=True).stdout.strip()
 
 
-def timed(fn):
-    t0 = time.perf_counter()
+def proc_cpu(pid: int) -> float:
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(fn, server_pid: int) -> dict:
+    """Wall seconds, client CPU (this process + the aws children) and SeaweedFS CPU of fn(), plus what fn returns."""
+    ch = lambda: (lambda r: r.ru_utime + r.ru_stime)(resource.getrusage(resource.RUSAGE_CHILDREN))  # noqa: E731
+    c0, w0, t0 = time.process_time() + ch(), proc_cpu(server_pid), time.perf_counter()
     out = fn()
-    return time.perf_counter() - t0, out
+    out = out if isinstance(out, dict) else {}
+    return {"seconds": time.perf_counter() - t0, "client_cpu_s": time.process_time() + ch() - c0,
+            "server_cpu_s": proc_cpu(server_pid) - w0, **out}
+
+
+def both(sides: dict, flip: bool, pid: int) -> dict:
+    return {name: measure(sides[name], pid) for name in (["aws", "artcloud"] if flip else ["artcloud", "aws"])}
 
 
 def run(args: argparse.Namespace, tmp: Path, s3: SeaweedS3) -> dict:
-    model_dir = tmp / "local" / PROJECT / MODEL
+    model_dir, pid = tmp / "local" / PROJECT / MODEL, s3.proc.pid
     folders = make_checkpoints(model_dir, args)
     total = sum(f.stat().st_size for d in folders for f in d.iterdir())
     aws = Aws(find_aws(args.aws), s3.endpoint, tmp)
@@ -110,80 +126,69 @@ def run(args: argparse.Namespace, tmp: Path, s3: SeaweedS3) -> dict:
         return f"s3://awscli/r{r}/{PROJECT}/{MODEL}/checkpoints/{step}".rstrip("/")
 
     def ac_push(st: CheckpointStore) -> dict:
-        sec, res = timed(lambda: [st.push(PROJECT, MODEL, d) for d in folders])
-        return {"seconds": sec, "uploaded_bytes": sum(p.uploaded_bytes for p in res),
-                "uploaded_files": sum(p.uploaded_files for p in res), "skipped_files": sum(p.skipped_files for p in res)}
+        res = [st.push(PROJECT, MODEL, d) for d in folders]
+        return {"uploaded_bytes": sum(p.uploaded_bytes for p in res), "uploaded_files": sum(p.uploaded_files for p in res),
+                "skipped_files": sum(p.skipped_files for p in res)}
 
     def aws_push(r: int) -> dict:
-        sec, n = timed(lambda: sum(aws.sync(str(d), aws_dst(r, d.name)) for d in folders))
-        return {"seconds": sec, "uploaded_files": n}
+        return {"uploaded_files": sum(aws.sync(str(d), aws_dst(r, d.name)) for d in folders)}
 
     raw: dict[str, list] = {k: [] for k in ("first", "again", "pull")}
-    for r in range(args.repeats):  # (1) first push, fresh prefixes; the side going first alternates
+    payload = total - sum((d / checkpoints.MANIFEST).stat().st_size for d in folders)  # push counts the manifest apart
+    for r in range(args.repeats):  # (1) first push into fresh prefixes; the side going first alternates
         st = store(r)
-        sides = [("artcloud", lambda: ac_push(st)), ("aws", lambda: aws_push(r))]
-        row = {name: fn() for name, fn in (sides if r % 2 == 0 else sides[::-1])}
-        assert row["artcloud"]["uploaded_bytes"] == total - sum((d / checkpoints.MANIFEST).stat().st_size for d in folders)
-        row["aws_one_sync"] = timed(lambda: aws.sync(str(model_dir / "checkpoints"), f"s3://awscli/all{r}"))[0]
+        row = both({"artcloud": lambda: ac_push(st), "aws": lambda: aws_push(r)}, r % 2 == 1, pid)
+        assert row["artcloud"]["uploaded_bytes"] == payload, row
+        row["aws_one_sync"] = measure(lambda: aws.sync(str(model_dir / "checkpoints"), f"s3://awscli/all{r}"), pid)
         raw["first"].append(row)
         console.print(f"first push {r + 1}/{args.repeats}: artcloud {row['artcloud']['seconds']:.2f} s, "
-                      f"aws {row['aws']['seconds']:.2f} s (one sync of all: {row['aws_one_sync']:.2f} s)")
+                      f"aws {row['aws']['seconds']:.2f} s (one sync of all: {row['aws_one_sync']['seconds']:.2f} s)")
     last, latest = args.repeats - 1, int(folders[-1].name)
-    for r in range(args.repeats):  # (2) re-push unchanged, (3) pull latest into an empty folder
+    for r in range(args.repeats):  # (2) re-push unchanged, (3) pull the latest step into an empty folder
         st = store(last)
-        sides = [("artcloud", lambda: ac_push(st)), ("aws", lambda: aws_push(last))]
-        row = {name: fn() for name, fn in (sides if r % 2 == 0 else sides[::-1])}
+        row = both({"artcloud": lambda: ac_push(st), "aws": lambda: aws_push(last)}, r % 2 == 1, pid)
         assert row["artcloud"]["uploaded_bytes"] == 0 and row["artcloud"]["uploaded_files"] == 0, row
         raw["again"].append(row)
         dest = tmp / f"pull{r}"
-        pulls = [("artcloud", lambda: timed(lambda: store(last).pull(PROJECT, MODEL, latest, dest / "artcloud"))[0]),
-                 ("aws", lambda: timed(lambda: aws.sync(aws_dst(last, latest), str(dest / "aws" / str(latest))))[0])]
-        prow = {name: fn() for name, fn in (pulls if r % 2 == 0 else pulls[::-1])}
+        raw["pull"].append(both({"artcloud": lambda: store(last).pull(PROJECT, MODEL, latest, dest / "artcloud"),
+                                 "aws": lambda: aws.sync(aws_dst(last, latest), str(dest / "aws" / str(latest)))},
+                                r % 2 == 1, pid))
         checkpoints.verify(dest / "artcloud" / str(latest))
         checkpoints.verify(dest / "aws" / str(latest))
-        raw["pull"].append(prow)
         shutil.rmtree(dest)
 
-    med = lambda rows, *ks: statistics.median(_dig(x, ks) for x in rows)  # noqa: E731
-    step_bytes = sum(f.stat().st_size for f in folders[-1].iterdir())
-    res = {
-        "total_bytes": total, "aws_version": aws.version(), "aws_exe": aws.exe,
-        "first_artcloud_s": med(raw["first"], "artcloud", "seconds"), "first_aws_s": med(raw["first"], "aws", "seconds"),
-        "first_aws_one_sync_s": med(raw["first"], "aws_one_sync"),
-        "again_artcloud_s": med(raw["again"], "artcloud", "seconds"), "again_aws_s": med(raw["again"], "aws", "seconds"),
-        "again_artcloud_uploaded_bytes": max(x["artcloud"]["uploaded_bytes"] for x in raw["again"]),
-        "again_aws_uploaded_files": max(x["aws"]["uploaded_files"] for x in raw["again"]),
-        "pull_artcloud_s": med(raw["pull"], "artcloud"), "pull_aws_s": med(raw["pull"], "aws"), "pull_bytes": step_bytes,
-        "raw": raw,
-    }
-    for k in ("first", "again", "pull"):
-        res[f"{k}_speedup"] = res[f"{k}_aws_s"] / res[f"{k}_artcloud_s"]
+    res: dict = {"total_bytes": total, "pull_bytes": sum(f.stat().st_size for f in folders[-1].iterdir()),
+                 "aws_version": aws.version(), "aws_exe": aws.exe}
+    for k, rows in raw.items():
+        for side in ("artcloud", "aws") + (("aws_one_sync",) if k == "first" else ()):
+            for m in ("seconds", "client_cpu_s", "server_cpu_s"):
+                res[f"{k}_{side}_{m}"] = statistics.median(x[side][m] for x in rows)
+        res[f"{k}_speedup"] = res[f"{k}_aws_seconds"] / res[f"{k}_artcloud_seconds"]
+    res["again_artcloud_uploaded_bytes"] = max(x["artcloud"]["uploaded_bytes"] for x in raw["again"])
+    res["again_aws_uploaded_files"] = max(x["aws"]["uploaded_files"] for x in raw["again"])
     res["first_target_met"] = res["first_speedup"] >= 1.5
+    res["raw"] = raw
     return res
 
 
-def _dig(x, ks):
-    for k in ks:
-        x = x[k]
-    return x
-
-
 def show(res: dict, args: argparse.Namespace) -> None:
-    t = Table(title=f"{args.checkpoints} checkpoints x ({args.adapter_mb} + {args.optimizer_mb}) MiB to local SeaweedFS, "
-                    f"median of {args.repeats}")
-    for col in ("", "artcloud s", "aws s3 sync s", "artcloud MiB/s", "aws MiB/s", "aws / artcloud", "note"):
+    t = Table(title=f"{args.checkpoints} checkpoints x ({args.adapter_mb} + {args.optimizer_mb}) MiB, local SeaweedFS, "
+                    f"median of {args.repeats}; CPU s = client + server")
+    for col in ("", "artcloud s", "aws s", "artcloud MiB/s", "aws MiB/s", "aws / artcloud", "artcloud CPU s", "aws CPU s", "note"):
         t.add_column(col, justify="left" if col in ("", "note") else "right")
-    mib, pmib = res["total_bytes"] / MiB, res["pull_bytes"] / MiB
-    ok = "green" if res["first_target_met"] else "red"
-    t.add_row("(1) first push", f"{res['first_artcloud_s']:.2f}", f"{res['first_aws_s']:.2f}",
-              f"{mib / res['first_artcloud_s']:.0f}", f"{mib / res['first_aws_s']:.0f}", f"[{ok}]{res['first_speedup']:.2f}x[/]",
-              f"target >= 1.5x; aws one sync of all: {res['first_aws_one_sync_s']:.2f} s")
-    t.add_row("(2) re-push unchanged", f"{res['again_artcloud_s']:.2f}", f"{res['again_aws_s']:.2f}", "-", "-",
-              f"{res['again_speedup']:.2f}x", f"artcloud uploaded {res['again_artcloud_uploaded_bytes']} B, "
-              f"aws {res['again_aws_uploaded_files']} files")
-    t.add_row("(3) pull latest", f"{res['pull_artcloud_s']:.2f}", f"{res['pull_aws_s']:.2f}",
-              f"{pmib / res['pull_artcloud_s']:.0f}", f"{pmib / res['pull_aws_s']:.0f}", f"{res['pull_speedup']:.2f}x",
-              "artcloud checks every sha256")
+    rows = {"first": ("(1) first push", res["total_bytes"], "target >= 1.5x; one aws sync of all N: "
+                      f"{res['first_aws_one_sync_seconds']:.2f} s"),
+            "again": ("(2) re-push unchanged", 0, f"artcloud uploaded {res['again_artcloud_uploaded_bytes']} B, "
+                      f"aws {res['again_aws_uploaded_files']} files"),
+            "pull": ("(3) pull latest", res["pull_bytes"], "artcloud verifies every sha256")}
+    for k, (label, size, note) in rows.items():
+        sec = {s: res[f"{k}_{s}_seconds"] for s in ("artcloud", "aws")}
+        cpu = {s: f"{res[f'{k}_{s}_client_cpu_s']:.1f} + {res[f'{k}_{s}_server_cpu_s']:.1f}" for s in ("artcloud", "aws")}
+        rate = {s: f"{size / MiB / sec[s]:.0f}" if size else "-" for s in sec}
+        ok = "" if k != "first" else "green" if res["first_target_met"] else "red"
+        speed = f"[{ok}]{res[f'{k}_speedup']:.2f}x[/]" if ok else f"{res[f'{k}_speedup']:.2f}x"
+        t.add_row(label, f"{sec['artcloud']:.2f}", f"{sec['aws']:.2f}", rate["artcloud"], rate["aws"], speed,
+                  cpu["artcloud"], cpu["aws"], note)
     console.print(t)
 
 
