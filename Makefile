@@ -45,6 +45,8 @@ bench-grpo: $(STAMP)
 	$(BIN)/python bench/grpo_step.py
 
 bench-s3: $(STAMP)
+	# The peer: the AWS CLI (it brings its own botocore; only the benchmark needs it).
+	$(BIN)/pip install --quiet awscli
 	$(BIN)/python bench/s3_sync.py
 
 clean:
