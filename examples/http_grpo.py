@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import random
-import re
 import signal
 import sys
 import tempfile
@@ -24,15 +23,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from five_words import TOPICS, reward  # the same task as the SDK version, in examples/
+
 from artcloud.backends.process import ServerProcess
-
-TOPICS = ["the sea", "a cat", "winter", "coffee", "the moon", "a library", "rain", "music", "a forest",
-          "bread", "trains", "the desert", "a city at night", "friendship", "mountains", "a garden"]
-
-
-def reward(text: str) -> float:
-    words = len(re.findall(r"[A-Za-z0-9']+", text))
-    return max(0.0, 1.0 - abs(words - 5) / 5)
 
 
 def main() -> None:
