@@ -151,9 +151,3 @@ class Event(BaseModel):
     job_id: str
     time: float
     data: dict[str, Any] = Field(default_factory=dict)
-
-
-class ErrorBody(BaseModel):
-    code: str
-    message: str
-    field: str | None = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import httpx
@@ -83,19 +82,3 @@ def tiny_engine_with_adapter(slot: str, scale: float):
         for _, p in engine._params(slot):
             p.copy_(torch.randn(p.shape, generator=g) * scale)
     return engine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def seaweed(tmp_path_factory):
-    """One real S3 server (SeaweedFS) for the whole session."""
-    from artcloud.storage.seaweed import SeaweedS3
-
-    server = SeaweedS3(tmp_path_factory.mktemp("seaweed")).start()
-    yield server
-    server.stop()

@@ -306,7 +306,6 @@ class Registry:
         self.hosts: dict[str, EngineHost] = {}
         self.models: dict[str, ServedModel] = {}
         self.ready = False
-        self.started_at = time.time()
         self.last_request_at = time.time()
         self._register_lock = asyncio.Lock()
 
