@@ -82,3 +82,13 @@ def tiny_engine_with_adapter(slot: str, scale: float):
         for _, p in engine._params(slot):
             p.copy_(torch.randn(p.shape, generator=g) * scale)
     return engine
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    """One real S3 server (SeaweedFS) for the whole session."""
+    from artcloud.storage.seaweed import SeaweedS3
+
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweed")).start()
+    yield server
+    server.stop()
