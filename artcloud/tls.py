@@ -134,13 +134,14 @@ def make_launch_secrets(hosts: list[str] | None = None, days: int = 30) -> Launc
     )
 
 
-def client_ssl_context(ca_cert: str | Path) -> ssl.SSLContext:
-    """An SSL context that trusts `ca_cert` (PEM text or a path) and nothing else."""
+def client_ssl_context(ca_cert: str | Path, *, check_hostname: bool = True) -> ssl.SSLContext:
+    """An SSL context that trusts `ca_cert` (PEM text or a path) and nothing else. `check_hostname=False`
+    is for a launch CA only (one certificate signed, key discarded), where the CA is the identity."""
     # A bare PROTOCOL_TLS_CLIENT context starts with an empty trust store (create_default_context
     # would add the system CAs): only the launch's CA can vouch for the server.
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.check_hostname = True
+    ctx.check_hostname = check_hostname
     ctx.verify_mode = ssl.CERT_REQUIRED
     text = str(ca_cert)
     if "-----BEGIN CERTIFICATE-----" in text:

@@ -139,7 +139,7 @@ class LocalBackend(RemoteBackend):
                                     code="startup_timeout")
             await asyncio.sleep(0.2)
 
-    def _check_alive(self) -> None:
+    async def _check_alive(self) -> None:
         if self._proc is not None and self._proc.poll() is not None:
             raise ServerGone(
                 f"the local server exited (status {self._proc.returncode}) while we were talking to it; "

@@ -73,6 +73,7 @@ class RemoteBackend:
         timeout: float = 120.0,
         retries: int = 6,
         heartbeat_every_s: float = 60.0,
+        check_hostname: bool = True,
     ):
         if not base_url.startswith("https://"):
             raise ValueError(f"artcloud servers speak HTTPS only: use https://..., not {base_url!r}")
@@ -82,6 +83,9 @@ class RemoteBackend:
         self.timeout = timeout
         self.retries = retries
         self.heartbeat_every_s = heartbeat_every_s
+        # False only for a launch CA: it signed this one server certificate and its key is gone, so the
+        # CA alone identifies the server, whatever address the provider gave it.
+        self.check_hostname = check_hostname
         self._http: httpx.AsyncClient | None = None
         self._heartbeat: asyncio.Task | None = None
         self._version_checked = False
@@ -95,7 +99,7 @@ class RemoteBackend:
         if self._http is None:
             self._http = httpx.AsyncClient(
                 base_url=self.base_url,
-                verify=client_ssl_context(self.ca_cert),
+                verify=client_ssl_context(self.ca_cert, check_hostname=self.check_hostname),
                 headers={"Authorization": f"Bearer {self._token}", "User-Agent": f"artcloud/{__version__}"},
                 timeout=httpx.Timeout(self.timeout, connect=30.0),
             )
@@ -167,9 +171,9 @@ class RemoteBackend:
     async def __aexit__(self, *exc: Any) -> None:
         await self.down()
 
-    def _check_alive(self) -> None:
-        """Raise ServerGone if the server is known to be dead. A remote one cannot be known: the event
-        stream keeps reconnecting for a while instead. LocalBackend knows its child process."""
+    async def _check_alive(self) -> None:
+        """Raise ServerGone if the server is known to be dead. A bare URL cannot tell: the event stream
+        keeps reconnecting for a while instead. LocalBackend knows its child, SkyBackend its cluster."""
 
     def _start_heartbeats(self) -> None:
         if self._heartbeat is None and self.heartbeat_every_s > 0:
@@ -206,7 +210,7 @@ class RemoteBackend:
         return openai.AsyncOpenAI(
             base_url=self.base_url + "/v1",
             api_key=self._token,
-            http_client=openai.DefaultAsyncHttpxClient(verify=client_ssl_context(self.ca_cert)),
+            http_client=openai.DefaultAsyncHttpxClient(verify=client_ssl_context(self.ca_cert, check_hostname=self.check_hostname)),
             **kwargs,
         )
 
@@ -247,7 +251,7 @@ class RemoteBackend:
             except (httpx.TransportError, ArtcloudError) as e:
                 if isinstance(e, ArtcloudError) and not _retryable(e):
                     raise
-                self._check_alive()
+                await self._check_alive()
                 now = loop.time()
                 failing_since = failing_since or now
                 if now - failing_since > reconnect_for_s:

@@ -1,0 +1,130 @@
+"""The SkyPilot task that runs `artcloud serve`: sky/artcloud-server.yaml, filled from SkyBackend's arguments.
+
+The template is a plain SkyPilot YAML (usable with `sky launch` as it is); filling it only sets resources,
+envs and the workdir that carries the wheel. Secrets (token, TLS key, S3 credentials) never enter the
+task dict: they travel next to it and reach SkyPilot as task secrets, so no YAML written anywhere holds
+them. `render` shows a task with every secret redacted.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from artcloud._version import __version__
+
+TEMPLATE_NAME = "artcloud-server.yaml"
+SERVER_PORT = 8443
+SECRET_NAMES = ("ARTCLOUD_TOKEN", "ARTCLOUD_TLS_CERT", "ARTCLOUD_TLS_KEY")
+REDACTED = "<redacted>"
+
+
+def load_template() -> dict[str, Any]:
+    """The template shipped inside the package (artcloud/templates is a link to the top-level sky/)."""
+    import yaml
+
+    text = resources.files("artcloud").joinpath("templates", TEMPLATE_NAME).read_text()
+    return yaml.safe_load(text)
+
+
+@dataclass
+class ServerTask:
+    """The filled task (no secrets in it) and the secrets that go with it."""
+
+    config: dict[str, Any]
+    secrets: dict[str, str] = field(repr=False)
+
+    def render(self) -> str:
+        """The task as YAML, secrets redacted: what `artcloud launch --dry-run` prints."""
+        import yaml
+
+        shown = copy.deepcopy(self.config)
+        shown["secrets"] = {name: REDACTED for name in self.secrets}
+        return yaml.safe_dump(shown, sort_keys=False, width=100)
+
+
+def build_task(
+    *,
+    secrets: dict[str, str],
+    gpu: str | None = "H100:1",
+    cloud: str | None = None,
+    region: str | None = None,
+    use_spot: bool = False,
+    disk_size: int | None = None,
+    image: str | None = None,
+    engine: str = "auto",
+    lease_s: float = 900.0,
+    max_duration_s: float = 8 * 3600.0,
+    s3: str | None = None,
+    s3_endpoint_url: str | None = None,
+    env: dict[str, str] | None = None,
+    wheel: Path | None = None,
+) -> ServerTask:
+    """Fill the template. `secrets` must hold the token and the server's certificate and key (PEM);
+    it may hold more (S3 credentials, the user's own). `wheel`: a wheel file whose folder becomes the
+    task's workdir, so the sandbox installs exactly this client's artcloud."""
+    missing = [name for name in SECRET_NAMES if not secrets.get(name)]
+    if missing:
+        raise ValueError(f"the task needs the secrets {', '.join(missing)}")
+    if region and not cloud:
+        raise ValueError("a region needs its cloud too: pass cloud= (e.g. cloud='aws', region='us-east-1')")
+    config = load_template()
+
+    res = config["resources"]
+    if gpu:
+        res["accelerators"] = gpu
+    else:
+        res.pop("accelerators", None)
+    if cloud:
+        res["infra"] = f"{cloud}/{region}" if region else cloud
+    res["use_spot"] = bool(use_spot)
+    if disk_size is not None:
+        res["disk_size"] = int(disk_size)
+    res["ports"] = SERVER_PORT
+    if image:
+        res["image_id"] = image
+
+    envs = config["envs"]
+    envs.update({
+        "ARTCLOUD_VERSION": __version__,
+        "ARTCLOUD_ENGINE": engine,
+        "ARTCLOUD_PORT": str(SERVER_PORT),
+        "ARTCLOUD_LEASE": format_duration_exact(lease_s),
+        "ARTCLOUD_MAX_DURATION": format_duration_exact(max_duration_s),
+        "ARTCLOUD_S3": s3 or "",
+        "ARTCLOUD_S3_ENDPOINT_URL": s3_endpoint_url or "",
+    })
+    if image:
+        envs["ARTCLOUD_INSTALL"] = "0"
+        envs["ARTCLOUD_WHEEL"] = ""
+    elif wheel is not None:
+        envs["ARTCLOUD_WHEEL"] = wheel.name
+        config["workdir"] = str(wheel.parent)
+    for key, value in (env or {}).items():
+        if key in secrets:
+            raise ValueError(f"{key} is given both as an env and as a secret: keep it a secret only")
+        envs[key] = str(value)
+
+    # Only the names: the values stay in ServerTask.secrets and go to SkyPilot as task secrets.
+    config["secrets"] = {name: None for name in secrets}
+    return ServerTask(config=config, secrets=dict(secrets))
+
+
+def format_duration_exact(seconds: float) -> str:
+    """Seconds as the server's --lease / --max-duration take them, without rounding away precision."""
+    whole = int(round(seconds))
+    return f"{whole}s" if whole % 60 else f"{whole // 60}m"
+
+
+def describe(task: ServerTask) -> str:
+    """One line about what the task asks for."""
+    res = task.config["resources"]
+    where = res.get("infra") or "the cheapest enabled cloud"
+    spot = " (spot)" if res.get("use_spot") else ""
+    lease, max_d = task.config["envs"]["ARTCLOUD_LEASE"], task.config["envs"]["ARTCLOUD_MAX_DURATION"]
+    return (f"{res.get('accelerators') or 'no GPU'}{spot} on {where}, port {res['ports']}; "
+            f"the server exits after {lease} without a client, or after {max_d} at most")
+

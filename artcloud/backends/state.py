@@ -1,0 +1,111 @@
+"""What this machine has launched: the local state registry (~/.artcloud, or $ARTCLOUD_HOME).
+
+One folder per sandbox under `sandboxes/NAME/`: `sandbox.json` (provider, URL, GPU, price, when), and the
+launch's CA certificate and bearer token, the token in a 0600 file. A record is written *before* the
+provider is asked for a machine, so that a laptop that dies mid-launch still leaves a name that
+`artcloud status` shows and `artcloud down` tears down. `artcloud down` removes the record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_HOME = "ARTCLOUD_HOME"
+_NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+
+
+def state_root() -> Path:
+    return Path(os.environ.get(ENV_HOME) or Path.home() / ".artcloud").expanduser()
+
+
+def check_name(name: str) -> str:
+    """Cluster names as every provider accepts them: lower case, digits and dashes, a letter first."""
+    if not _NAME.match(name):
+        raise ValueError(f"sandbox name {name!r} must start with a letter and hold only a-z, 0-9 and '-' (63 at most)")
+    return name
+
+
+@dataclass
+class SandboxRecord:
+    name: str
+    provider: str  # "sky" or "modal"
+    launched_at: float = field(default_factory=time.time)
+    url: str | None = None  # https://host:port once known
+    gpu: str | None = None
+    cloud: str | None = None
+    price_per_hour: float | None = None  # dollars, when the provider's catalog knows it
+    state: str = "launching"  # launching, up
+    max_duration_s: float | None = None
+    idle_minutes: int | None = None
+    s3: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # provider-specific (e.g. a Modal sandbox id)
+
+    def age_s(self, now: float | None = None) -> float:
+        return max(0.0, (now or time.time()) - self.launched_at)
+
+    def cost_so_far(self, now: float | None = None) -> float | None:
+        if self.price_per_hour is None:
+            return None
+        return self.price_per_hour * self.age_s(now) / 3600.0
+
+
+class StateDir:
+    """The registry. Safe to share between processes: every write is a rename of a whole file."""
+
+    def __init__(self, root: Path | None = None):
+        self.root = Path(root) if root is not None else state_root()
+
+    def _dir(self, name: str) -> Path:
+        return self.root / "sandboxes" / check_name(name)
+
+    def save(self, record: SandboxRecord, *, ca_cert: str | None = None, token: str | None = None) -> None:
+        folder = self._dir(record.name)
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(folder, 0o700)
+        if ca_cert is not None:
+            _write(folder / "ca.pem", ca_cert, 0o644)
+        if token is not None:
+            _write(folder / "token", token, 0o600)
+        _write(folder / "sandbox.json", json.dumps(asdict(record), indent=2), 0o644)
+
+    def load(self, name: str) -> SandboxRecord | None:
+        try:
+            data = json.loads((self._dir(name) / "sandbox.json").read_text())
+        except (OSError, ValueError):
+            return None
+        known = {k: v for k, v in data.items() if k in SandboxRecord.__dataclass_fields__}
+        return SandboxRecord(**known)
+
+    def credentials(self, name: str) -> tuple[str, str] | None:
+        """(CA certificate PEM, token) of a sandbox, or None if they are not here."""
+        folder = self._dir(name)
+        try:
+            return (folder / "ca.pem").read_text(), (folder / "token").read_text().strip()
+        except OSError:
+            return None
+
+    def all(self) -> list[SandboxRecord]:
+        folder = self.root / "sandboxes"
+        records = [self.load(p.name) for p in sorted(folder.iterdir())] if folder.is_dir() else []
+        return sorted((r for r in records if r is not None), key=lambda r: r.launched_at)
+
+    def remove(self, name: str) -> None:
+        shutil.rmtree(self._dir(name), ignore_errors=True)
+
+
+def _write(path: Path, text: str, mode: int) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)

@@ -1,0 +1,80 @@
+"""A wheel of the artcloud that is running right here, to install on the sandbox.
+
+Client and server must run the same artcloud (the server refuses another version), and a user's working
+copy may hold changes that no release has. So the sandbox gets *this* package: its files as they are
+imported now (an editable install included) and its installed metadata, so that `wheel[gpu]` pulls the
+same dependencies a `pip install artcloud[gpu]` would. Pure Python, so one `py3-none-any` wheel fits
+every sandbox. Building takes a few tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+from artcloud._version import __version__
+
+_SKIP_SUFFIXES = (".pyc", ".pyo")
+
+
+def _record_line(name: str, data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{name},sha256={digest},{len(data)}"
+
+
+def package_files() -> list[tuple[str, Path]]:
+    """(archive name, file) for every file of the artcloud package; links are followed."""
+    import artcloud
+
+    root = Path(artcloud.__file__).resolve().parent
+    files = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if "__pycache__" in rel.parts or path.suffix in _SKIP_SUFFIXES or not path.is_file():
+            continue
+        files.append((f"artcloud/{rel.as_posix()}", path))
+    return files
+
+
+def build_wheel(out_dir: Path) -> Path:
+    """Write artcloud-VERSION-py3-none-any.whl into `out_dir` and return its path."""
+    try:
+        dist = metadata.distribution("artcloud")
+        meta = dist.read_text("METADATA")
+        entry_points = dist.read_text("entry_points.txt") or ""
+    except metadata.PackageNotFoundError:
+        meta = None
+    if not meta:
+        raise RuntimeError(
+            "artcloud is imported from a folder that was never installed, so its dependencies are unknown: "
+            "install it (pip install -e .) or launch with image=... (a prebuilt server image)"
+        )
+    info = f"artcloud-{__version__}.dist-info"
+    wheel_meta = "Wheel-Version: 1.0\nGenerator: artcloud\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / f"artcloud-{__version__}-py3-none-any.whl"
+    tmp = target.with_suffix(".tmp")
+    records = []
+    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as whl:
+        entries = [(name, path.read_bytes()) for name, path in package_files()]
+        entries += [
+            (f"{info}/METADATA", _with_version(meta).encode()),
+            (f"{info}/WHEEL", wheel_meta.encode()),
+            (f"{info}/entry_points.txt", entry_points.encode()),
+        ]
+        for name, data in entries:
+            whl.writestr(name, data)
+            records.append(_record_line(name, data))
+        records.append(f"{info}/RECORD,,")
+        whl.writestr(f"{info}/RECORD", "\n".join(records) + "\n")
+    tmp.replace(target)
+    return target
+
+
+def _with_version(meta: str) -> str:
+    """The metadata with this package's version (an editable install's may lag a version bump)."""
+    lines = [f"Version: {__version__}" if line.startswith("Version:") else line for line in meta.splitlines()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,40 @@
+"""Durations as people write them on a command line: "90s", "15m", "8h", "1d", or a bare number of minutes."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
+
+
+def parse_duration(value: str | int | float | _dt.timedelta, *, what: str = "duration") -> float:
+    """Seconds. A bare number means minutes (SkyPilot's and Modal's unit for idle timers)."""
+    if isinstance(value, _dt.timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value) * 60.0
+    else:
+        match = _PATTERN.match(str(value))
+        if match is None:
+            raise ValueError(f"{what} {value!r} is not a duration: write e.g. 90s, 15m, 8h or 1d")
+        seconds = float(match.group(1)) * _UNITS[(match.group(2) or "m").lower()]
+    if seconds <= 0:
+        raise ValueError(f"{what} must be positive, not {value!r}")
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """Short and human: 45s, 12m, 3h05m, 2d04h."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, _ = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
