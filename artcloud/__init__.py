@@ -14,6 +14,7 @@ from artcloud.types import LoraConfig, TrainConfig, Trajectory, TrajectoryGroup
 if TYPE_CHECKING:
     from artcloud.backends.local import LocalBackend
     from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone, VersionMismatch
+    from artcloud.backends.sky import SkyBackend, SkyError
     from artcloud.gather import GatherError, gather_trajectory_groups
     from artcloud.model import LinearTemperatureAnnealer, Model, TrainableModel, TrainResult
     from artcloud.storage.s3 import pull_checkpoint
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 _LAZY = {
     "LocalBackend": "artcloud.backends.local",
     "RemoteBackend": "artcloud.backends.remote",
+    "SkyBackend": "artcloud.backends.sky",
+    "SkyError": "artcloud.backends.sky",
     "ArtcloudError": "artcloud.backends.remote",
     "ServerGone": "artcloud.backends.remote",
     "VersionMismatch": "artcloud.backends.remote",
@@ -35,7 +38,7 @@ _LAZY = {
 
 __all__ = [
     "__version__", "LoraConfig", "TrainConfig", "Trajectory", "TrajectoryGroup",
-    "LocalBackend", "RemoteBackend", "ArtcloudError", "ServerGone", "VersionMismatch",
+    "LocalBackend", "RemoteBackend", "SkyBackend", "SkyError", "ArtcloudError", "ServerGone", "VersionMismatch",
     "gather_trajectory_groups", "GatherError",
     "Model", "TrainableModel", "TrainResult", "LinearTemperatureAnnealer", "pull_checkpoint",
 ]

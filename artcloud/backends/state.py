@@ -3,7 +3,8 @@
 One folder per sandbox under `sandboxes/NAME/`: `sandbox.json` (provider, URL, GPU, price, when), and the
 launch's CA certificate and bearer token, the token in a 0600 file. A record is written *before* the
 provider is asked for a machine, so that a laptop that dies mid-launch still leaves a name that
-`artcloud status` shows and `artcloud down` tears down. `artcloud down` removes the record.
+`artcloud status` shows and `artcloud down` tears down. `artcloud down` keeps the record, marked down and
+without credentials, so that downing a name twice is not an error; `artcloud status` forgets it after 30 days.
 """
 
 from __future__ import annotations
@@ -41,14 +42,16 @@ class SandboxRecord:
     gpu: str | None = None
     cloud: str | None = None
     price_per_hour: float | None = None  # dollars, when the provider's catalog knows it
-    state: str = "launching"  # launching, up
+    state: str = "launching"  # launching, up, down
+    ended_at: float | None = None  # when it went down
     max_duration_s: float | None = None
     idle_minutes: int | None = None
     s3: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # provider-specific (e.g. a Modal sandbox id)
 
     def age_s(self, now: float | None = None) -> float:
-        return max(0.0, (now or time.time()) - self.launched_at)
+        end = self.ended_at or now or time.time()
+        return max(0.0, end - self.launched_at)
 
     def cost_so_far(self, now: float | None = None) -> float | None:
         if self.price_per_hour is None:
@@ -95,6 +98,27 @@ class StateDir:
         folder = self.root / "sandboxes"
         records = [self.load(p.name) for p in sorted(folder.iterdir())] if folder.is_dir() else []
         return sorted((r for r in records if r is not None), key=lambda r: r.launched_at)
+
+    def mark_down(self, name: str) -> None:
+        """Keep the record (so a second `artcloud down NAME` knows the name and succeeds) but drop its
+        credentials: the sandbox is gone."""
+        record = self.load(name)
+        if record is None:
+            return
+        for secret in ("token", "ca.pem"):
+            (self._dir(name) / secret).unlink(missing_ok=True)
+        record.state, record.ended_at = "down", record.ended_at or time.time()
+        self.save(record)
+
+    def live(self) -> list[SandboxRecord]:
+        return [r for r in self.all() if r.state != "down"]
+
+    def prune(self, older_than_s: float = 30 * 86400.0) -> None:
+        """Forget sandboxes that went down more than `older_than_s` ago."""
+        now = time.time()
+        for record in self.all():
+            if record.state == "down" and now - (record.ended_at or record.launched_at) > older_than_s:
+                self.remove(record.name)
 
     def remove(self, name: str) -> None:
         shutil.rmtree(self._dir(name), ignore_errors=True)

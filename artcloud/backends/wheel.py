@@ -41,12 +41,13 @@ def package_files() -> list[tuple[str, Path]]:
 
 def build_wheel(out_dir: Path) -> Path:
     """Write artcloud-VERSION-py3-none-any.whl into `out_dir` and return its path."""
-    try:
-        dist = metadata.distribution("artcloud")
-        meta = dist.read_text("METADATA")
-        entry_points = dist.read_text("entry_points.txt") or ""
-    except metadata.PackageNotFoundError:
-        meta = None
+    meta, entry_points = None, ""
+    # An installed dist-info (METADATA) first; a source tree's egg-info (PKG-INFO) may shadow it on sys.path.
+    for dist in sorted(metadata.distributions(name="artcloud"), key=lambda d: d.read_text("METADATA") is None):
+        meta = dist.read_text("METADATA") or dist.read_text("PKG-INFO")
+        if meta:
+            entry_points = dist.read_text("entry_points.txt") or ""
+            break
     if not meta:
         raise RuntimeError(
             "artcloud is imported from a folder that was never installed, so its dependencies are unknown: "
@@ -75,6 +76,8 @@ def build_wheel(out_dir: Path) -> Path:
 
 
 def _with_version(meta: str) -> str:
-    """The metadata with this package's version (an editable install's may lag a version bump)."""
-    lines = [f"Version: {__version__}" if line.startswith("Version:") else line for line in meta.splitlines()]
-    return "\n".join(lines) + "\n"
+    """The metadata with this package's version (an editable install's may lag a version bump). Only the
+    header is touched: the long description after the first blank line may hold 'Version:' lines too."""
+    header, sep, body = meta.partition("\n\n")
+    lines = [f"Version: {__version__}" if line.startswith("Version:") else line for line in header.splitlines()]
+    return "\n".join(lines) + "\n" + (sep[1:] + body if sep else "")

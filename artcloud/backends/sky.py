@@ -1,0 +1,402 @@
+"""SkyBackend: `artcloud serve` on a short-lived GPU machine in any cloud SkyPilot supports.
+
+    backend = artcloud.SkyBackend(gpu="H100:1", s3="s3://my-bucket/runs")
+    async with backend:                      # launch (or attach), wait for /health; down on exit
+        await model.register(backend)
+
+This module adds only how the server comes to life and goes away; once it answers, everything is the
+RemoteBackend protocol. Starting:
+
+1. attach: a cluster of that name that this machine launched (CA and token in the state registry) is
+   reused, not launched twice;
+2. preflight, before anything is provisioned: the GPU name against SkyPilot's catalog (and its price),
+   the cloud (`sky check`'s reason, passed on), the S3 location and credentials, checked from here;
+3. launch: a fresh CA, certificate and token; a wheel of this very artcloud; the task from
+   sky/artcloud-server.yaml; the record saved *before* SkyPilot is asked, so a dying laptop still leaves
+   a name that `artcloud down` finds;
+4. ready: /health over HTTPS with backoff and a deadline; a failed job or a vanished cluster fails fast
+   with the server's last log lines, and what was started is torn down (unless keep=True).
+
+Teardown in layers: `down()` / `async with`; the server's lease (no request or heartbeat for `lease` →
+final checkpoint push → exit); SkyPilot's autodown `idle_minutes` after the server job ends; `max_duration`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import secrets as _secrets
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone
+from artcloud.backends.sky_api import GPUOffer, SkyAPI, sky_api
+from artcloud.backends.sky_task import SECRET_NAMES, SERVER_PORT, ServerTask, build_task, describe
+from artcloud.backends.state import SandboxRecord, StateDir, check_name
+from artcloud.durations import format_duration, parse_duration
+from artcloud.tls import make_launch_secrets
+
+log = logging.getLogger("artcloud.sky")
+
+PROVIDER = "sky"
+FAILED_JOB = ("FAILED", "FAILED_SETUP", "FAILED_DRIVER", "FAILED_PRECHECKS", "FAILED_NO_RESOURCE",
+              "FAILED_CONTROLLER", "CANCELLED", "SUCCEEDED")  # SUCCEEDED: the server exited
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_S3_SECRET_ENVS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
+class SkyError(ArtcloudError):
+    """Launching, reaching or tearing down a SkyPilot sandbox failed; the message says what to do."""
+
+
+def parse_gpu(gpu: str) -> tuple[str, int]:
+    """'H100:8' → ('H100', 8); 'L4' → ('L4', 1)."""
+    name, _, count = gpu.partition(":")
+    if not name or (count and not count.isdigit()) or (count and int(count) < 1):
+        raise ValueError(f"gpu {gpu!r} is not a GPU spec: write NAME or NAME:COUNT, e.g. 'H100:1' or 'A100-80GB:2'")
+    return name, int(count or 1)
+
+
+def pick_offer(offers: list[GPUOffer], gpu: str, *, cloud: str | None, use_spot: bool) -> GPUOffer | None:
+    """The cheapest offer for `gpu` (on `cloud` if given). Raises ValueError if none can serve it."""
+    name, count = parse_gpu(gpu)
+    if not offers:
+        raise ValueError(f"SkyPilot knows no GPU named {name!r}: `sky show-gpus` lists the names (e.g. H100, A100-80GB, L4)")
+    if cloud:
+        offers = [o for o in offers if o.cloud.lower() == cloud.lower()]
+        if not offers:
+            raise ValueError(f"{cloud} offers no {name}: `sky show-gpus {name}` lists the clouds that do")
+    fitting = [o for o in offers if o.count == count]
+    if not fitting:
+        counts = sorted({o.count for o in offers})
+        raise ValueError(f"no machine has {count}x {name}: choose a count among {counts}, e.g. gpu='{name}:{counts[0]}'")
+    priced = [o for o in fitting if (o.spot_price if use_spot else o.price) is not None]
+    if not priced:
+        return None
+    return min(priced, key=lambda o: o.spot_price if use_spot else o.price)
+
+
+class SkyBackend(RemoteBackend):
+    """The training server on a SkyPilot cluster of its own, reached over HTTPS.
+
+    gpu: SkyPilot's accelerator spec ('H100:1', 'A100-80GB:2', 'L4'); None for a CPU machine.
+    cloud, region: pin the cloud (and region); default: the cheapest among those `sky check` enabled.
+    cluster_name: a running artcloud cluster of that name is attached to; default: a new artcloud-XXXXXX.
+    idle_minutes: SkyPilot autodown, this many minutes after the server job ends.
+    lease: the server exits (after a final checkpoint push) when no request or heartbeat came for this long.
+    max_duration: the server exits after this long, whatever happens ("90m", "8h", seconds as a number).
+    s3: s3://BUCKET/PREFIX for checkpoints; credentials from this machine's AWS settings travel as secrets.
+    env: plain environment for the server; secrets: names of environment variables here, or a dict,
+        that reach the server as SkyPilot secrets (redacted in SkyPilot's logs and dashboard).
+    image: a prebuilt server image ('docker:...', recipe in launchers/Dockerfile) instead of installing
+        this artcloud's wheel at setup.
+    keep: leave the cluster up when start-up fails and on leaving `async with` (lease and autodown still apply).
+    """
+
+    def __init__(
+        self,
+        gpu: str | None = "H100:1",
+        *,
+        cloud: str | None = None,
+        region: str | None = None,
+        use_spot: bool = False,
+        cluster_name: str | None = None,
+        idle_minutes: int = 10,
+        lease: str | float = "15m",
+        max_duration: str | float = "8h",
+        s3: str | None = None,
+        env: Mapping[str, str] | None = None,
+        secrets: Mapping[str, str] | Iterable[str] | None = None,
+        image: str | None = None,
+        disk_size: int | None = None,
+        engine: str = "auto",
+        keep: bool = False,
+        startup_timeout: str | float = "30m",
+        retry_until_up: bool = False,
+        state_dir: str | Path | None = None,
+        api: SkyAPI | None = None,
+        **kwargs: Any,
+    ):
+        if gpu is not None:
+            parse_gpu(gpu)
+        if region and not cloud:
+            raise ValueError("region= needs cloud= too (e.g. cloud='aws', region='us-east-1')")
+        if idle_minutes < 0:
+            raise ValueError(f"idle_minutes must be 0 or more, not {idle_minutes}")
+        if image is not None and not image.startswith("docker:"):
+            raise ValueError(f"image {image!r} must be a docker image, written 'docker:REPO/NAME:TAG'")
+        if s3 is not None and not (s3.startswith("s3://") and len(s3) > 5):
+            raise ValueError(f"s3 must look like s3://BUCKET/PREFIX, not {s3!r}")
+        self.gpu, self.cloud, self.region, self.use_spot = gpu, cloud, region, use_spot
+        self.cluster_name = check_name(cluster_name) if cluster_name else f"artcloud-{_secrets.token_hex(3)}"
+        self.idle_minutes = int(idle_minutes)
+        self.lease_s = parse_duration(lease, what="lease")
+        self.max_duration_s = parse_duration(max_duration, what="max_duration")
+        self.startup_timeout_s = parse_duration(startup_timeout, what="startup_timeout")
+        self.s3, self.image, self.disk_size, self.engine = s3, image, disk_size, engine
+        self.env = {str(k): str(v) for k, v in (env or {}).items()}
+        self._user_secrets = secrets
+        self.keep = keep
+        self.retry_until_up = retry_until_up
+        self.state = StateDir(Path(state_dir) if state_dir is not None else None)
+        self.api: SkyAPI = api or sky_api()
+        self.price_per_hour: float | None = None
+        self._job_id: int | None = None
+        self._owns_cluster = False
+        kwargs.setdefault("heartbeat_every_s", min(60.0, self.lease_s / 3))
+        # The launch CA signs one certificate and its key is thrown away: the CA alone identifies the
+        # server, whatever address the cloud gives it, so host names are not checked.
+        kwargs.setdefault("check_hostname", False)
+        super().__init__("https://pending.invalid", token="", ca_cert="", **kwargs)
+
+    def __repr__(self) -> str:
+        where = self.base_url if self._owns_cluster else "not started"
+        return f"SkyBackend(cluster_name={self.cluster_name!r}, gpu={self.gpu!r}, {where})"
+
+    # ------------------------------------------------------------------------------------- start
+
+    async def start(self) -> None:
+        if self._owns_cluster:
+            return
+        name = self.cluster_name
+        info = await asyncio.to_thread(self.api.status, name)
+        record = self.state.load(name)
+        if info is not None:
+            await self._attach(record, info.status)
+            return
+        if record is not None and record.state != "down":  # gone since (autodown, lease, `sky down`)
+            self.state.mark_down(name)
+        await self._launch()
+
+    async def _attach(self, record: SandboxRecord | None, status: str) -> None:
+        name = self.cluster_name
+        creds = self.state.credentials(name)
+        if record is None or record.provider != PROVIDER or creds is None:
+            raise SkyError(
+                f"a SkyPilot cluster named {name!r} exists, but artcloud did not launch it from this machine: "
+                "choose another cluster_name (or remove it with `sky down " + name + "` if it is yours to remove)",
+                code="name_taken", field="cluster_name")
+        if status == "STOPPED":
+            raise SkyError(f"the cluster {name} is stopped: `artcloud down {name}`, then launch again "
+                           "(training resumes from S3)", code="cluster_stopped", field="cluster_name")
+        self.ca_cert, self._token = creds
+        self._owns_cluster = True
+        log.info("attaching to the running artcloud cluster %s", name)
+        await self._wait_ready(record, deadline=time.monotonic() + min(self.startup_timeout_s, 300.0))
+
+    def _launch_secrets(self) -> dict[str, str]:
+        """The user's secrets (values read here, now) and, for S3, this machine's AWS credentials."""
+        found: dict[str, str] = {}
+        given = self._user_secrets
+        if isinstance(given, Mapping):
+            found.update({str(k): str(v) for k, v in given.items()})
+        elif given is not None:
+            if isinstance(given, str):
+                given = [given]
+            for key in given:
+                if key not in os.environ:
+                    raise SkyError(f"secret {key} is not set in this environment: export {key}=... first",
+                                   code="missing_secret", field="secrets")
+                found[key] = os.environ[key]
+        for key in found:
+            if not _ENV_NAME.match(key):
+                raise SkyError(f"secret name {key!r} is not an environment variable name", code="bad_secret", field="secrets")
+            if key in SECRET_NAMES:
+                raise SkyError(f"{key} is artcloud's own secret: name yours differently", code="bad_secret", field="secrets")
+        if self.s3:
+            for key, value in s3_credentials(self.s3).items():
+                found.setdefault(key, value)
+        return found
+
+    def preflight(self) -> None:
+        """Everything that can be checked before a machine is paid for (blocking; run in a thread)."""
+        if self.cloud:
+            reason = self.api.check_cloud(self.cloud)
+            if reason:
+                raise SkyError(f"{self.cloud} is not enabled in SkyPilot: {reason} (then run `sky check {self.cloud}`)",
+                               code="cloud_not_enabled", field="cloud")
+        if self.gpu:
+            offers = self.api.gpu_offers(parse_gpu(self.gpu)[0])
+            if offers is None:
+                log.warning("SkyPilot's GPU catalog cannot be read (offline?): %s is not checked and its price is unknown", self.gpu)
+            else:
+                try:
+                    best = pick_offer(offers, self.gpu, cloud=self.cloud, use_spot=self.use_spot)
+                except ValueError as e:
+                    raise SkyError(str(e), code="unknown_gpu", field="gpu") from e
+                if best is not None:
+                    self.price_per_hour = best.spot_price if self.use_spot else best.price
+        if self.s3:
+            check_s3(self.s3)
+
+    def task(self, *, launch_secrets: dict[str, str], wheel: Path | None) -> ServerTask:
+        env = dict(self.env)
+        region = os.environ.get("ARTCLOUD_S3_REGION") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if self.s3 and region:
+            env.setdefault("ARTCLOUD_S3_REGION", region)
+        return build_task(
+            secrets=launch_secrets, gpu=self.gpu, cloud=self.cloud, region=self.region, use_spot=self.use_spot,
+            disk_size=self.disk_size, image=self.image, engine=self.engine, lease_s=self.lease_s,
+            max_duration_s=self.max_duration_s, s3=self.s3, s3_endpoint_url=os.environ.get("ARTCLOUD_S3_ENDPOINT_URL"),
+            env=env, wheel=wheel,
+        )
+
+    async def _launch(self) -> None:
+        from artcloud.backends.wheel import build_wheel
+
+        name = self.cluster_name
+        user_secrets = self._launch_secrets()
+        await asyncio.to_thread(self.preflight)
+        tls = make_launch_secrets()
+        launch_secrets = {"ARTCLOUD_TOKEN": tls.token, "ARTCLOUD_TLS_CERT": tls.server_cert,
+                          "ARTCLOUD_TLS_KEY": tls.server_key, **user_secrets}
+        self.ca_cert, self._token = tls.ca_cert, tls.token
+        record = SandboxRecord(
+            name=name, provider=PROVIDER, gpu=self.gpu, cloud=self.cloud, price_per_hour=self.price_per_hour,
+            max_duration_s=self.max_duration_s, idle_minutes=self.idle_minutes, s3=self.s3,
+        )
+        with tempfile.TemporaryDirectory(prefix="artcloud-wheel-") as tmp:
+            wheel = None if self.image else build_wheel(Path(tmp))
+            task = self.task(launch_secrets=launch_secrets, wheel=wheel)
+            log.info("launching %s: %s", name, describe(task))
+            self.state.save(record, ca_cert=tls.ca_cert, token=tls.token)  # before SkyPilot is asked: see above
+            self._owns_cluster = True
+            try:
+                self._job_id = await asyncio.to_thread(
+                    self.api.launch, task.config, secrets=task.secrets, cluster_name=name,
+                    idle_minutes=self.idle_minutes, retry_until_up=self.retry_until_up)
+            except BaseException as e:
+                await self._fail_start(f"SkyPilot could not launch {name}: {_one_line(e)}", e, code="launch_failed")
+                raise AssertionError("unreachable") from e
+        try:
+            await self._wait_ready(record, deadline=time.monotonic() + self.startup_timeout_s)
+        except BaseException as e:
+            message = str(e) if isinstance(e, ArtcloudError) else f"the server on {name} did not come up: {_one_line(e)}"
+            code = e.code if isinstance(e, ArtcloudError) else "startup_failed"
+            await self._fail_start(message, e, code=code, with_logs=not isinstance(e, ServerGone))  # ServerGone has them
+
+    async def _wait_ready(self, record: SandboxRecord, *, deadline: float) -> None:
+        """Wait for the port, then for /health to say ready, with backoff; fail fast when the job or the
+        cluster is gone."""
+        name, delay = self.cluster_name, 0.5
+        while True:
+            endpoint = await asyncio.to_thread(self.api.endpoint, name, SERVER_PORT)
+            if endpoint:
+                url = f"https://{endpoint}"
+                if url != self.base_url or record.url != url:
+                    await self.close()  # the HTTP client is bound to the old URL
+                    self.base_url = url
+                    record.url, record.state = url, "up"
+                    self.state.save(record)
+                try:
+                    if (await self.health()).get("ready"):
+                        return
+                except ArtcloudError as e:
+                    if e.code == "version_mismatch":
+                        raise
+            await self._check_alive()
+            if time.monotonic() > deadline:
+                raise SkyError(f"the server on {name} was not ready in time (startup_timeout): "
+                               "raise startup_timeout if the model is big, or see `artcloud logs " + name + "`",
+                               code="startup_timeout")
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 5.0)
+
+    async def _fail_start(self, message: str, cause: BaseException, *, code: str, with_logs: bool = True) -> None:
+        lines = await asyncio.to_thread(self.log_tail, 40)
+        if not self.keep:
+            await self._teardown()
+            message += " (torn down; keep=True leaves it up to debug)"
+        else:
+            message += f" (kept up: `artcloud logs {self.cluster_name}`, then `artcloud down {self.cluster_name}`)"
+        if lines and with_logs:
+            message += "\nthe server's last lines:\n" + "\n".join("  " + line for line in lines)
+        if isinstance(cause, (KeyboardInterrupt, asyncio.CancelledError)):
+            raise cause
+        raise SkyError(message, code=code) from cause
+
+    def log_tail(self, lines: int = 40) -> list[str]:
+        try:
+            return list(self.api.logs(self.cluster_name, tail=lines))[-lines:]
+        except Exception as e:  # the cluster may not exist at all: the error itself is the news
+            log.debug("no logs for %s: %s", self.cluster_name, e)
+            return []
+
+    # ------------------------------------------------------------------------------------- liveness
+
+    async def _check_alive(self) -> None:
+        name = self.cluster_name
+        info = await asyncio.to_thread(self.api.status, name)
+        if info is None:
+            raise ServerGone(f"the cluster {name} is gone (torn down, preempted or autodowned): "
+                             "launch again; training resumes from the last checkpoint pushed to S3", code="cluster_gone")
+        status = await asyncio.to_thread(self.api.job_status, name, self._job_id)
+        if status in FAILED_JOB:
+            tail = "\n".join("  " + line for line in await asyncio.to_thread(self.log_tail, 20))
+            raise ServerGone(f"the server job on {name} ended ({status}); its last lines:\n{tail}", code="server_exited")
+
+    # ------------------------------------------------------------------------------------- down
+
+    async def _teardown(self) -> None:
+        await self.close()
+        name = self.cluster_name
+        # Only a cluster artcloud launched (this object, or this machine's registry says so): never
+        # someone else's cluster that happens to have the name.
+        if self._owns_cluster or self.state.load(name) is not None:
+            await asyncio.to_thread(self.api.down, name)
+            self.state.mark_down(name)
+        self._owns_cluster = False
+
+    async def down(self) -> None:
+        """Tear the cluster down (idempotent: a cluster already gone is fine) and forget it."""
+        await self._teardown()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self.keep:
+            await self.close()
+            log.warning("keep=True: %s stays up until its lease (%s without a client) or `artcloud down %s`",
+                        self.cluster_name, format_duration(self.lease_s), self.cluster_name)
+        else:
+            await self.down()
+
+
+def s3_credentials(uri: str) -> dict[str, str]:
+    """The AWS credentials the sandbox needs for `uri`, from this machine's settings (ARTCLOUD_S3_* first,
+    then boto3's own chain: env, profiles, SSO)."""
+    key, secret = os.environ.get("ARTCLOUD_S3_ACCESS_KEY_ID"), os.environ.get("ARTCLOUD_S3_SECRET_ACCESS_KEY")
+    token = None
+    if not (key and secret):
+        try:
+            import boto3
+        except ImportError as e:
+            raise SkyError("s3= needs boto3 here: pip install 'artcloud[s3]'", code="missing_dependency") from e
+        found = boto3.Session().get_credentials()
+        frozen = found.get_frozen_credentials() if found is not None else None
+        if frozen is None or not frozen.access_key or not frozen.secret_key:
+            raise SkyError(f"no S3 credentials on this machine for {uri}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                           "(or ARTCLOUD_S3_ACCESS_KEY_ID / ARTCLOUD_S3_SECRET_ACCESS_KEY), or configure an AWS profile",
+                           code="no_s3_credentials", field="s3")
+        key, secret, token = frozen.access_key, frozen.secret_key, frozen.token
+    creds = {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
+    if token:
+        creds["AWS_SESSION_TOKEN"] = token
+    return creds
+
+
+def check_s3(uri: str) -> None:
+    """The bucket is reachable and writable with these credentials, checked from here before launching."""
+    from artcloud.storage.s3 import CheckpointStore, S3Config, StorageError
+
+    try:
+        CheckpointStore(S3Config.from_uri(uri)).check()
+    except StorageError as e:
+        raise SkyError(str(e), code="s3_unusable", field="s3") from e
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")

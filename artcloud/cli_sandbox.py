@@ -1,0 +1,285 @@
+"""`artcloud launch / status / logs / down`: sandboxes on cloud GPUs, from the command line.
+
+    artcloud launch --gpu H100:1 --s3 s3://bucket/runs     a server on a fresh cluster; prints how to connect
+    artcloud status                                        what this machine launched: age, GPU, cost so far
+    artcloud logs NAME [-f]                                the server's output (setup, then run)
+    artcloud down NAME | --all                             tear down (a sandbox already gone is fine)
+
+The commands register themselves on `artcloud.cli.app`; heavy imports (the SkyPilot SDK) happen inside
+them, so `artcloud --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from artcloud.cli import CLIError, app
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def _env_pairs(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CLIError(f"--env takes KEY=VALUE, not {pair!r}")
+        env[key] = value
+    return env
+
+
+def _money(value: float | None) -> str:
+    return "?" if value is None else f"${value:,.2f}"
+
+
+@app.command()
+def launch(
+    gpu: str = typer.Option("H100:1", "--gpu", help="GPU spec as SkyPilot writes it: NAME[:COUNT], e.g. H100:1, A100-80GB:2, L4. `sky show-gpus` lists them."),
+    cloud: Optional[str] = typer.Option(None, "--cloud", help="Pin a cloud (aws, gcp, azure, lambda, runpod, kubernetes, ...). Default: the cheapest one `sky check` enabled."),
+    region: Optional[str] = typer.Option(None, "--region", help="Pin a region of --cloud."),
+    spot: bool = typer.Option(False, "--spot", help="Use a spot/preemptible machine (cheaper; may vanish: checkpoints on S3 let a new one resume)."),
+    idle_minutes: int = typer.Option(10, "--idle-minutes", min=0, help="SkyPilot autodown: the cluster is torn down this many minutes after the server exits."),
+    lease: str = typer.Option("15m", "--lease", help="The server pushes its checkpoints and exits when no client request or heartbeat came for this long."),
+    max_duration: str = typer.Option("8h", "--max-duration", help="The server exits after this long, whatever happens (90m, 8h, 1d)."),
+    s3: Optional[str] = typer.Option(None, "--s3", help="s3://BUCKET/PREFIX for checkpoints (resume on a new machine). Credentials from this machine's AWS settings travel as SkyPilot secrets."),
+    name: Optional[str] = typer.Option(None, "--name", "-n", help="Cluster name. Default: artcloud-XXXXXX."),
+    image: Optional[str] = typer.Option(None, "--image", help="A prebuilt server image, docker:REPO:TAG (recipe: launchers/Dockerfile). Default: install this artcloud at setup."),
+    disk_size: Optional[int] = typer.Option(None, "--disk-size", min=10, help="Disk in GB (default 256: model weights)."),
+    engine: str = typer.Option("auto", "--engine", help="Server engine: auto (the GPU if there is one) or cpu."),
+    env: List[str] = typer.Option([], "--env", "-e", help="KEY=VALUE for the server's environment (not for secrets). Repeatable."),
+    secret: List[str] = typer.Option([], "--secret", help="NAME of an environment variable here, passed as a SkyPilot secret (redacted in logs). Repeatable."),
+    startup_timeout: str = typer.Option("30m", "--startup-timeout", help="How long to wait for the server once SkyPilot has the job running."),
+    retry_until_up: bool = typer.Option(False, "--retry-until-up", help="Keep retrying while no cloud has the GPU free (SkyPilot's retry)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check the GPU, cloud and S3, show the task and the plan; launch nothing."),
+) -> None:
+    """Launch the training server on a cloud GPU through SkyPilot, and print how to use it.
+
+    The server speaks HTTPS with a certificate and token made for this launch (kept in ~/.artcloud,
+    never in the task). It goes away by itself: it exits after --lease without a client or after
+    --max-duration, and SkyPilot tears the machine down --idle-minutes later. `artcloud down NAME`
+    ends it at once.
+
+    Example: artcloud launch --gpu L4 --cloud gcp --s3 s3://my-bucket/runs --name mail-agent
+    """
+    from artcloud.backends.sky import SkyBackend, SkyError
+    from artcloud.durations import format_duration
+
+    try:
+        backend = SkyBackend(
+            gpu=gpu, cloud=cloud, region=region, use_spot=spot, cluster_name=name, idle_minutes=idle_minutes,
+            lease=lease, max_duration=max_duration, s3=s3, env=_env_pairs(env), secrets=list(secret), image=image,
+            disk_size=disk_size, engine=engine, startup_timeout=startup_timeout, retry_until_up=retry_until_up,
+        )
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    out, err = _console(), _console(stderr=True)
+    teardown = (f"the server exits after {format_duration(backend.lease_s)} without a client "
+                f"(at most {format_duration(backend.max_duration_s)}); the machine goes {idle_minutes} min later")
+    try:
+        if dry_run:
+            _dry_run(backend, out, teardown)
+            return
+        with err.status(f"launching {backend.cluster_name} ({gpu}): SkyPilot provisions the machine, then artcloud "
+                        "installs and starts; this takes minutes"):
+            asyncio.run(_start_and_leave(backend))
+    except SkyError as e:
+        raise CLIError(str(e)) from e
+    price = backend.price_per_hour
+    out.print(f"[bold green]{backend.cluster_name}[/] is up: {backend.base_url}  ({gpu}, {_money(price)}/h)")
+    out.print(f"  connect from Python:  backend = artcloud.SkyBackend(cluster_name={backend.cluster_name!r})")
+    out.print(f"  teardown:             {teardown}; `artcloud down {backend.cluster_name}` ends it now")
+    out.print(f"  logs:                 artcloud logs {backend.cluster_name} -f")
+
+
+async def _start_and_leave(backend) -> None:
+    await backend.start()
+    await backend.close()  # leave it running: the lease and autodown end it, or `artcloud down`
+
+
+def _dry_run(backend, out, teardown: str) -> None:
+    from artcloud.backends.wheel import build_wheel
+    from artcloud.tls import make_launch_secrets
+
+    backend.preflight()
+    placeholder = make_launch_secrets()  # thrown away: only the names show
+    launch_secrets = {"ARTCLOUD_TOKEN": placeholder.token, "ARTCLOUD_TLS_CERT": placeholder.server_cert,
+                      "ARTCLOUD_TLS_KEY": placeholder.server_key, **backend._launch_secrets()}
+    with tempfile.TemporaryDirectory(prefix="artcloud-wheel-") as tmp:
+        wheel = None if backend.image else build_wheel(Path(tmp))
+        task = backend.task(launch_secrets=launch_secrets, wheel=wheel)
+        checked = _validate_with_skypilot(task.config)
+        shipped = (f"image {backend.image}" if backend.image else
+                   f"this machine's artcloud as {wheel.name} ({wheel.stat().st_size // 1024} kB) + artcloud[gpu]")
+    out.print("[bold]artcloud launch --dry-run[/]: nothing was launched")
+    out.print(f"  cluster   {backend.cluster_name}")
+    where = f"{backend.cloud}/{backend.region}" if backend.region else (backend.cloud or "the cheapest enabled cloud")
+    out.print(f"  machine   {backend.gpu or 'no GPU'}{' (spot)' if backend.use_spot else ''} on {where}, "
+              f"{_money(backend.price_per_hour)}/h")
+    out.print(f"  server    {shipped}, HTTPS on port 8443, engine {backend.engine}")
+    out.print(f"  teardown  {teardown}")
+    out.print(f"  secrets   {', '.join(task.secrets)} (values never shown or written)")
+    out.print(f"  checked   {checked}")
+    out.print("--- the SkyPilot task (secrets redacted) ---")
+    out.print(task.render(), markup=False, end="")
+
+
+def _validate_with_skypilot(config: dict) -> str:
+    import copy
+
+    try:
+        import sky
+    except ImportError:
+        return "not by SkyPilot (pip install 'artcloud[sky]')"
+    cfg = copy.deepcopy(config)  # from_yaml_config empties its argument
+    cfg.pop("secrets", None)
+    try:
+        sky.Task.from_yaml_config(cfg).validate()
+    except Exception as e:
+        raise CLIError(f"SkyPilot rejects the task: {e}") from e
+    return f"the task passes sky.Task.validate() (skypilot {sky.__version__})"
+
+
+@app.command()
+def status(
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per sandbox, for scripts."),
+) -> None:
+    """Every sandbox this machine launched that is still alive: age, GPU, price and estimated cost so far.
+
+    Sandboxes that went away by themselves (lease, autodown) are marked down here as they are found gone.
+    """
+    from artcloud.backends.sky_api import sky_api
+    from artcloud.backends.state import StateDir
+    from artcloud.durations import format_duration
+
+    state = StateDir()
+    state.prune()
+    records = state.live()
+    api = sky_api() if any(r.provider == "sky" for r in records) else None
+    rows, gone = [], []
+    for record in records:
+        try:
+            info = api.status(record.name) if record.provider == "sky" else None
+        except Exception as e:  # the provider cannot be asked: say so, forget nothing
+            rows.append((record, f"unknown ({type(e).__name__})"))
+            continue
+        if info is None:
+            state.mark_down(record.name)
+            gone.append(record.name)
+        else:
+            rows.append((record, info.status))
+    now = time.time()
+    if as_json:
+        for record, live in rows:
+            print(json.dumps({"name": record.name, "provider": record.provider, "status": live, "gpu": record.gpu,
+                              "url": record.url, "launched_at": record.launched_at, "age_s": round(record.age_s(now)),
+                              "price_per_hour": record.price_per_hour, "cost_so_far": record.cost_so_far(now)}))
+        return
+    from rich.table import Table
+
+    out = _console()
+    if not rows:
+        out.print("no live sandboxes" + (f" ({', '.join(gone)} went away by themselves)" if gone else ""))
+        return
+    table = Table(box=None, header_style="bold")
+    for column in ("NAME", "PROVIDER", "STATUS", "GPU", "AGE", "$/H", "COST SO FAR", "URL"):
+        table.add_column(column, justify="right" if column in ("AGE", "$/H", "COST SO FAR") else "left")
+    total = 0.0
+    for record, live in rows:
+        cost = record.cost_so_far(now)
+        total += cost or 0.0
+        table.add_row(record.name, record.provider, live, record.gpu or "-", format_duration(record.age_s(now)),
+                      _money(record.price_per_hour), _money(cost), record.url or "-")
+    out.print(table)
+    out.print(f"estimated cost so far: {_money(total)} (catalog prices; the cloud's bill is the truth)")
+    if gone:
+        out.print(f"gone by themselves since last time: {', '.join(gone)}")
+
+
+def _known(name: str):
+    """The record of `name`, or a CLIError that says what to do."""
+    from artcloud.backends.state import StateDir, check_name
+
+    try:
+        check_name(name)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    record = StateDir().load(name)
+    if record is None:
+        raise CLIError(f"this machine launched no sandbox named {name!r}: `artcloud status` lists them")
+    return record
+
+
+@app.command()
+def logs(
+    name: str = typer.Argument(..., help="The sandbox, as `artcloud status` names it."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines until the server exits (Ctrl-C stops following, not the server)."),
+    tail: int = typer.Option(0, "--tail", min=0, help="Only the last N lines (0: all)."),
+) -> None:
+    """The server's output: the setup (installing artcloud) and the run (`artcloud serve`)."""
+    from artcloud.backends.sky_api import sky_api
+
+    record = _known(name)
+    api = sky_api()
+    if api.status(name) is None:
+        raise CLIError(f"{name} is gone (went {'down' if record.state == 'down' else 'away by itself'}): "
+                       "its logs went with the machine")
+    try:
+        for line in api.logs(name, follow=follow, tail=tail):
+            print(line, flush=True)
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def down(
+    names: List[str] = typer.Argument(None, help="Sandboxes to tear down, as `artcloud status` names them."),
+    all_: bool = typer.Option(False, "--all", "-a", help="Every live sandbox this machine launched."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before --all."),
+) -> None:
+    """Tear sandboxes down now. A sandbox already gone counts as done (exit 0).
+
+    The server is not asked for a last checkpoint push: every finished training step was pushed
+    already. Example: artcloud down mail-agent
+    """
+    from artcloud.backends.sky_api import sky_api
+    from artcloud.backends.state import StateDir
+
+    state = StateDir()
+    if all_ and names:
+        raise CLIError("give sandbox names or --all, not both")
+    if not all_ and not names:
+        raise CLIError("name the sandboxes to tear down (`artcloud status` lists them), or pass --all")
+    if all_:
+        records = state.live()
+        if not records:
+            print("no live sandboxes")
+            return
+        if not yes and sys.stdin.isatty():
+            typer.confirm(f"tear down {', '.join(r.name for r in records)}?", abort=True)
+    else:
+        records = [_known(name) for name in names]
+    api = sky_api()
+    failed = []
+    for record in records:
+        try:
+            existed = api.down(record.name)
+        except Exception as e:
+            failed.append(f"{record.name} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            continue
+        state.mark_down(record.name)
+        print(f"{record.name}: {'torn down' if existed else 'already gone'}")
+    if failed:
+        raise CLIError(f"could not tear down {', '.join(failed)}: run `artcloud down` again, "
+                       "or `sky down NAME` (check `sky status`)")

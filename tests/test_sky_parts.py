@@ -1,0 +1,93 @@
+"""The small parts under SkyBackend: durations, the state registry, the wheel of this artcloud, offers."""
+
+from __future__ import annotations
+
+import stat
+import time
+import zipfile
+
+import pytest
+
+from artcloud._version import __version__
+from artcloud.backends.sky import parse_gpu, pick_offer
+from artcloud.backends.sky_api import GPUOffer
+from artcloud.backends.state import SandboxRecord, StateDir
+from artcloud.backends.wheel import build_wheel
+from artcloud.durations import format_duration, parse_duration
+
+
+@pytest.mark.parametrize("text,seconds", [("90s", 90), ("15m", 900), ("8h", 28800), ("1d", 86400), ("15", 900),
+                                          (" 2.5h ", 9000), (10, 600), ("1H", 3600)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["soon", "", "-5m", "0", "5 minutes", "1w"])
+def test_bad_durations_say_how_to_write_one(bad):
+    with pytest.raises(ValueError, match=r"write e\.g\. 90s, 15m, 8h or 1d|must be positive"):
+        parse_duration(bad, what="--lease")
+
+
+def test_format_duration():
+    assert [format_duration(s) for s in (5, 90, 3600 + 300, 86400 * 2 + 3600 * 4)] == ["5s", "1m", "1h05m", "2d04h"]
+
+
+def test_state_registry_keeps_secrets_private_and_survives_down(tmp_path):
+    state = StateDir(tmp_path / "st")
+    record = SandboxRecord(name="box-1", provider="sky", gpu="H100:1", price_per_hour=3.0,
+                           launched_at=time.time() - 1800)
+    state.save(record, ca_cert="-----BEGIN CERTIFICATE-----\n", token="tok-" + "x" * 30)
+    folder = tmp_path / "st" / "sandboxes" / "box-1"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert stat.S_IMODE((folder / "token").stat().st_mode) == 0o600
+    assert "tok-" not in (folder / "sandbox.json").read_text()
+    assert state.credentials("box-1") == ("-----BEGIN CERTIFICATE-----\n", "tok-" + "x" * 30)
+    loaded = state.load("box-1")
+    assert loaded.gpu == "H100:1" and loaded.cost_so_far() == pytest.approx(1.5, abs=0.01)
+    assert [r.name for r in state.live()] == ["box-1"]
+
+    state.mark_down("box-1")
+    assert state.credentials("box-1") is None and not (folder / "token").exists()
+    gone = state.load("box-1")
+    assert gone.state == "down" and state.live() == []
+    cost = gone.cost_so_far()
+    time.sleep(0.05)
+    assert state.load("box-1").cost_so_far() == cost  # a sandbox that is down costs no more
+    state.prune(older_than_s=0.0)
+    assert state.load("box-1") is None and state.all() == []
+
+
+def test_state_registry_refuses_odd_names(tmp_path):
+    with pytest.raises(ValueError, match="must start with a letter"):
+        StateDir(tmp_path).save(SandboxRecord(name="../etc", provider="sky"))
+
+
+def test_wheel_of_this_artcloud(tmp_path):
+    wheel = build_wheel(tmp_path)
+    assert wheel.name == f"artcloud-{__version__}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        meta = z.read(f"artcloud-{__version__}.dist-info/METADATA").decode()
+        record = z.read(f"artcloud-{__version__}.dist-info/RECORD").decode()
+    assert "artcloud/server/serve.py" in names and "artcloud/templates/artcloud-server.yaml" in names
+    assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
+    assert f"Version: {__version__}" in meta and "Provides-Extra: gpu" in meta
+    assert "artcloud/server/serve.py,sha256=" in record
+
+
+def offers():
+    return [GPUOffer("aws", "p5.48xlarge", "H100", 8, 98.3, 30.0), GPUOffer("aws", "p5.4xlarge", "H100", 1, 6.9, 2.1),
+            GPUOffer("lambda", "gpu_1x_h100", "H100", 1, 2.49, None)]
+
+
+def test_pick_offer_takes_the_cheapest_that_fits():
+    assert pick_offer(offers(), "H100:1", cloud=None, use_spot=False).price == 2.49
+    assert pick_offer(offers(), "H100:1", cloud=None, use_spot=True).spot_price == 2.1
+    assert pick_offer(offers(), "H100:8", cloud="AWS", use_spot=False).instance_type == "p5.48xlarge"
+    with pytest.raises(ValueError, match="gcp offers no H100"):
+        pick_offer(offers(), "H100:1", cloud="gcp", use_spot=False)
+    with pytest.raises(ValueError, match=r"no machine has 2x H100: choose a count among \[1, 8\]"):
+        pick_offer(offers(), "H100:2", cloud=None, use_spot=False)
+    with pytest.raises(ValueError, match="no GPU named 'H1000'"):
+        pick_offer([], "H1000", cloud=None, use_spot=False)
+    assert parse_gpu("L4") == ("L4", 1) and parse_gpu("A100-80GB:2") == ("A100-80GB", 2)
