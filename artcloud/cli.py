@@ -2,8 +2,8 @@
 
     artcloud serve --path DIR [--host H] [--port P]     the training + inference server (HTTPS)
     artcloud pull PROJECT/MODEL [--step N] [--to DIR]    a checkpoint from S3, verified
-
-More commands (launch, down, status, logs, pull, run) arrive with the backends that need them.
+    artcloud launch [--gpu H100:1] [--s3 ...]            the server on a cloud GPU (SkyPilot); see cli_sandbox.py
+    artcloud status | logs NAME [-f] | down NAME|--all   what this machine launched, and tearing it down
 """
 
 from __future__ import annotations
@@ -41,30 +41,41 @@ def serve(
     tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="Server certificate (PEM path). Default: $ARTCLOUD_TLS_CERT, else a fresh CA is made under PATH/.tls."),
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="Private key of --tls-cert (PEM path). Default: $ARTCLOUD_TLS_KEY."),
     token_file: Optional[str] = typer.Option(None, "--token-file", help="File holding the bearer token. Default: $ARTCLOUD_TOKEN, else a new token in PATH/.tls/token."),
-    engine: str = typer.Option("cpu", "--engine", help="Model engine: cpu (torch + transformers + peft)."),
+    engine: str = typer.Option("cpu", "--engine", help="Model engine: cpu (torch + transformers + peft, float32), or auto (the same engine on the GPU in bfloat16 when torch sees CUDA, else cpu)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
     parent_pid: Optional[int] = typer.Option(None, "--parent-pid", help="Exit when this process is gone (set by LocalBackend)."),
     keep_last: int = typer.Option(0, "--keep-last", min=0, help="Keep only the newest K checkpoints (plus the best, and always the latest), here and on S3. 0 keeps all."),
     keep_best: str = typer.Option("reward_mean", "--keep-best", help="The training metric whose best step --keep-last also keeps."),
     s3: Optional[str] = typer.Option(None, "--s3", help="Push every checkpoint to s3://BUCKET/PREFIX and resume from it. Default: $ARTCLOUD_S3. Endpoint and credentials: ARTCLOUD_S3_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY."),
+    lease: Optional[str] = typer.Option(None, "--lease", help="Exit (after a final checkpoint push) when no authenticated request or heartbeat came for this long: 90s, 15m, 8h; a bare number is minutes. Default: never."),
+    max_duration: Optional[str] = typer.Option(None, "--max-duration", help="Exit (after a final checkpoint push) this long after start, clients or not: 8h, 1d. Default: never."),
 ) -> None:
     """Serve OpenAI-compatible inference and GRPO training over HTTPS.
 
     Every route but GET /health needs 'Authorization: Bearer TOKEN'. Models registered here keep
     their checkpoints under PATH/PROJECT/MODEL/checkpoints/STEP; a restarted server resumes them.
+    On a cloud GPU, --lease and --max-duration make sure it does not outlive its client.
 
-    Example: artcloud serve --path ./runs --port 8443
+    Example: artcloud serve --path ./runs --port 8443 --lease 15m --max-duration 8h
     """
     import ssl
 
+    from artcloud.durations import parse_duration
     from artcloud.server.serve import ServeError, run
+
+    try:
+        lease_s = parse_duration(lease, what="--lease") if lease is not None else None
+        max_duration_s = parse_duration(max_duration, what="--max-duration") if max_duration is not None else None
+    except ValueError as e:
+        raise CLIError(str(e)) from e
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         run(host=host, port=port, path=path, tls_cert=tls_cert, tls_key=tls_key, token_file=token_file,
-            engine=engine, log_level=log_level, parent_pid=parent_pid, s3=s3, keep_last=keep_last, keep_best=keep_best)
+            engine=engine, log_level=log_level, parent_pid=parent_pid, s3=s3, keep_last=keep_last, keep_best=keep_best,
+            lease_s=lease_s, max_duration_s=max_duration_s)
     except ServeError as e:
         raise CLIError(str(e)) from e
     except ssl.SSLError as e:
@@ -98,6 +109,10 @@ def pull(
     except (StorageError, CorruptCheckpoint) as e:
         raise CLIError(str(e)) from e
     print(f"pulled {target} step {folder.name} into {folder}")
+
+
+# launch, status, logs, down: they register themselves on `app`.
+from artcloud import cli_sandbox  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,7 +27,7 @@ from artcloud.cli import CLIError, app
 def _console(stderr: bool = False):
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    return Console(stderr=stderr, highlight=False, soft_wrap=True)  # piped output keeps whole lines
 
 
 def _env_pairs(pairs: list[str]) -> dict[str, str]:
@@ -98,9 +98,9 @@ def launch(
         raise CLIError(str(e)) from e
     price = backend.price_per_hour
     out.print(f"[bold green]{backend.cluster_name}[/] is up: {backend.base_url}  ({gpu}, {_money(price)}/h)")
-    out.print(f"  connect from Python:  backend = artcloud.SkyBackend(cluster_name={backend.cluster_name!r})")
-    out.print(f"  teardown:             {teardown}; `artcloud down {backend.cluster_name}` ends it now")
-    out.print(f"  logs:                 artcloud logs {backend.cluster_name} -f")
+    out.print(f"  connect from Python:  backend = artcloud.SkyBackend(cluster_name={backend.cluster_name!r})", markup=False)
+    out.print(f"  teardown:             {teardown}; `artcloud down {backend.cluster_name}` ends it now", markup=False)
+    out.print(f"  logs:                 artcloud logs {backend.cluster_name} -f", markup=False)
 
 
 async def _start_and_leave(backend) -> None:
@@ -123,14 +123,14 @@ def _dry_run(backend, out, teardown: str) -> None:
         shipped = (f"image {backend.image}" if backend.image else
                    f"this machine's artcloud as {wheel.name} ({wheel.stat().st_size // 1024} kB) + artcloud[gpu]")
     out.print("[bold]artcloud launch --dry-run[/]: nothing was launched")
-    out.print(f"  cluster   {backend.cluster_name}")
+    out.print(f"  cluster   {backend.cluster_name}", markup=False)
     where = f"{backend.cloud}/{backend.region}" if backend.region else (backend.cloud or "the cheapest enabled cloud")
     out.print(f"  machine   {backend.gpu or 'no GPU'}{' (spot)' if backend.use_spot else ''} on {where}, "
-              f"{_money(backend.price_per_hour)}/h")
-    out.print(f"  server    {shipped}, HTTPS on port 8443, engine {backend.engine}")
-    out.print(f"  teardown  {teardown}")
-    out.print(f"  secrets   {', '.join(task.secrets)} (values never shown or written)")
-    out.print(f"  checked   {checked}")
+              f"{_money(backend.price_per_hour)}/h", markup=False)
+    out.print(f"  server    {shipped}, HTTPS on port 8443, engine {backend.engine}", markup=False)
+    out.print(f"  teardown  {teardown}", markup=False)
+    out.print(f"  secrets   {', '.join(task.secrets)} (values never shown or written)", markup=False)
+    out.print(f"  checked   {checked}", markup=False)
     out.print("--- the SkyPilot task (secrets redacted) ---")
     out.print(task.render(), markup=False, end="")
 
@@ -138,16 +138,27 @@ def _dry_run(backend, out, teardown: str) -> None:
 def _validate_with_skypilot(config: dict) -> str:
     import copy
 
-    try:
-        import sky
-    except ImportError:
+    import importlib.util
+
+    # The repo's own sky/ folder (templates) is a namespace package when run from a checkout: only a
+    # regular package is SkyPilot.
+    spec = importlib.util.find_spec("sky")
+    if spec is None or spec.origin in (None, "namespace"):
         return "not by SkyPilot (pip install 'artcloud[sky]')"
+    import sky
+    import requests
+    from sky import exceptions
+
     cfg = copy.deepcopy(config)  # from_yaml_config empties its argument
-    cfg.pop("secrets", None)
+    cfg.pop("secrets", None)  # names only: as task secrets they would become managed references
     try:
         sky.Task.from_yaml_config(cfg).validate()
+    except requests.RequestException:  # GPU names are checked against a catalog SkyPilot downloads
+        return "not by SkyPilot: its GPU catalog could not be downloaded (offline?)"
+    except exceptions.NoCloudAccessError:  # opening a port needs an enabled cloud to ask
+        return "not fully by SkyPilot: no cloud is enabled here (run `sky check`)"
     except Exception as e:
-        raise CLIError(f"SkyPilot rejects the task: {e}") from e
+        raise CLIError(f"SkyPilot rejects the task: {str(e).strip().splitlines()[-1]}") from e
     return f"the task passes sky.Task.validate() (skypilot {sky.__version__})"
 
 

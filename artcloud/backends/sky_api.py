@@ -84,35 +84,45 @@ def sky_api() -> SkyAPI:
 
 class SkyPilotAPI:
     """The seam, made of real `sky` SDK calls. The SDK talks to a SkyPilot API server (a local one
-    starts by itself on first use); every call here waits for its request to finish."""
+    starts by itself on first use); every call here waits for its request to finish.
+
+    Checked against skypilot 0.14.1 (sky/client/sdk.py, sky/task.py, sky/core.py, sky/backends/backend_utils.py,
+    sky/server/requests/serializers/decoders.py); tests/test_sky_contract.py pins what can be pinned offline.
+    Note that `sky.check` and `sky.list_accelerators` are NOT the SDK calls (a module and the local catalog
+    function): those two come from `sky.client.sdk`.
+    """
 
     def launch(self, task: dict[str, Any], *, secrets: dict[str, str], cluster_name: str,
                idle_minutes: int | None, retry_until_up: bool = False) -> int | None:
         import sky
 
         config = copy.deepcopy(task)  # from_yaml_config empties the dict it is given
-        config.pop("secrets", None)  # names only; the values come next, as task secrets
+        # Drop the names-only `secrets: {NAME: None}`: a null-valued secret is a *managed secret reference*
+        # (Task.from_yaml_config), which update_secrets does not clear and which the server then fails to
+        # resolve ("No value available for secret(s)", execution._resolve_managed_secrets).
+        config.pop("secrets", None)
         t = sky.Task.from_yaml_config(config)
-        t.update_secrets(secrets)  # secrets: redacted by SkyPilot in logs and its dashboard
+        t.update_secrets(secrets)  # inline secrets: '<redacted>' in the YAML sky logs and shows
         request = sky.launch(t, cluster_name=cluster_name, idle_minutes_to_autostop=idle_minutes,
                              down=idle_minutes is not None, retry_until_up=retry_until_up)
-        job_id, _handle = sky.stream_and_get(request)
-        return job_id
+        # (job_id, handle); a 3-tuple (+ credentials) only when launch(_include_credentials=True).
+        return sky.stream_and_get(request)[0]
 
     def status(self, cluster_name: str) -> ClusterInfo | None:
         import sky
 
+        # A list of sky.schemas.api.responses.StatusResponse (pydantic; `status` a sky.ClusterStatus enum:
+        # INIT, UP, AUTOSTOPPING or STOPPED); a missing or torn-down cluster is left out. No refresh here: the
+        # API server's own daemon refreshes every cluster each minute (sky/server/daemons.py).
         for record in sky.get(sky.status([cluster_name])):
-            record = record if isinstance(record, dict) else record.model_dump()
-            if record.get("name") == cluster_name:
-                status = record.get("status")
+            if record.name == cluster_name:
                 return ClusterInfo(
                     name=cluster_name,
-                    status=getattr(status, "value", str(status)),
-                    launched_at=record.get("launched_at"),
-                    autostop_minutes=record.get("autostop"),
-                    to_down=bool(record.get("to_down")),
-                    resources=record.get("resources_str"),
+                    status=record.status.value,
+                    launched_at=record.launched_at,
+                    autostop_minutes=record.autostop,  # -1: none set
+                    to_down=bool(record.to_down),
+                    resources=record.resources_str,
                 )
         return None
 
@@ -122,31 +132,49 @@ class SkyPilotAPI:
 
         try:
             found = sky.get(sky.job_status(cluster_name, [job_id] if job_id is not None else None))
-        except (exceptions.ClusterDoesNotExist, exceptions.ClusterNotUpError):
+        except (exceptions.ClusterNotUpError, ValueError):
+            # ClusterDoesNotExist is a ValueError. And with job_ids=None on a cluster with no job, the server's
+            # {None: None} comes back as {"None": None}, which the 0.14.1 client decoder int()s: ValueError.
             return None
-        status = next(iter(found.values()), None)
-        return getattr(status, "value", None if status is None else str(status))
+        # {job_id (int): sky.JobStatus or None}
+        status = found.get(job_id) if job_id is not None else next(iter(found.values()), None)
+        return None if status is None else status.value
 
     def endpoint(self, cluster_name: str, port: int) -> str | None:
         import sky
+        from sky import exceptions
 
         try:
             found = sky.get(sky.endpoints(cluster_name, port))
-        except (ValueError, RuntimeError):  # the port is not open (yet)
+        except exceptions.ClusterNotUpError:  # no such cluster, or not UP (backend_utils.get_endpoints)
             return None
-        return found.get(port) or found.get(str(port)) or None
+        # {port (int): url}, {} while the port is not open yet. SocketEndpoint.url() is 'host:port'; clouds whose
+        # endpoints are HTTP(S)Endpoint add a scheme, which this seam does not return.
+        url = found.get(int(port))
+        if not url:
+            return None
+        return url.split("://", 1)[-1].rstrip("/")
 
     def logs(self, cluster_name: str, *, follow: bool = False, tail: int = 0) -> Iterator[str]:
         import sky
+        from sky import exceptions
 
-        stream = sky.tail_logs(cluster_name, job_id=None, follow=follow, tail=tail, preload_content=False)
+        # The streamed request never reports a missing cluster (it just yields nothing): ask first.
+        if self.status(cluster_name) is None:
+            raise exceptions.ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
+        return self._lines(sky.tail_logs(cluster_name, job_id=None, follow=follow, tail=tail, preload_content=False))
+
+    @staticmethod
+    def _lines(stream: Iterator[str | None]) -> Iterator[str]:
+        # rich_utils.decode_rich_status yields lines with their '\n' and None for every control message
+        # (spinner updates, heartbeats) when not on the main thread: None is not the end of the stream.
         pending = ""
         for chunk in stream:
             if chunk is None:
-                break
+                continue
             pending += chunk
             *lines, pending = pending.split("\n")
-            yield from lines
+            yield from (line.rstrip("\r") for line in lines)
         if pending:
             yield pending
 
@@ -166,31 +194,54 @@ class SkyPilotAPI:
         return True
 
     def check_cloud(self, cloud: str) -> str | None:
-        import sky
+        from sky.client import sdk
 
         out = io.StringIO()
-        enabled = sky.stream_and_get(sky.check((cloud,), verbose=False), output_stream=out)
-        names = {c.lower() for per_workspace in enabled.values() for c in per_workspace}
-        if cloud.lower() in names:
-            return None
-        reason = " ".join(line.strip() for line in out.getvalue().splitlines()
-                          if cloud.lower() in line.lower() and line.strip())
-        return reason or f"{cloud} is not enabled"
+        try:
+            enabled = sdk.stream_and_get(sdk.check((cloud,), verbose=False), output_stream=out)
+        except ValueError as e:  # not a cloud SkyPilot knows
+            return str(e)
+        # {workspace: {cloud repr, e.g. 'AWS': ['compute', 'storage']}} (sky/check.py check())
+        for per_workspace in enabled.values():
+            for name, capabilities in per_workspace.items():
+                if name.lower() == cloud.lower() and "compute" in capabilities:
+                    return None
+        return self._check_reason(out.getvalue(), cloud) or f"{cloud} is not enabled (run `sky check {cloud}`)"
+
+    @staticmethod
+    def _check_reason(text: str, cloud: str) -> str:
+        """`sky check`'s lines about `cloud`: '  AWS: disabled' and the indented 'Reason [...]: ...' below it."""
+        import re
+
+        lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).rstrip() for line in text.splitlines()]
+        head = re.compile(rf"^\s*{re.escape(cloud)}: ", re.IGNORECASE)
+        for i, line in enumerate(lines):
+            if head.match(line):
+                block = [line.strip()]
+                for more in lines[i + 1:]:
+                    if not more.startswith("    "):
+                        break
+                    block.append(more.strip())
+                return " ".join(block)
+        return ""
 
     def gpu_offers(self, gpu: str) -> list[GPUOffer] | None:
-        import sky
+        import re
+
+        from sky.client import sdk
 
         try:
-            found = sky.get(sky.list_accelerators(gpus_only=True, name_filter=f"^{gpu}$", case_sensitive=False))
+            found = sdk.get(sdk.list_accelerators(gpus_only=True, name_filter=f"^{re.escape(gpu)}$",
+                                                  case_sensitive=False))
         except Exception:  # the catalog lives online; offline it cannot be read
             return None
         offers = []
         for name, infos in found.items():
-            for info in infos:
+            for info in infos:  # sky.catalog.common.InstanceTypeInfo
                 offers.append(GPUOffer(
-                    cloud=str(info.cloud), instance_type=str(info.instance_type), accelerator=name,
-                    count=int(info.accelerator_count), price=_price(info.price), spot_price=_price(info.spot_price),
-                    region=getattr(info, "region", None),
+                    cloud=str(info.cloud), instance_type=info.instance_type or "",
+                    accelerator=info.accelerator_name or name, count=int(info.accelerator_count),
+                    price=_price(info.price), spot_price=_price(info.spot_price), region=info.region or None,
                 ))
         return offers
 

@@ -41,9 +41,17 @@ class ServerTask:
         """The task as YAML, secrets redacted: what `artcloud launch --dry-run` prints."""
         import yaml
 
+        class Dumper(yaml.SafeDumper):
+            pass
+
+        def text(dumper: yaml.SafeDumper, value: str) -> yaml.Node:  # scripts as `|` blocks, as written
+            style = "|" if "\n" in value else None
+            return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+        Dumper.add_representer(str, text)
         shown = copy.deepcopy(self.config)
         shown["secrets"] = {name: REDACTED for name in self.secrets}
-        return yaml.safe_dump(shown, sort_keys=False, width=100)
+        return yaml.dump(shown, Dumper=Dumper, sort_keys=False, width=100)
 
 
 def build_task(
@@ -116,7 +124,9 @@ def build_task(
 def format_duration_exact(seconds: float) -> str:
     """Seconds as the server's --lease / --max-duration take them, without rounding away precision."""
     whole = int(round(seconds))
-    return f"{whole}s" if whole % 60 else f"{whole // 60}m"
+    if whole % 60:
+        return f"{whole}s"
+    return f"{whole // 3600}h" if whole % 3600 == 0 else f"{whole // 60}m"
 
 
 def describe(task: ServerTask) -> str:

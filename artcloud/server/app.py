@@ -1,6 +1,6 @@
 """The HTTP routes of `artcloud serve` (FastAPI). Every route but `GET /health` needs the bearer token.
 
-    GET  /health                                   version, readiness, models (no token)
+    GET  /health                                   version, readiness, models, lease (no token)
     GET  /v1/models, /v1/models/{id}               OpenAI-compatible listing
     POST /v1/chat/completions                      OpenAI-compatible; + prompt_token_ids, choices[].token_ids
     POST /artcloud/models                          register (idempotent; resumes from the latest checkpoint)
@@ -93,7 +93,8 @@ def create_app(registry: Registry, token: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "version": __version__, "ready": registry.ready, **registry.health()}
+        # Unauthenticated, so it never renews the lease: a dashboard polling it keeps no GPU alive.
+        return {"status": "ok", "version": __version__, "ready": registry.ready, **registry.health(), "lease": registry.lease()}
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> dict[str, Any]:

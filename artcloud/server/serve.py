@@ -1,5 +1,9 @@
 """Run the server: check the path and port, set up TLS and the token, hand over to uvicorn.
 
+Teardown layers 2 and 4 live here: with `--lease`, no authenticated request or heartbeat for that long
+ends the server; `--max-duration` ends it after that long, clients or not. Both take uvicorn's graceful
+path, whose lifespan exit pushes the final checkpoints to S3, and the process exits with status 0.
+
 Every failure a user can cause (a taken port, an unwritable path, a missing certificate) raises
 ServeError with one line that says what to do; the CLI prints it and exits with status 2.
 """
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from artcloud._version import __version__
+from artcloud.durations import format_duration
 from artcloud.tls import LaunchSecrets, make_launch_secrets
 
 log = logging.getLogger("artcloud.server")
@@ -25,6 +30,9 @@ ENV_TOKEN = "ARTCLOUD_TOKEN"
 ENV_CERT = "ARTCLOUD_TLS_CERT"
 ENV_KEY = "ARTCLOUD_TLS_KEY"
 ENV_S3 = "ARTCLOUD_S3"
+# After the lease or --max-duration ends the server, the graceful path (final pushes: up to 600 s per
+# model) gets this long; then the process leaves anyway. A hung shutdown must not keep a GPU running.
+FORCE_EXIT_AFTER_S = 1800.0
 
 
 class ServeError(Exception):
@@ -168,8 +176,11 @@ def run(
     s3: str | None = None,
     keep_last: int = 0,
     keep_best: str = "reward_mean",
+    lease_s: float | None = None,
+    max_duration_s: float | None = None,
     announce=print,
 ) -> None:
+    started = time.time()  # --max-duration counts from here: loading a model is paid-for time too
     import uvicorn
 
     from artcloud.server.app import create_app
@@ -179,6 +190,9 @@ def run(
     path = check_path(path)
     store = s3_store(s3 or os.environ.get(ENV_S3))
     tls = tls_setup(path, host, tls_cert, tls_key, token, token_file)
+    # Before binding: an unknown --engine fails here, with nothing printed and nothing listening.
+    registry = Registry(path, engine=engine, store=store, retention=Retention(keep_last=keep_last, metric=keep_best))
+    registry.lease_s, registry.max_duration_s, registry.started_at = lease_s, max_duration_s, started
     sock = bind(host, port)
     actual_port = sock.getsockname()[1]
     shown_host = "localhost" if host in ("127.0.0.1", "0.0.0.0", "::", "::1") else host
@@ -191,7 +205,8 @@ def run(
 
     if store is not None:
         announce(f"  checkpoints are pushed to {store.config.uri}")
-    registry = Registry(path, engine=engine, store=store, retention=Retention(keep_last=keep_last, metric=keep_best))
+    if lease_s is not None or max_duration_s is not None:
+        announce(f"  lease: {lease_line(lease_s, max_duration_s)}")
     app = create_app(registry, tls.token)
     context = server_context(str(tls.cert), str(tls.key))  # a bad cert/key pair fails here, before serving
     # TLS is done by TLSOnlyProtocol (so plain HTTP gets a readable 400), on asyncio's own loop.
@@ -207,6 +222,9 @@ def run(
     server = uvicorn.Server(config)
     if parent_pid is not None:
         _exit_with_parent(server, parent_pid)
+    if lease_s is not None or max_duration_s is not None:
+        registry.last_request_at = time.time()  # the lease starts when we serve, not when we began
+        _exit_on_lease(server, registry)
     server.run(sockets=[sock])
     # An engine thread may still be inside a training step that will never be committed; the interpreter
     # would wait for it at exit (minutes, on a big model). Leave now: nothing on disk is half-written.
@@ -231,3 +249,53 @@ def _exit_with_parent(server, parent_pid: int, every_s: float = 0.5) -> None:
             time.sleep(every_s)
 
     threading.Thread(target=watch, name="artcloud-parent-watch", daemon=True).start()
+
+
+def lease_line(lease_s: float | None, max_duration_s: float | None) -> str:
+    parts = []
+    if lease_s is not None:
+        parts.append(f"exits after {format_duration(lease_s)} without a client request or heartbeat")
+    if max_duration_s is not None:
+        parts.append(f"at most {format_duration(max_duration_s)}" if parts else f"exits after {format_duration(max_duration_s)}, clients or not")
+    return "; ".join(parts)
+
+
+def _exit_on_lease(server, registry, every_s: float = 0.5, force_after_s: float = FORCE_EXIT_AFTER_S) -> None:
+    """Shut down (gracefully: the lifespan exit pushes the final checkpoints) once no client has made an
+    authenticated request for `registry.lease_s`, or `registry.max_duration_s` after start, whichever
+    comes first. A GPU whose client has gone away must not keep running."""
+    import threading
+
+    def watch() -> None:
+        if _wait_for_end(server, registry, every_s):
+            time.sleep(force_after_s)
+            log.error("the server did not shut down %s after its lease ended: exiting now", format_duration(force_after_s))
+            logging.shutdown()
+            os._exit(1)
+
+    threading.Thread(target=watch, name="artcloud-lease-watch", daemon=True).start()
+
+
+def _wait_for_end(server, registry, every_s: float) -> bool:
+    """Sleep until the lease or --max-duration is over (then ask uvicorn to stop and return True), or
+    until the server stops for another reason (False)."""
+    renewed_at_ready = False
+    while not server.should_exit:
+        now = time.time()
+        if not renewed_at_ready and registry.ready:
+            # Loading the models an earlier server left may take minutes: the lease starts again when
+            # clients can use the server. It still counts while loading, so a stuck load ends too.
+            registry.last_request_at = max(registry.last_request_at, now)
+            renewed_at_ready = True
+        if registry.max_duration_s is not None and now - registry.started_at > registry.max_duration_s:
+            log.warning("reached --max-duration %s: pushing checkpoints and shutting down",
+                        format_duration(registry.max_duration_s))
+            server.should_exit = True
+            return True
+        if registry.lease_s is not None and now - registry.last_request_at > registry.lease_s:
+            log.warning("no client request or heartbeat for %s: pushing checkpoints and shutting down",
+                        format_duration(registry.lease_s))
+            server.should_exit = True
+            return True
+        time.sleep(every_s)
+    return False

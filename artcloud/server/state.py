@@ -34,11 +34,20 @@ OLD_STEPS_KEPT = 4  # adapters of older steps kept loaded for NAME@STEP requests
 
 
 def default_engine_factory(kind: str) -> Callable[[str], Engine]:
-    if kind == "cpu":
-        from artcloud.server.engines.cpu import CPUEngine
+    """`cpu`: the torch engine on the CPU, float32. `auto`: the same engine on the GPU in bfloat16 when
+    torch sees one, else `cpu` (a launcher can always pass `auto`; a laptop without CUDA still works)."""
+    if kind not in ("auto", "cpu"):
+        raise ValueError(f"unknown engine {kind!r}: this build has 'auto' and 'cpu'")
+    from artcloud.server.engines.cpu import CPUEngine
 
-        return CPUEngine
-    raise ValueError(f"unknown engine {kind!r}: this build has 'cpu'")
+    if kind == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            log.info("engine auto: %s, bfloat16", torch.cuda.get_device_name(0))
+            return partial(CPUEngine, dtype="bfloat16", device="cuda")
+        log.info("engine auto: no CUDA device, so the CPU engine (float32)")
+    return CPUEngine
 
 
 class EngineHost:
@@ -306,7 +315,10 @@ class Registry:
         self.hosts: dict[str, EngineHost] = {}
         self.models: dict[str, ServedModel] = {}
         self.ready = False
-        self.last_request_at = time.time()
+        self.last_request_at = time.time()  # renewed by every authenticated request: the lease
+        self.started_at = time.time()
+        self.lease_s: float | None = None  # `artcloud serve --lease`; the watcher lives in serve.py
+        self.max_duration_s: float | None = None  # `--max-duration`
         self._register_lock = asyncio.Lock()
 
     async def _host(self, base_model: str) -> EngineHost:
@@ -417,6 +429,11 @@ class Registry:
             ],
             "engines": [{"base_model": h.base_model, "kind": self.engine_kind, "batches": h.batcher.batches if h.batcher else 0} for h in self.hosts.values()],
         }
+
+    def lease(self) -> dict[str, float | None]:
+        now = time.time()
+        return {"lease_s": self.lease_s, "idle_s": round(now - self.last_request_at, 1),
+                "max_duration_s": self.max_duration_s, "uptime_s": round(now - self.started_at, 1)}
 
     async def close(self) -> None:
         for model in self.models.values():

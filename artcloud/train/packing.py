@@ -27,6 +27,12 @@ class PackedBatch:
     old_logprobs: torch.Tensor  # (B, C)
     advantages: torch.Tensor  # (B,)
 
+    def to(self, device: torch.device) -> "PackedBatch":
+        """The same batch on `device` (the engine's: a GPU under `--engine auto`)."""
+        if self.prompts.device == device:
+            return self
+        return PackedBatch(**{f: getattr(self, f).to(device) for f in self.__dataclass_fields__})
+
     @property
     def rows(self) -> int:
         return self.completions.shape[0]

@@ -261,7 +261,7 @@ class CPUEngine(Engine):
                 opt.zero_grad(set_to_none=True)
                 loss_sum = clip_sum = ratio_sum = kl_sum = 0.0
                 for micro in packing.micro_batches(minibatch, self.vocab_size):
-                    batch = packing.pack(micro, self.pad_id)
+                    batch = packing.pack(micro, self.pad_id).to(self.device)
                     new_lp = packing.completion_logprobs(model, batch)
                     ref_lp = None
                     if config.kl_coef > 0:

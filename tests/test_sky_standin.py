@@ -1,0 +1,341 @@
+"""The SkyPilot stand-in (tests/sky_standin.py) on its own: it runs the task's real setup and run commands.
+
+The slow tests launch the real task (sky/artcloud-server.yaml filled by build_task) with the real wheel of
+this artcloud: pip installs it into the "cluster's" venv, and `artcloud serve` from that venv answers
+over HTTPS on loopback. The others use small hand-written tasks for the stand-in's own mechanics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from artcloud._version import __version__
+from artcloud.backends.sky_api import ClusterInfo, sky_api
+from artcloud.backends.sky_task import SERVER_PORT, build_task
+from artcloud.backends.wheel import build_wheel
+from artcloud.tls import client_ssl_context, make_launch_secrets
+from tests.sky_standin import (
+    ENV_CATALOG,
+    ENV_CLOUDS,
+    ENV_FAULT,
+    ENV_MINUTE,
+    ENV_ROOT,
+    REPO_ROOT,
+    ClusterDoesNotExist,
+    LocalSky,
+    RecordingSky,
+    ResourcesUnavailableError,
+    StandinError,
+    StandinLaunchError,
+    cluster_pids,
+    down_all,
+    leftover_processes,
+    read_calls,
+)
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "sky"
+    monkeypatch.setenv(ENV_ROOT, str(root))
+    monkeypatch.setenv(ENV_MINUTE, "0.5")
+    for name in (ENV_CLOUDS, ENV_CATALOG, ENV_FAULT):
+        monkeypatch.delenv(name, raising=False)
+    yield root
+    down_all(root)  # whatever a test left: torn down, and nothing may survive it
+    assert leftover_processes(root) == {}
+
+
+@pytest.fixture
+def sky(root) -> LocalSky:
+    return LocalSky()
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+def launch_secrets():
+    made = make_launch_secrets()
+    return made, {"ARTCLOUD_TOKEN": made.token, "ARTCLOUD_TLS_CERT": made.server_cert,
+                  "ARTCLOUD_TLS_KEY": made.server_key}
+
+
+def wait_for(what: str, check, timeout: float = 60.0, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def small_task(run: str, setup: str = "echo setting up in $PWD", **envs: str) -> dict:
+    return {"name": "small", "resources": {"accelerators": "L4:1", "ports": 8443}, "envs": envs,
+            "setup": setup, "run": run}
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+# ---------------------------------------------------------------------------------------------- no cluster
+
+
+def test_root_is_required(monkeypatch):
+    monkeypatch.delenv(ENV_ROOT, raising=False)
+    with pytest.raises(StandinError, match=ENV_ROOT):
+        LocalSky()
+
+
+def test_sky_api_names_the_standin(root, monkeypatch):
+    monkeypatch.setenv("ARTCLOUD_SKY_API", "tests.sky_standin:LocalSky")
+    api = sky_api()
+    assert isinstance(api, LocalSky) and api.root == root.resolve()
+
+
+def test_missing_cluster(sky):
+    assert sky.status("nope") is None
+    assert sky.job_status("nope", 1) is None
+    assert sky.endpoint("nope", SERVER_PORT) is None
+    assert sky.down("nope") is False
+    with pytest.raises(ClusterDoesNotExist):
+        sky.logs("nope")
+    with pytest.raises(ClusterDoesNotExist):
+        sky.autostop("nope", 5)
+
+
+def test_clouds_and_catalog(sky, monkeypatch):
+    assert sky.check_cloud("local") is None
+    reason = sky.check_cloud("aws")
+    assert reason.startswith("AWS: ") and "aws configure" in reason and "docs.skypilot.co" in reason
+    monkeypatch.setenv(ENV_CLOUDS, "local,aws")
+    assert sky.check_cloud("AWS") is None
+
+    h100 = sky.gpu_offers("H100")
+    assert {(o.cloud, o.count) for o in h100} >= {("local", 1), ("aws", 8), ("gcp", 1), ("gcp", 8)}
+    assert all(o.price and o.spot_price and o.spot_price < o.price for o in h100)
+    assert {(o.cloud, o.count) for o in sky.gpu_offers("l4")} >= {("local", 1)}
+    assert sky.gpu_offers("A100-80GB") and sky.gpu_offers("T4")
+    assert sky.gpu_offers("H200") == []
+    monkeypatch.setenv(ENV_CATALOG, "offline")
+    assert sky.gpu_offers("H100") is None
+
+
+def test_launch_checks_resources_like_sky(sky, monkeypatch):
+    _, secrets = launch_secrets()
+    task = build_task(secrets=secrets, gpu="A100-80GB:1").config
+    with pytest.raises(ResourcesUnavailableError, match="A100-80GB:1"):
+        sky.launch(task, secrets=secrets, cluster_name="a100", idle_minutes=5)
+    task = build_task(secrets=secrets, gpu="H100:1", cloud="aws").config
+    with pytest.raises(ResourcesUnavailableError, match="AWS which is not enabled"):
+        sky.launch(task, secrets=secrets, cluster_name="aws", idle_minutes=5)
+    with pytest.raises(ValueError, match="ARTCLOUD_TLS_KEY"):  # a secret the task names but nobody gave
+        sky.launch(task, secrets={k: v for k, v in secrets.items() if k != "ARTCLOUD_TLS_KEY"},
+                   cluster_name="nokey", idle_minutes=5)
+    assert sky.status("a100") is None and sky.status("aws") is None and sky.status("nokey") is None
+
+
+# ---------------------------------------------------------------------------------------------- small tasks
+
+
+def test_job_logs_and_autodown(sky, root, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "from-the-laptop")  # a cloud VM has none of this
+    task = small_task("echo home=$HOME; echo port=$ARTCLOUD_PORT host=$ARTCLOUD_HOST; echo gpus=$SKYPILOT_NUM_GPUS_PER_NODE;"
+                      " echo aws=${AWS_SECRET_ACCESS_KEY:-} secret=$MY_SECRET env=$MY_ENV;"
+                      " for i in 1 2 3; do echo line $i; sleep 0.3; done",
+                      ARTCLOUD_PORT="8443", MY_ENV="e")
+    assert sky.launch(task, secrets={"MY_SECRET": "s"}, cluster_name="small", idle_minutes=1) == 1
+    info = sky.status("small")
+    assert isinstance(info, ClusterInfo) and info.status == "UP" and info.autostop_minutes == 1 and info.to_down
+    assert info.resources == "1x Local(local-l4-1, {'L4': 1})"
+    lines = list(sky.logs("small", follow=True))  # until the job ends
+    home = root.resolve() / "clusters" / "small" / "home"
+    assert lines[0] == f"setting up in {home}/sky_workdir"
+    assert lines[1] == f"home={home}"
+    assert lines[2].startswith("port=") and lines[2] != "port=8443" and lines[2].endswith("host=127.0.0.1")
+    assert lines[3:] == ["gpus=1", "aws= secret=s env=e", "line 1", "line 2", "line 3"]
+    assert sky.job_status("small", 1) == "SUCCEEDED"
+    assert list(sky.logs("small", tail=2)) == ["line 2", "line 3"]
+    assert sky.endpoint("small", SERVER_PORT) is None  # the job is over
+    # Autodown: 1 "minute" (0.5 s here) after the job ended, the cluster is gone.
+    wait_for("autodown", lambda: sky.status("small") is None, timeout=10)
+    assert not (root / "clusters" / "small").exists()
+
+
+def test_autostop_can_be_changed_and_relaunch(sky):
+    assert sky.launch(small_task("exit 0"), secrets={}, cluster_name="c", idle_minutes=None) == 1
+    wait_for("job end", lambda: sky.job_status("c", 1) == "SUCCEEDED", timeout=10)
+    assert sky.status("c").autostop_minutes == -1
+    time.sleep(0.7)
+    assert sky.status("c").status == "UP"  # no autostop: stays up
+    # Relaunching a cluster whose job ended runs a second job on it (setup again, too).
+    assert sky.launch(small_task("sleep 30"), secrets={}, cluster_name="c", idle_minutes=None) == 2
+    wait_for("job 2 running", lambda: sky.job_status("c", 2) == "RUNNING", timeout=10)
+    assert sky.job_status("c", 1) == "SUCCEEDED"
+    with pytest.raises(StandinLaunchError, match="running job 2"):
+        sky.launch(small_task("exit 0"), secrets={}, cluster_name="c", idle_minutes=None)
+    sky.autostop("c", 1, down=True)
+    info = sky.status("c")
+    assert info.autostop_minutes == 1 and info.to_down
+    time.sleep(1.0)
+    assert sky.status("c") is not None  # a running job is not idle
+    assert sky.down("c") is True
+    assert sky.status("c") is None and sky.job_status("c", 2) is None
+
+
+def test_state_is_on_disk_and_survives_a_killed_client(sky, root):
+    """The CLI runs in subprocesses: a launch from another process, SIGKILLed after launching, leaves a
+    cluster this process sees and tears down."""
+    code = ("import json, sys, time; from tests.sky_standin import LocalSky; "
+            "print(LocalSky().launch(json.loads(sys.argv[1]), secrets={}, cluster_name='k', idle_minutes=5), "
+            "flush=True); time.sleep(60)")
+    client = subprocess.Popen([sys.executable, "-c", code, json.dumps(small_task("sleep 60"))], cwd=REPO_ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout.readline().strip() == "1"
+    finally:
+        client.send_signal(signal.SIGKILL)
+        client.wait()
+    wait_for("job running", lambda: sky.job_status("k", None) == "RUNNING", timeout=10)
+    assert sky.status("k").autostop_minutes == 5
+    assert any("sleep 60" in line for line in leftover_processes(root).values())
+    assert sky.down("k") is True
+    assert leftover_processes(root) == {}
+
+
+# ---------------------------------------------------------------------------------------------- the real task
+
+
+def test_failed_setup_leaves_the_cluster_up(sky, root):
+    """No wheel and no index: pip cannot install artcloud. Like SkyPilot, the cluster stays UP with no
+    autostop (that is set only once setup has passed): whoever launched must take it down."""
+    made, secrets = launch_secrets()
+    task = build_task(secrets=secrets, gpu="H100:1", wheel=None)
+    with pytest.raises(StandinLaunchError) as raised:
+        sky.launch(task.config, secrets=task.secrets, cluster_name="bad", idle_minutes=1)
+    message = str(raised.value)
+    assert "Failed to run setup" in message and "artcloud" in message and "No matching distribution" in message
+    info = sky.status("bad")
+    assert info.status == "UP" and info.autostop_minutes == -1
+    assert sky.job_status("bad", None) == "FAILED_SETUP"
+    text = "\n".join(sky.logs("bad"))
+    assert "No matching distribution" in text
+    assert made.token not in text and made.server_key not in text
+    time.sleep(1.0)
+    assert sky.status("bad") is not None  # no autodown after a failed setup
+    assert sky.down("bad") is True and sky.status("bad") is None
+
+
+def test_recording_sky_faults(root, monkeypatch):
+    sky = RecordingSky()
+    made, secrets = launch_secrets()
+    task = build_task(secrets=secrets, gpu="H100:1", env={"ARTCLOUD_INSTALL": "0"})  # setup: nothing to do
+
+    monkeypatch.setenv(ENV_FAULT, "launch_fails")
+    with pytest.raises(ResourcesUnavailableError, match="retry-until-up"):
+        sky.launch(task.config, secrets=task.secrets, cluster_name="f1", idle_minutes=1)
+    assert sky.status("f1") is None
+
+    monkeypatch.setenv(ENV_FAULT, "no_health")
+    sky.launch(task.config, secrets=task.secrets, cluster_name="f2", idle_minutes=1)
+    wait_for("job running", lambda: sky.job_status("f2", 1) == "RUNNING", timeout=10)
+    host, port = sky.endpoint("f2", SERVER_PORT).split(":")
+    assert host == "127.0.0.1" and not port_open(int(port))
+
+    monkeypatch.setenv(ENV_FAULT, "job_fails")
+    sky.launch(task.config, secrets=task.secrets, cluster_name="f3", idle_minutes=1)
+    wait_for("job failed", lambda: sky.job_status("f3", 1) == "FAILED", timeout=10)
+    assert list(sky.logs("f3")) == ["boom"]
+    wait_for("autodown", lambda: sky.status("f3") is None, timeout=10)
+
+    assert sky.down("f2") is True
+    calls = read_calls(root)
+    launches = [c for c in calls if c["call"] == "launch"]
+    assert [c["kwargs"]["cluster_name"] for c in launches] == ["f1", "f2", "f3"]
+    assert launches[0]["kwargs"]["secrets"] == {name: "<secret>" for name in secrets}
+    assert launches[0]["kwargs"]["task"]["resources"]["accelerators"] == "H100:1"
+    assert {"status", "job_status", "endpoint", "logs", "down"} <= {c["call"] for c in calls}
+    recorded = (root / "calls.jsonl").read_text()
+    assert made.token not in recorded and made.server_key not in recorded
+
+
+@pytest.mark.slow
+def test_launch_serves_the_wheel_then_down(sky, root, wheel):
+    made, secrets = launch_secrets()
+    task = build_task(secrets=secrets, gpu="H100:1", engine="auto", lease_s=600, max_duration_s=3600, wheel=wheel)
+    assert sky.launch(task.config, secrets=task.secrets, cluster_name="e2e", idle_minutes=10) == 1
+    info = sky.status("e2e")
+    assert info.status == "UP" and info.autostop_minutes == 10 and info.to_down
+    assert info.resources == "1x Local(local-h100-1, {'H100': 1})"
+
+    address = wait_for("endpoint", lambda: sky.endpoint("e2e", SERVER_PORT), timeout=30)
+    assert sky.endpoint("e2e", 22) is None
+    port = int(address.split(":")[1])
+    ctx = client_ssl_context(made.ca_cert, check_hostname=False)
+    with httpx.Client(base_url=f"https://{address}", verify=ctx, timeout=5) as client:
+        def health():
+            try:
+                body = client.get("/health").json()
+            except httpx.TransportError:
+                return None
+            return body if body.get("ready") else None
+
+        body = wait_for("/health ready", health, timeout=120, every=0.2)
+    assert body["version"] == __version__
+
+    # The server runs the wheel's copy, installed into the cluster's venv, not this checkout.
+    home = root.resolve() / "clusters" / "e2e" / "home"
+    venv = home / "artcloud-venv"
+    pids = cluster_pids(root, "e2e")
+    server = [p for p in pids if "artcloud serve" in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+              and "timeout" not in Path(f"/proc/{p}/comm").read_text()]
+    assert len(server) == 1, pids
+    argv = Path(f"/proc/{server[0]}/cmdline").read_bytes().split(b"\0")
+    assert argv[0].decode() == str(venv / "bin" / "python")
+    assert os.readlink(f"/proc/{server[0]}/cwd") == str(home / "sky_workdir")
+    found = subprocess.run([str(venv / "bin" / "python"), "-c", "import artcloud; print(artcloud.__file__)"],
+                           cwd=home / "sky_workdir", env={"PATH": os.environ["PATH"], "HOME": str(home)},
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert found.startswith(str(venv / "lib")) and "site-packages" in found, found
+    # GNU timeout (the run command's belt) moves itself into a process group of its own: killing the
+    # supervisor's group would miss it and the server. down() must find them anyway.
+    assert len({os.getpgid(p) for p in pids}) >= 2
+
+    text = "\n".join(sky.logs("e2e"))
+    assert f"artcloud {__version__} serving on https://" in text and "lease: exits after 10m" in text
+    assert made.token not in text and made.server_key not in text
+
+    assert sky.down("e2e") is True
+    assert sky.status("e2e") is None and sky.endpoint("e2e", SERVER_PORT) is None
+    assert leftover_processes(root) == {}
+    assert not port_open(port)
+
+
+@pytest.mark.slow
+def test_the_lease_ends_the_job_then_autodown(sky, root, wheel):
+    """No client ever comes: the server's lease (2 s) ends it, the job SUCCEEDS, and the cluster goes
+    down one (0.5 s) "minute" later."""
+    made, secrets = launch_secrets()
+    task = build_task(secrets=secrets, gpu="L4:1", engine="auto", lease_s=2, max_duration_s=600, wheel=wheel)
+    sky.launch(task.config, secrets=task.secrets, cluster_name="lease", idle_minutes=1)
+    wait_for("job end", lambda: sky.job_status("lease", 1) not in ("PENDING", "RUNNING"), timeout=120, every=0.2)
+    lines = list(sky.logs("lease"))
+    assert sky.job_status("lease", 1) == "SUCCEEDED", "\n".join(lines[-20:])
+    assert any("no client request or heartbeat for 2s" in line for line in lines)
+    wait_for("autodown", lambda: sky.status("lease") is None, timeout=10)
+    assert leftover_processes(root) == {}
