@@ -385,3 +385,35 @@ def test_max_duration_pushes_the_last_checkpoint_and_the_server_goes(sky_env, mo
     assert CheckpointStore(S3Config.from_uri(s3)).latest("sky", "capped") == 1
     asyncio.run(backend.down())
     assert cluster_pids(sky_env, "capped") == set()
+
+
+@pytest.mark.slow
+def test_a_cluster_that_vanishes_mid_training_is_reported_at_once(sky_env):
+    """Preemption, or someone's `sky down`: the client says so within seconds, not after minutes of retries."""
+
+    async def main():
+        backend = SkyBackend(cluster_name="vanish", idle_minutes=1)
+        await backend.start()
+        model = artcloud.TrainableModel(name="agent", project="sky", base_model=TINY)
+        await model.register(backend)
+        client = model.openai_client()
+        messages = [{"role": "user", "content": "hi"}]
+        trajectories = []
+        for _ in range(4):
+            r = await client.chat.completions.create(model="agent", messages=messages, max_tokens=6, logprobs=True)
+            trajectories.append(artcloud.Trajectory(messages_and_choices=[*messages, r.choices[0]],
+                                                    reward=len(r.choices[0].message.content or "")))
+        group = artcloud.TrajectoryGroup(trajectories)
+        body = {"groups": [group.to_wire()], "config": artcloud.TrainConfig(gradient_steps=64).model_dump(),
+                "idempotency_key": "vanish-1"}
+        job = await backend.start_train("agent", body)
+        assert await asyncio.to_thread(backend.api.down, "vanish")  # the cloud takes the machine away
+        started = time.monotonic()
+        with pytest.raises(artcloud.ServerGone, match="the cluster vanish is gone .*resumes from the last checkpoint"):
+            await backend.follow_job(job["job_id"])
+        assert time.monotonic() - started < 30
+        await backend.down()  # idempotent: nothing left to tear down
+        return backend
+
+    backend = asyncio.run(main())
+    assert StateDir().load("vanish").state == "down" and cluster_pids(sky_env, "vanish") == set()

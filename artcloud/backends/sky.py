@@ -167,10 +167,13 @@ class SkyBackend(RemoteBackend):
         record = self.state.load(name)
         if info is not None:
             await self._attach(record, info.status)
-            return
-        if record is not None and record.state != "down":  # gone since (autodown, lease, `sky down`)
-            self.state.mark_down(name)
-        await self._launch()
+        else:
+            if record is not None and record.state != "down":  # gone since (autodown, lease, `sky down`)
+                self.state.mark_down(name)
+            await self._launch()
+        # Hold the lease from now on, not only once a model is registered: a client that spends a while
+        # preparing data keeps its GPU; a client that dies lets it go within the lease.
+        self._start_heartbeats()
 
     async def _attach(self, record: SandboxRecord | None, status: str) -> None:
         name = self.cluster_name
