@@ -137,7 +137,6 @@ def _dry_run(backend, out, teardown: str) -> None:
 
 def _validate_with_skypilot(config: dict) -> str:
     import copy
-
     import importlib.util
 
     # The repo's own sky/ folder (templates) is a namespace package when run from a checkout: only a
@@ -145,8 +144,8 @@ def _validate_with_skypilot(config: dict) -> str:
     spec = importlib.util.find_spec("sky")
     if spec is None or spec.origin in (None, "namespace"):
         return "not by SkyPilot (pip install 'artcloud[sky]')"
-    import sky
     import requests
+    import sky
     from sky import exceptions
 
     cfg = copy.deepcopy(config)  # from_yaml_config empties its argument

@@ -413,7 +413,6 @@ def test_a_cluster_that_vanishes_mid_training_is_reported_at_once(sky_env):
             await backend.follow_job(job["job_id"])
         assert time.monotonic() - started < 30
         await backend.down()  # idempotent: nothing left to tear down
-        return backend
 
-    backend = asyncio.run(main())
+    asyncio.run(main())
     assert StateDir().load("vanish").state == "down" and cluster_pids(sky_env, "vanish") == set()

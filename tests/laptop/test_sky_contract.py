@@ -71,12 +71,11 @@ def sky(tmp_path_factory):
         mp.setenv("SKYPILOT_DISABLE_USAGE_COLLECTION", "1")
         mp.setenv("SKYPILOT_DISABLE_LOCAL_API_SERVER", "1")
         mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        from sky.catalog import common as catalog_common
-        from sky.clouds import cloud as sky_cloud
-
         import sky as sky_module
         from sky import check as sky_check
         from sky import global_user_state
+        from sky.catalog import common as catalog_common
+        from sky.clouds import cloud as sky_cloud
 
         # sky fixes its catalog folder (and writes ~/.sky) at import: an earlier import elsewhere would
         # have used another HOME, and what follows would write there.
