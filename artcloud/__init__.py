@@ -13,6 +13,7 @@ from artcloud.types import LoraConfig, TrainConfig, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from artcloud.backends.local import LocalBackend
+    from artcloud.backends.modal import ModalBackend, ModalError
     from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone, VersionMismatch
     from artcloud.backends.sky import SkyBackend, SkyError
     from artcloud.gather import GatherError, gather_trajectory_groups
@@ -23,6 +24,8 @@ _LAZY = {
     "LocalBackend": "artcloud.backends.local",
     "RemoteBackend": "artcloud.backends.remote",
     "SkyBackend": "artcloud.backends.sky",
+    "ModalBackend": "artcloud.backends.modal",
+    "ModalError": "artcloud.backends.modal",
     "SkyError": "artcloud.backends.sky",
     "ArtcloudError": "artcloud.backends.remote",
     "ServerGone": "artcloud.backends.remote",
@@ -38,7 +41,7 @@ _LAZY = {
 
 __all__ = [
     "__version__", "LoraConfig", "TrainConfig", "Trajectory", "TrajectoryGroup",
-    "LocalBackend", "RemoteBackend", "SkyBackend", "SkyError", "ArtcloudError", "ServerGone", "VersionMismatch",
+    "LocalBackend", "RemoteBackend", "SkyBackend", "SkyError", "ModalBackend", "ModalError", "ArtcloudError", "ServerGone", "VersionMismatch",
     "gather_trajectory_groups", "GatherError",
     "Model", "TrainableModel", "TrainResult", "LinearTemperatureAnnealer", "pull_checkpoint",
 ]

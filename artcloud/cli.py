@@ -48,6 +48,7 @@ def serve(
     keep_best: str = typer.Option("reward_mean", "--keep-best", help="The training metric whose best step --keep-last also keeps."),
     s3: Optional[str] = typer.Option(None, "--s3", help="Push every checkpoint to s3://BUCKET/PREFIX and resume from it. Default: $ARTCLOUD_S3. Endpoint and credentials: ARTCLOUD_S3_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY."),
     lease: Optional[str] = typer.Option(None, "--lease", help="Exit (after a final checkpoint push) when no authenticated request or heartbeat came for this long: 90s, 15m, 8h; a bare number is minutes. Default: never."),
+    behind_https_proxy: bool = typer.Option(False, "--behind-https-proxy", help="Serve plain HTTP to an HTTPS-terminating proxy in front (Modal's encrypted tunnel); the token is still required (from $ARTCLOUD_TOKEN or --token-file). Never on an open port."),
     max_duration: Optional[str] = typer.Option(None, "--max-duration", help="Exit (after a final checkpoint push) this long after start, clients or not: 8h, 1d. Default: never."),
 ) -> None:
     """Serve OpenAI-compatible inference and GRPO training over HTTPS.
@@ -75,7 +76,7 @@ def serve(
     try:
         run(host=host, port=port, path=path, tls_cert=tls_cert, tls_key=tls_key, token_file=token_file,
             engine=engine, log_level=log_level, parent_pid=parent_pid, s3=s3, keep_last=keep_last, keep_best=keep_best,
-            lease_s=lease_s, max_duration_s=max_duration_s)
+            lease_s=lease_s, max_duration_s=max_duration_s, behind_https_proxy=behind_https_proxy)
     except ServeError as e:
         raise CLIError(str(e)) from e
     except ssl.SSLError as e:

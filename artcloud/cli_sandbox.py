@@ -46,6 +46,7 @@ def _money(value: float | None) -> str:
 
 @app.command()
 def launch(
+    provider: str = typer.Option("sky", "--provider", "-p", help="sky (any cloud SkyPilot reaches) or modal (a Modal Sandbox)."),
     gpu: str = typer.Option("H100:1", "--gpu", help="GPU spec as SkyPilot writes it: NAME[:COUNT], e.g. H100:1, A100-80GB:2, L4. `sky show-gpus` lists them."),
     cloud: Optional[str] = typer.Option(None, "--cloud", help="Pin a cloud (aws, gcp, azure, lambda, runpod, kubernetes, ...). Default: the cheapest one `sky check` enabled."),
     region: Optional[str] = typer.Option(None, "--region", help="Pin a region of --cloud."),
@@ -71,10 +72,25 @@ def launch(
     --max-duration, and SkyPilot tears the machine down --idle-minutes later. `artcloud down NAME`
     ends it at once.
 
+    With --provider modal: a Modal Sandbox whose hard timeout is --max-duration (24h at most), reached
+    through Modal's HTTPS tunnel; --cloud, --region, --spot, --image, --disk-size, --idle-minutes and
+    --retry-until-up are SkyPilot's and do not apply.
+
     Example: artcloud launch --gpu L4 --cloud gcp --s3 s3://my-bucket/runs --name mail-agent
     """
     from artcloud.backends.sky import SkyBackend, SkyError
     from artcloud.durations import format_duration
+
+    if provider == "modal":
+        sky_only = {"--cloud": cloud, "--region": region, "--spot": spot, "--image": image, "--disk-size": disk_size,
+                    "--retry-until-up": retry_until_up, "--idle-minutes": idle_minutes != 10}
+        used = [flag for flag, value in sky_only.items() if value]
+        if used:
+            raise CLIError(f"{', '.join(used)} {'is' if len(used) == 1 else 'are'} for --provider sky, not modal")
+        return _launch_modal(gpu=gpu, name=name, lease=lease, max_duration=max_duration, s3=s3, env=_env_pairs(env),
+                             secrets=list(secret), engine=engine, startup_timeout=startup_timeout, dry_run=dry_run)
+    if provider != "sky":
+        raise CLIError(f"--provider is sky or modal, not {provider!r}")
 
     try:
         backend = SkyBackend(
@@ -101,6 +117,41 @@ def launch(
     out.print(f"  connect from Python:  backend = artcloud.SkyBackend(cluster_name={backend.cluster_name!r})", markup=False)
     out.print(f"  teardown:             {teardown}; `artcloud down {backend.cluster_name}` ends it now", markup=False)
     out.print(f"  logs:                 artcloud logs {backend.cluster_name} -f", markup=False)
+
+
+def _launch_modal(*, gpu: str, name: str | None, lease: str, max_duration: str, s3: str | None, env: dict,
+                  secrets: list, engine: str, startup_timeout: str, dry_run: bool) -> None:
+    from artcloud._version import __version__
+    from artcloud.backends.modal import ModalBackend, ModalError, server_command
+    from artcloud.durations import format_duration
+
+    try:
+        backend = ModalBackend(gpu=gpu, name=name, timeout=max_duration, lease=lease, s3=s3, env=env, secrets=secrets,
+                               engine=engine, startup_timeout=startup_timeout)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    out, err = _console(), _console(stderr=True)
+    teardown = (f"the server exits after {format_duration(backend.lease_s)} without a client; Modal ends the sandbox "
+                f"after {format_duration(backend.timeout_s)} at most")
+    if dry_run:
+        names = list(backend._launch_secrets("x" * 32))  # the names only; the values are never printed
+        command = server_command(lease_s=backend.lease_s, max_duration_s=backend.max_duration_s, s3=s3, engine=engine)
+        out.print("artcloud launch --provider modal --dry-run: nothing was created", markup=False)
+        out.print(f"  sandbox   {backend.name} in app {backend.app_name}, GPU {gpu}, HTTPS tunnel to port 8443", markup=False)
+        out.print(f"  image     debian-slim + this machine's artcloud {__version__} wheel + artcloud[gpu]", markup=False)
+        out.print(f"  command   {' '.join(command)}", markup=False)
+        out.print(f"  teardown  {teardown}", markup=False)
+        out.print(f"  secrets   {', '.join(names)} (one modal.Secret; values never shown)", markup=False)
+        return
+    try:
+        with err.status(f"creating the Modal sandbox {backend.name} ({gpu}): building the image the first time takes minutes"):
+            asyncio.run(_start_and_leave(backend))
+    except ModalError as e:
+        raise CLIError(str(e)) from e
+    out.print(f"[bold green]{backend.name}[/] is up: {backend.base_url}  (Modal, {gpu})")
+    out.print(f"  connect from Python:  backend = artcloud.ModalBackend(name={backend.name!r})", markup=False)
+    out.print(f"  teardown:             {teardown}; `artcloud down {backend.name}` ends it now", markup=False)
+    out.print(f"  logs:                 artcloud logs {backend.name} -f", markup=False)
 
 
 async def _start_and_leave(backend) -> None:
@@ -169,26 +220,25 @@ def status(
 
     Sandboxes that went away by themselves (lease, autodown) are marked down here as they are found gone.
     """
-    from artcloud.backends.sky_api import sky_api
+    from artcloud.backends.providers import sandboxes
     from artcloud.backends.state import StateDir
     from artcloud.durations import format_duration
 
     state = StateDir()
     state.prune()
-    records = state.live()
-    api = sky_api() if any(r.provider == "sky" for r in records) else None
-    rows, gone = [], []
-    for record in records:
+    rows, gone, asked = [], [], {}
+    for record in state.live():
         try:
-            info = api.status(record.name) if record.provider == "sky" else None
+            provider = asked.setdefault(record.provider, sandboxes(record.provider))
+            live = provider.status(record)
         except Exception as e:  # the provider cannot be asked: say so, forget nothing
             rows.append((record, f"unknown ({type(e).__name__})"))
             continue
-        if info is None:
+        if live is None:
             state.mark_down(record.name)
             gone.append(record.name)
         else:
-            rows.append((record, info.status))
+            rows.append((record, live))
     now = time.time()
     if as_json:
         for record, live in rows:
@@ -238,18 +288,20 @@ def logs(
     tail: int = typer.Option(0, "--tail", min=0, help="Only the last N lines (0: all)."),
 ) -> None:
     """The server's output: the setup (installing artcloud) and the run (`artcloud serve`)."""
-    from artcloud.backends.sky_api import sky_api
+    from artcloud.backends.providers import sandboxes
 
     record = _known(name)
-    api = sky_api()
-    if api.status(name) is None:
+    provider = sandboxes(record.provider)
+    if provider.status(record) is None:
         raise CLIError(f"{name} is gone (went {'down' if record.state == 'down' else 'away by itself'}): "
                        "its logs went with the machine")
     try:
-        for line in api.logs(name, follow=follow, tail=tail):
+        for line in provider.logs(record, follow=follow, tail=tail):
             print(line, flush=True)
     except KeyboardInterrupt:
         pass
+    except Exception as e:
+        raise CLIError(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
 
 
 @app.command()
@@ -263,7 +315,7 @@ def down(
     The server is not asked for a last checkpoint push: every finished training step was pushed
     already. Example: artcloud down mail-agent
     """
-    from artcloud.backends.sky_api import sky_api
+    from artcloud.backends.providers import sandboxes
     from artcloud.backends.state import StateDir
 
     state = StateDir()
@@ -280,16 +332,15 @@ def down(
             typer.confirm(f"tear down {', '.join(r.name for r in records)}?", abort=True)
     else:
         records = [_known(name) for name in names]
-    api = sky_api()
-    failed = []
+    failed, asked = [], {}
     for record in records:
         try:
-            existed = api.down(record.name)
+            existed = asked.setdefault(record.provider, sandboxes(record.provider)).down(record)
         except Exception as e:
             failed.append(f"{record.name} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
             continue
         state.mark_down(record.name)
         print(f"{record.name}: {'torn down' if existed else 'already gone'}")
     if failed:
-        raise CLIError(f"could not tear down {', '.join(failed)}: run `artcloud down` again, "
-                       "or `sky down NAME` (check `sky status`)")
+        raise CLIError(f"could not tear down {', '.join(failed)}: run `artcloud down` again, or use the "
+                       "provider's own tool (`sky down NAME`, `modal sandbox list`)")

@@ -134,9 +134,16 @@ def make_launch_secrets(hosts: list[str] | None = None, days: int = 30) -> Launc
     )
 
 
-def client_ssl_context(ca_cert: str | Path, *, check_hostname: bool = True) -> ssl.SSLContext:
+def client_ssl_context(ca_cert: str | Path | None, *, check_hostname: bool = True) -> ssl.SSLContext:
     """An SSL context that trusts `ca_cert` (PEM text or a path) and nothing else. `check_hostname=False`
-    is for a launch CA only (one certificate signed, key discarded), where the CA is the identity."""
+    is for a launch CA only (one certificate signed, key discarded), where the CA is the identity.
+    `ca_cert=None`: the public web's CAs (certifi's bundle), for a provider's own TLS edge (Modal's tunnels)."""
+    if ca_cert is None:
+        import certifi
+
+        ctx = ssl.create_default_context(cafile=certifi.where())
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        return ctx
     # A bare PROTOCOL_TLS_CLIENT context starts with an empty trust store (create_default_context
     # would add the system CAs): only the launch's CA can vouch for the server.
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)

@@ -76,3 +76,42 @@ def test_launcher_supplied_certificate_and_token(tmp_path):
         assert oct((server.path / ".tls" / "server.key").stat().st_mode & 0o777) == "0o600"
     finally:
         server.stop()
+
+
+def test_behind_an_https_proxy_the_token_still_guards_every_route(tmp_path):
+    """Modal's tunnel ends TLS at its edge: plain HTTP to the proxy, and still no route without the token."""
+    import re
+    import time
+
+    token = "t" * 32
+    env = {**os.environ, "ARTCLOUD_TOKEN": token}
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "artcloud", "serve", "--path", str(tmp_path / "data"), "--port", "0",
+                                 "--behind-https-proxy"], stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (found := re.findall(r"serving plain HTTP on (http://\S+)", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        with httpx.Client(base_url=found[0], timeout=30) as c:
+            assert c.get("/health").json()["status"] == "ok"
+            assert c.get("/v1/models").status_code == 401
+            assert c.get("/v1/models", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+        assert token not in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_behind_an_https_proxy_needs_the_launchers_token(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "ARTCLOUD_TOKEN"}
+    result = subprocess.run([sys.executable, "-m", "artcloud", "serve", "--path", str(tmp_path), "--behind-https-proxy"],
+                            capture_output=True, text=True, timeout=60, env=env)
+    one_line_error(result, "--behind-https-proxy needs the launcher's bearer token")
+    secrets = make_launch_secrets()
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text(secrets.server_cert)
+    key.write_text(secrets.server_key)
+    one_line_error(serve("--path", str(tmp_path), "--behind-https-proxy", "--tls-cert", str(cert), "--tls-key", str(key),
+                         env={"ARTCLOUD_TOKEN": "t" * 32}), "drop --tls-cert")

@@ -69,7 +69,7 @@ class RemoteBackend:
         base_url: str,
         *,
         token: str,
-        ca_cert: str | Path,
+        ca_cert: str | Path | None,
         timeout: float = 120.0,
         retries: int = 6,
         heartbeat_every_s: float = 60.0,

@@ -141,6 +141,20 @@ def tls_setup(path: Path, host: str, cert: str | None, key: str | None, token: s
     return TLSFiles(paths.server_cert, paths.server_key, paths.ca_cert, made.token, paths.token)
 
 
+def _proxy_token(token: str | None, token_file: str | None) -> str:
+    """Behind a proxy the server never makes its own token: the launcher must give one."""
+    if token_file:
+        try:
+            token = Path(token_file).expanduser().read_text().strip()
+        except OSError as e:
+            raise ServeError(f"--token-file {token_file} cannot be read ({e.strerror})") from e
+    token = token or os.environ.get(ENV_TOKEN)
+    if not token or len(token) < 16:
+        raise ServeError(f"--behind-https-proxy needs the launcher's bearer token (16+ characters): set {ENV_TOKEN} "
+                         "or pass --token-file")
+    return token
+
+
 def _reuse_own(tls_dir: Path, token: str | None) -> TLSFiles | None:
     """A restarted `artcloud serve --path P` keeps the CA and token it made before, while the
     certificate has more than a day left, so clients that trust it keep working."""
@@ -178,6 +192,7 @@ def run(
     keep_best: str = "reward_mean",
     lease_s: float | None = None,
     max_duration_s: float | None = None,
+    behind_https_proxy: bool = False,
     announce=print,
 ) -> None:
     started = time.time()  # --max-duration counts from here: loading a model is paid-for time too
@@ -189,16 +204,29 @@ def run(
 
     path = check_path(path)
     store = s3_store(s3 or os.environ.get(ENV_S3))
-    tls = tls_setup(path, host, tls_cert, tls_key, token, token_file)
+    if behind_https_proxy:
+        # Modal's encrypted tunnel ends TLS at Modal's edge and forwards plain TCP into the sandbox: the
+        # server speaks plain HTTP to that proxy only, and the token still guards every route.
+        if tls_cert or tls_key:
+            raise ServeError("--behind-https-proxy serves plain HTTP to the proxy: drop --tls-cert / --tls-key")
+        tls = None
+        token = _proxy_token(token, token_file)
+    else:
+        tls = tls_setup(path, host, tls_cert, tls_key, token, token_file)
     # Before binding: an unknown --engine fails here, with nothing printed and nothing listening.
     registry = Registry(path, engine=engine, store=store, retention=Retention(keep_last=keep_last, metric=keep_best))
     registry.lease_s, registry.max_duration_s, registry.started_at = lease_s, max_duration_s, started
     sock = bind(host, port)
     actual_port = sock.getsockname()[1]
     shown_host = "localhost" if host in ("127.0.0.1", "0.0.0.0", "::", "::1") else host
-    url = f"https://{shown_host}:{actual_port}"
-    announce(f"artcloud {__version__} serving on {url} (HTTPS only), checkpoints under {path}")
-    if tls.ca is not None:
+    if tls is None:
+        url = f"http://{shown_host}:{actual_port}"
+        announce(f"artcloud {__version__} serving plain HTTP on {url} behind an HTTPS proxy (--behind-https-proxy), "
+                 f"checkpoints under {path}")
+    else:
+        url = f"https://{shown_host}:{actual_port}"
+        announce(f"artcloud {__version__} serving on {url} (HTTPS only), checkpoints under {path}")
+    if tls is not None and tls.ca is not None:
         announce(f"  CA certificate: {tls.ca}")
         announce(f"  bearer token:   {tls.token_file}  (0600; never printed)")
         announce(f"  try: curl --cacert {tls.ca} -H \"Authorization: Bearer $(cat {tls.token_file})\" {url}/v1/models")
@@ -207,8 +235,9 @@ def run(
         announce(f"  checkpoints are pushed to {store.config.uri}")
     if lease_s is not None or max_duration_s is not None:
         announce(f"  lease: {lease_line(lease_s, max_duration_s)}")
-    app = create_app(registry, tls.token)
-    context = server_context(str(tls.cert), str(tls.key))  # a bad cert/key pair fails here, before serving
+    app = create_app(registry, tls.token if tls is not None else token)
+    # A bad cert/key pair fails here, before serving.
+    context = server_context(str(tls.cert), str(tls.key)) if tls is not None else None
     # TLS is done by TLSOnlyProtocol (so plain HTTP gets a readable 400), on asyncio's own loop.
     config = uvicorn.Config(
         app,
@@ -218,7 +247,8 @@ def run(
         timeout_keep_alive=30,
     )
     config.load()
-    wrap_uvicorn_protocol(config, context, hint=url)
+    if context is not None:
+        wrap_uvicorn_protocol(config, context, hint=url)
     server = uvicorn.Server(config)
     if parent_pid is not None:
         _exit_with_parent(server, parent_pid)

@@ -1,0 +1,387 @@
+"""ModalBackend: `artcloud serve` in a Modal Sandbox on a GPU, reached through Modal's HTTPS tunnel.
+
+    backend = artcloud.ModalBackend(gpu="H100", s3="s3://my-bucket/runs")
+    async with backend:                      # create the sandbox, wait for /health; terminate on exit
+        await model.register(backend)
+
+Like SkyBackend, this adds only how the server comes to life and goes away. Differences that matter:
+Modal's `encrypted_ports` tunnel ends TLS at Modal's edge (a certificate for *.modal.run from a public
+CA) and forwards plain TCP into the sandbox, so the server runs `--behind-https-proxy` and the client
+trusts the public CAs; the per-launch bearer token still guards every route but /health. The token and S3
+credentials travel as a `modal.Secret`, never in the image. The sandbox id goes into the state registry
+(~/.artcloud) before anything else can go wrong, so `artcloud status/logs/down` reach it after a crash.
+
+Teardown in layers: `down()` / `async with` (terminate); the server's lease; its max duration, set a
+little under the sandbox's `timeout`, Modal's hard cap (24 h at most), so the last checkpoint is pushed
+before Modal kills it; `idle_timeout` when given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets as _secrets
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+from artcloud._version import __version__
+from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone
+from artcloud.backends.state import SandboxRecord, StateDir, check_name
+from artcloud.durations import format_duration, parse_duration
+from artcloud.tls import new_token
+
+log = logging.getLogger("artcloud.modal")
+
+PROVIDER = "modal"
+SERVER_PORT = 8443
+MAX_TIMEOUT_S = 24 * 3600.0  # Modal's cap on a sandbox's lifetime
+PUSH_MARGIN_S = 300.0  # the server stops this long before Modal's timeout, to push its last checkpoint
+# Modal's GPU types (modal.gpu docs); "NAME:COUNT" asks for several.
+GPU_TYPES = ("T4", "L4", "A10", "A10G", "L40S", "A100", "A100-40GB", "A100-80GB", "H100", "H100!", "H200", "B200")
+
+
+class ModalError(ArtcloudError):
+    """Creating, reaching or terminating a Modal sandbox failed; the message says what to do."""
+
+
+def check_gpu(gpu: str | None) -> None:
+    if gpu is None:
+        return
+    name, _, count = gpu.partition(":")
+    if name.upper() not in GPU_TYPES or (count and not (count.isdigit() and 1 <= int(count) <= 8)):
+        raise ValueError(f"Modal has no GPU {gpu!r}: use one of {', '.join(GPU_TYPES)}, optionally with :COUNT (1-8), "
+                         "e.g. 'H100' or 'A100-80GB:2'")
+
+
+def server_command(*, lease_s: float, max_duration_s: float, s3: str | None, engine: str) -> list[str]:
+    """The sandbox's command. The port comes from ARTCLOUD_PORT when set (a test's stand-in remaps it)."""
+    args = ["artcloud", "serve", "--path", "/data", "--host", "0.0.0.0", "--behind-https-proxy",
+            "--engine", engine, "--lease", f"{int(lease_s)}s", "--max-duration", f"{int(max_duration_s)}s"]
+    if s3:
+        args += ["--s3", s3]
+    line = " ".join(shlex.quote(a) for a in args)
+    return ["sh", "-c", f'exec {line} --port "${{ARTCLOUD_PORT:-{SERVER_PORT}}}"']
+
+
+def server_image(wheel: Path | None, *, extras: str = "gpu", python: str | None = None):
+    """The image recipe: Debian slim, and artcloud[gpu] from this client's own wheel (same version,
+    local changes included) or, with no wheel, from PyPI at this client's version."""
+    import modal
+
+    python = python or f"{sys.version_info.major}.{sys.version_info.minor}"
+    image = modal.Image.debian_slim(python_version=python)
+    if wheel is None:
+        return image.pip_install(f"artcloud[{extras}]=={__version__}")
+    remote = f"/opt/artcloud/{wheel.name}"
+    return image.add_local_file(wheel, remote, copy=True).run_commands(f"pip install '{remote}[{extras}]'")
+
+
+class ModalBackend(RemoteBackend):
+    """The training server in a Modal Sandbox, reached over Modal's HTTPS tunnel with this launch's token.
+
+    gpu: Modal's GPU type ('H100', 'A100-80GB:2', 'L4'); None for CPU only.
+    name: the sandbox's name in the app (default artcloud-XXXXXX); a running one of that name that this
+        machine launched is attached to.
+    timeout: Modal's hard cap on the sandbox's life (at most 24 h); the server stops 5 minutes before it.
+    idle_timeout: Modal's idle timer, if wanted. lease: the server exits when no request or heartbeat
+        came for this long. s3, env, secrets: as for SkyBackend (secrets travel as a modal.Secret).
+    image: a modal.Image to run instead of the default recipe (`server_image`).
+    tunnel_ca: the CA bundle that signs the tunnel's certificate; default: the public CAs.
+    """
+
+    def __init__(
+        self,
+        gpu: str | None = "H100",
+        *,
+        name: str | None = None,
+        app_name: str = "artcloud",
+        timeout: str | float = "8h",
+        idle_timeout: str | float | None = None,
+        lease: str | float = "15m",
+        s3: str | None = None,
+        env: Mapping[str, str] | None = None,
+        secrets: Mapping[str, str] | Iterable[str] | None = None,
+        image: Any = None,
+        cpu: float | None = None,
+        memory: int | None = None,
+        region: str | None = None,
+        engine: str = "auto",
+        keep: bool = False,
+        startup_timeout: str | float = "30m",
+        tunnel_ca: str | Path | None = None,
+        state_dir: str | Path | None = None,
+        **kwargs: Any,
+    ):
+        check_gpu(gpu)
+        self.timeout_s = parse_duration(timeout, what="timeout")
+        if self.timeout_s > MAX_TIMEOUT_S:
+            raise ValueError(f"timeout {timeout!r} is over Modal's 24 h cap: use at most 24h (resume on a new sandbox from S3)")
+        self.idle_timeout_s = parse_duration(idle_timeout, what="idle_timeout") if idle_timeout is not None else None
+        self.lease_s = parse_duration(lease, what="lease")
+        self.startup_timeout_s = parse_duration(startup_timeout, what="startup_timeout")
+        if s3 is not None and not (s3.startswith("s3://") and len(s3) > 5):
+            raise ValueError(f"s3 must look like s3://BUCKET/PREFIX, not {s3!r}")
+        self.gpu, self.app_name, self.s3, self.image, self.engine = gpu, app_name, s3, image, engine
+        self.name = check_name(name) if name else f"artcloud-{_secrets.token_hex(3)}"
+        self.cpu, self.memory, self.region, self.keep = cpu, memory, region, keep
+        self.env = {str(k): str(v) for k, v in (env or {}).items()}
+        self._user_secrets = secrets
+        self.state = StateDir(Path(state_dir) if state_dir is not None else None)
+        self.sandbox_id: str | None = None
+        self._sandbox: Any = None
+        self._owns = False
+        kwargs.setdefault("heartbeat_every_s", min(60.0, self.lease_s / 3))
+        super().__init__("https://pending.invalid", token="", ca_cert=tunnel_ca, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"ModalBackend(name={self.name!r}, gpu={self.gpu!r}, {self.sandbox_id or 'not started'})"
+
+    @property
+    def max_duration_s(self) -> float:
+        return max(60.0, self.timeout_s - PUSH_MARGIN_S) if self.timeout_s > 2 * PUSH_MARGIN_S else self.timeout_s
+
+    # ------------------------------------------------------------------------------------- start
+
+    async def start(self) -> None:
+        if self._owns:
+            return
+        record = self.state.load(self.name)
+        if record is not None and record.provider != PROVIDER and record.state != "down":
+            raise ModalError(f"{self.name} is a live {record.provider} sandbox of this machine: choose another name",
+                             code="name_taken", field="name")
+        if record is not None and record.provider == PROVIDER and record.state != "down":
+            sandbox = await _lookup(record)
+            if sandbox is not None and await sandbox.poll.aio() is None:
+                await self._attach(record, sandbox)
+                self._start_heartbeats()
+                return
+            self.state.mark_down(self.name)
+        await self._launch()
+        self._start_heartbeats()
+
+    async def _attach(self, record: SandboxRecord, sandbox: Any) -> None:
+        creds = self.state.credentials(self.name)
+        if creds is None:
+            raise ModalError(f"the token of {self.name} is not in {self.state.root}: `artcloud down {self.name}` and launch again",
+                             code="no_credentials", field="name")
+        self._token = creds[1]
+        self._sandbox, self.sandbox_id, self._owns = sandbox, sandbox.object_id, True
+        await self._wait_ready(record, deadline=time.monotonic() + min(self.startup_timeout_s, 300.0))
+
+    def _launch_secrets(self, token: str) -> dict[str, str]:
+        from artcloud.backends.sky import s3_credentials  # the same rules: ARTCLOUD_S3_* first, then boto3's chain
+
+        found = {"ARTCLOUD_TOKEN": token}
+        given = self._user_secrets
+        if isinstance(given, Mapping):
+            found.update({str(k): str(v) for k, v in given.items()})
+        elif given is not None:
+            for key in [given] if isinstance(given, str) else given:
+                if key not in os.environ:
+                    raise ModalError(f"secret {key} is not set in this environment: export {key}=... first",
+                                     code="missing_secret", field="secrets")
+                found[key] = os.environ[key]
+        if self.s3:
+            for key, value in s3_credentials(self.s3).items():
+                found.setdefault(key, value)
+        return found
+
+    async def _launch(self) -> None:
+        import modal
+
+        from artcloud.backends.wheel import build_wheel
+
+        token = new_token()
+        secret_env = self._launch_secrets(token)
+        if self.s3:
+            from artcloud.backends.sky import check_s3
+
+            await asyncio.to_thread(check_s3, self.s3)
+        env = dict(self.env)
+        for key in ("ARTCLOUD_S3_ENDPOINT_URL", "ARTCLOUD_S3_REGION"):
+            if os.environ.get(key):
+                env.setdefault(key, os.environ[key])
+        try:
+            app = await modal.App.lookup.aio(self.app_name, create_if_missing=True)
+        except Exception as e:
+            raise ModalError(_modal_hint(e), code="modal_unavailable") from e
+        self._token = token
+        record = SandboxRecord(name=self.name, provider=PROVIDER, gpu=self.gpu, max_duration_s=self.timeout_s,
+                               s3=self.s3, extra={"app": self.app_name})
+        self.state.save(record, ca_cert="", token=token)  # before the sandbox exists: see the module docstring
+        self._owns = True
+        try:
+            with tempfile.TemporaryDirectory(prefix="artcloud-wheel-") as tmp:
+                image = self.image if self.image is not None else server_image(build_wheel(Path(tmp)))
+                self._sandbox = await modal.Sandbox.create.aio(
+                    *server_command(lease_s=self.lease_s, max_duration_s=self.max_duration_s, s3=self.s3,
+                                    engine=self.engine),
+                    app=app, name=self.name, tags={"artcloud": __version__}, image=image, env=env or None,
+                    secrets=[modal.Secret.from_dict(secret_env)], gpu=self.gpu, cpu=self.cpu, memory=self.memory,
+                    region=self.region, timeout=int(self.timeout_s),
+                    idle_timeout=int(self.idle_timeout_s) if self.idle_timeout_s else None,
+                    encrypted_ports=[SERVER_PORT],
+                )
+            self.sandbox_id = self._sandbox.object_id
+            record.extra["sandbox_id"] = self.sandbox_id
+            self.state.save(record)
+            log.info("created Modal sandbox %s (%s) for %s", self.sandbox_id, self.gpu, self.name)
+            await self._wait_ready(record, deadline=time.monotonic() + self.startup_timeout_s)
+        except BaseException as e:
+            await self._fail_start(e)
+
+    async def _wait_ready(self, record: SandboxRecord, *, deadline: float) -> None:
+        """The tunnel exists before the server listens: poll /health through it until ready."""
+        tunnels = await self._sandbox.tunnels.aio(timeout=int(max(1.0, min(300.0, deadline - time.monotonic()))))
+        url = tunnels[SERVER_PORT].url.rstrip("/")
+        if url != self.base_url:
+            await self.close()
+            self.base_url = url
+        if record.url != url:
+            record.url, record.state = url, "up"
+            self.state.save(record)
+        delay = 0.5
+        while True:
+            try:
+                if (await self.health()).get("ready"):
+                    return
+            except ArtcloudError as e:
+                if e.code == "version_mismatch":
+                    raise
+            await self._check_alive()
+            if time.monotonic() > deadline:
+                raise ModalError(f"the server in {self.name} was not ready in time (startup_timeout): raise it for a big "
+                                 f"model, or see `artcloud logs {self.name}`", code="startup_timeout")
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 5.0)
+
+    async def _fail_start(self, cause: BaseException) -> None:
+        if isinstance(cause, ArtcloudError):
+            message, code = str(cause), cause.code
+        else:
+            message, code = f"the Modal sandbox {self.name} did not come up: {_modal_hint(cause)}", "startup_failed"
+        lines = await self.log_tail(40) if self._sandbox is not None and not isinstance(cause, ServerGone) else []
+        if not self.keep:
+            await self._teardown()
+            message += " (terminated; keep=True leaves it up to debug)"
+        else:
+            message += f" (kept up: `artcloud logs {self.name}`, then `artcloud down {self.name}`)"
+        if lines:
+            message += "\nthe server's last lines:\n" + "\n".join("  " + line for line in lines)
+        if isinstance(cause, (KeyboardInterrupt, asyncio.CancelledError)):
+            raise cause
+        raise ModalError(message, code=code) from cause
+
+    async def log_tail(self, lines: int = 40) -> list[str]:
+        """The last lines of the sandbox's output (stdout, then stderr); only once it has exited, since
+        reading a live stream waits for its end."""
+        sandbox = self._sandbox
+        if sandbox is None or await sandbox.poll.aio() is None:
+            return []
+        try:
+            text = (await sandbox.stdout.read.aio()) + (await sandbox.stderr.read.aio())
+        except Exception as e:
+            log.debug("no logs for %s: %s", self.name, e)
+            return []
+        return [line for line in text.splitlines() if line.strip()][-lines:]
+
+    # ------------------------------------------------------------------------------------- liveness, down
+
+    async def _check_alive(self) -> None:
+        if self._sandbox is None:
+            return
+        code = await self._sandbox.poll.aio()
+        if code is not None:
+            tail = "\n".join("  " + line for line in await self.log_tail(20))
+            raise ServerGone(f"the Modal sandbox {self.name} ended (exit code {code}); training resumes from the last "
+                             f"checkpoint on S3 in a new one. Its last lines:\n{tail}", code="server_exited")
+
+    async def _teardown(self) -> None:
+        await self.close()
+        if self._sandbox is not None:
+            await self._sandbox.terminate.aio()
+        if self._owns or self.state.load(self.name) is not None:
+            self.state.mark_down(self.name)
+        self._owns = False
+
+    async def down(self) -> None:
+        """Terminate the sandbox (idempotent) and mark it down in the registry."""
+        await self._teardown()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self.keep:
+            await self.close()
+            log.warning("keep=True: %s stays up until its lease (%s without a client) or `artcloud down %s`",
+                        self.name, format_duration(self.lease_s), self.name)
+        else:
+            await self.down()
+
+
+async def _lookup(record: SandboxRecord):
+    """The sandbox of a registry record: by id, or by name in its app when the id was never saved."""
+    import modal
+
+    try:
+        if record.extra.get("sandbox_id"):
+            return await modal.Sandbox.from_id.aio(record.extra["sandbox_id"])
+        return await modal.Sandbox.from_name.aio(record.extra.get("app", "artcloud"), record.name)
+    except modal.exception.NotFoundError:
+        return None
+
+
+def _lookup_sync(record: SandboxRecord):
+    import modal
+
+    try:
+        if record.extra.get("sandbox_id"):
+            return modal.Sandbox.from_id(record.extra["sandbox_id"])
+        return modal.Sandbox.from_name(record.extra.get("app", "artcloud"), record.name)
+    except modal.exception.NotFoundError:
+        return None
+
+
+class ModalSandboxes:
+    """What the CLI asks of Modal for a registry record (sync; `artcloud status/logs/down`)."""
+
+    def status(self, record: SandboxRecord) -> str | None:
+        sandbox = _lookup_sync(record)
+        if sandbox is None or sandbox.poll() is not None:
+            return None
+        return "RUNNING"
+
+    def down(self, record: SandboxRecord) -> bool:
+        sandbox = _lookup_sync(record)
+        if sandbox is None or sandbox.poll() is not None:
+            return False
+        sandbox.terminate()
+        return True
+
+    def logs(self, record: SandboxRecord, *, follow: bool = False, tail: int = 0) -> Iterator[str]:
+        sandbox = _lookup_sync(record)
+        if sandbox is None:
+            return iter(())
+        if not follow and sandbox.poll() is None:
+            raise ModalError("a running sandbox's output can only be followed: use `artcloud logs NAME -f`",
+                             code="logs_follow_only")
+        return _lines(sandbox)
+
+
+def _lines(sandbox) -> Iterator[str]:
+    for line in sandbox.stdout:
+        yield line.rstrip("\n")
+    for line in sandbox.stderr:
+        yield line.rstrip("\n")
+
+
+def _modal_hint(e: BaseException) -> str:
+    """Modal's error, with what to do about the common ones."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    name = type(e).__name__
+    if name == "AuthError" or "token" in text.lower():
+        return f"{text}: run `modal token new` (or set MODAL_TOKEN_ID and MODAL_TOKEN_SECRET)"
+    return f"{name}: {text}"
