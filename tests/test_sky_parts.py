@@ -73,6 +73,8 @@ def test_wheel_of_this_artcloud(tmp_path):
     assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
     assert f"Version: {__version__}" in meta and "Provides-Extra: gpu" in meta
     assert "artcloud/server/serve.py,sha256=" in record
+    again = build_wheel(tmp_path / "again")
+    assert again.read_bytes() == wheel.read_bytes()  # reproducible: an image built from it is cached
 
 
 def offers():
