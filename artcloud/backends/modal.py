@@ -60,12 +60,12 @@ def check_gpu(gpu: str | None) -> None:
 
 def server_command(*, lease_s: float, max_duration_s: float, s3: str | None, engine: str) -> list[str]:
     """The sandbox's command. The port comes from ARTCLOUD_PORT when set (a test's stand-in remaps it)."""
-    args = ["artcloud", "serve", "--path", "/data", "--host", "0.0.0.0", "--behind-https-proxy",
+    args = ["artcloud", "serve", "--host", "0.0.0.0", "--behind-https-proxy",
             "--engine", engine, "--lease", f"{int(lease_s)}s", "--max-duration", f"{int(max_duration_s)}s"]
     if s3:
         args += ["--s3", s3]
     line = " ".join(shlex.quote(a) for a in args)
-    return ["sh", "-c", f'exec {line} --port "${{ARTCLOUD_PORT:-{SERVER_PORT}}}"']
+    return ["sh", "-c", f'exec {line} --path "$HOME/artcloud-data" --port "${{ARTCLOUD_PORT:-{SERVER_PORT}}}"']
 
 
 def server_image(wheel: Path | None, *, extras: str = "gpu", python: str | None = None):

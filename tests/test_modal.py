@@ -1,0 +1,184 @@
+"""ModalBackend with the REAL modal client (1.6.4) against a fake Modal control plane (tests/modal_fake.py).
+
+The fake runs the sandbox's command as a local process and puts a TLS-terminating tunnel in front of it,
+as Modal's encrypted ports do; it records images instead of building them. Everything on this side of
+Modal's API is the real code: the client, the image recipe, the secret, the server behind the tunnel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import artcloud
+from artcloud.backends import modal as modal_backend
+from artcloud.backends.modal import ModalBackend, ModalError
+from artcloud.backends.state import StateDir
+from tests.modal_fake import FakeModal
+
+TINY = "artcloud/tiny-random"
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    fake = FakeModal(tmp_path / "modal").start()
+    fake.install(monkeypatch)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("ARTCLOUD_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "ARTCLOUD_S3_ENDPOINT_URL"):
+        monkeypatch.delenv(key, raising=False)
+    try:
+        yield fake
+    finally:
+        fake.stop()
+        FakeModal.forget_env_client()
+    assert fake.live_pids() == []
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "artcloud", *args], capture_output=True, text=True, timeout=timeout)
+
+
+async def one_step(backend, name: str) -> artcloud.TrainResult:
+    model = artcloud.TrainableModel(name=name, project="modal", base_model=TINY, config=artcloud.LoraConfig(rank=4))
+    await model.register(backend)
+    client = model.openai_client()
+    messages = [{"role": "user", "content": "hi"}]
+    trajectories = []
+    for _ in range(4):
+        r = await client.chat.completions.create(model=name, messages=messages, max_tokens=6, logprobs=True)
+        trajectories.append(artcloud.Trajectory(messages_and_choices=[*messages, r.choices[0]],
+                                                reward=len(r.choices[0].message.content or "")))
+    return await model.train([artcloud.TrajectoryGroup(trajectories)], progress=False)
+
+
+# ----------------------------------------------------------------------------------------- bad input
+
+
+def test_unknown_gpu_and_timeouts_over_the_cap_are_refused_before_anything_runs():
+    with pytest.raises(ValueError, match="Modal has no GPU 'X100'"):
+        ModalBackend(gpu="X100")
+    with pytest.raises(ValueError, match="over Modal's 24 h cap"):
+        ModalBackend(timeout="25h")
+    result = cli("launch", "--provider", "modal", "--gpu", "X100")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "Modal has no GPU 'X100'" in result.stderr
+
+
+def test_no_modal_token_says_what_to_do(fake, monkeypatch):
+    monkeypatch.delenv("MODAL_TOKEN_ID")
+    monkeypatch.delenv("MODAL_TOKEN_SECRET")
+    FakeModal.forget_env_client()
+    with pytest.raises(ModalError, match="modal token new") as e:
+        asyncio.run(ModalBackend(gpu="H100", name="notoken").start())
+    assert e.value.code == "modal_unavailable"
+    assert fake.calls("SandboxCreate") == [] and StateDir().all() == []
+
+
+# ----------------------------------------------------------------------------------------- for real
+
+
+@pytest.mark.slow
+def test_create_train_terminate_and_what_modal_was_sent(fake, tmp_path):
+    async def main():
+        backend = ModalBackend(gpu="H100", name="m1", timeout="1h", idle_timeout="20m", lease="5m",
+                               tunnel_ca=fake.edge_ca_path, env={"FOO": "bar"})
+        async with backend:
+            assert backend.base_url.startswith("https://127.0.0.1:")
+            assert backend._token not in repr(backend)
+            result = await one_step(backend, "agent")
+            assert result.step == 1
+            status = cli("status", "--json")
+            row = json.loads(status.stdout.splitlines()[0])
+            assert row["name"] == "m1" and row["provider"] == "modal" and row["status"] == "RUNNING", status.stderr
+            token = backend._token
+        return backend, token
+
+    backend, token = asyncio.run(main())
+    (create,) = fake.calls("SandboxCreate")
+    sent = fake.sandboxes()[backend.sandbox_id]
+    assert sent["gpu"] == "H100" and sent["timeout_secs"] == 3600 and sent["idle_timeout_secs"] == 1200
+    assert 8443 in sent["tunnel_ports"] and not sent["running"] and sent["status"] == "GENERIC_STATUS_TERMINATED"
+    assert "--behind-https-proxy" in " ".join(sent["args"]) and "--max-duration 3300s" in " ".join(sent["args"])
+    assert "ARTCLOUD_TOKEN" in sent["env_names"]
+    assert token not in (fake.root / "calls.jsonl").read_text()  # the secret is never recorded in the clear
+    secrets = [fake.secret_env(i) for i in create["request"]["definition"]["secret_ids"]]
+    assert [s["ARTCLOUD_TOKEN"] for s in secrets if "ARTCLOUD_TOKEN" in s] == [token]  # it travelled as a modal.Secret
+    assert {"FOO": "bar"} in secrets  # env= goes as one too (modal's way)
+    record = StateDir().load("m1")
+    assert record.provider == "modal" and record.extra["sandbox_id"] == backend.sandbox_id and record.state == "down"
+    again = cli("down", "m1")
+    assert again.returncode == 0 and "m1: already gone" in again.stdout
+
+
+CLIENT = textwrap.dedent("""
+    import asyncio, sys
+    import artcloud
+
+    async def main():
+        backend = artcloud.ModalBackend(gpu="H100", name="orphan", lease="6s", tunnel_ca=sys.argv[1])
+        await backend.start()
+        model = artcloud.TrainableModel(name="agent", project="modal", base_model="artcloud/tiny-random")
+        await model.register(backend)
+        print("REGISTERED", backend.sandbox_id, flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+""")
+
+
+@pytest.mark.slow
+def test_client_killed_the_sandbox_goes_when_the_lease_runs_out(fake, tmp_path):
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT)
+    client = subprocess.Popen([sys.executable, str(script), str(fake.edge_ca_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in client.stdout:
+            lines.append(line)
+            if line.startswith("REGISTERED"):
+                break
+        assert lines and lines[-1].startswith("REGISTERED"), "".join(lines)
+        sandbox_id = lines[-1].split()[1]
+        client.kill()
+        killed_at = time.monotonic()
+    finally:
+        client.kill()
+        client.wait()
+    while fake.sandboxes()[sandbox_id]["returncode"] is None and time.monotonic() - killed_at < 60:
+        time.sleep(0.25)
+    gone_after = time.monotonic() - killed_at
+    assert not fake.sandboxes()[sandbox_id]["running"] and gone_after < 6 + 10, gone_after
+    assert fake.sandboxes()[sandbox_id]["returncode"] == 0  # the server ended itself, cleanly
+    assert fake.live_pids() == []
+    result = cli("status")
+    assert "no live sandboxes" in result.stdout and "orphan" in result.stdout  # found gone, and said so
+
+
+@pytest.mark.slow
+def test_a_sandbox_that_exits_during_start_up_fails_with_its_logs(fake):
+    with pytest.raises(ModalError, match=r"(?s)ended \(exit code 2\).*unknown engine 'bogus'") as e:
+        asyncio.run(ModalBackend(gpu="H100", name="dies", engine="bogus", tunnel_ca=fake.edge_ca_path).start())
+    assert e.value.code == "server_exited"
+    assert fake.live_pids() == [] and StateDir().load("dies").state == "down"
+
+
+@pytest.mark.slow
+def test_a_tunnel_that_never_answers_times_out_and_terminates(fake, monkeypatch):
+    # Fault: a server that never listens (the tunnel exists from the start, as on Modal).
+    monkeypatch.setattr(modal_backend, "server_command", lambda **kw: ["sh", "-c", "sleep 600"])
+    with pytest.raises(ModalError, match=r"not ready in time \(startup_timeout\).*terminated"):
+        asyncio.run(ModalBackend(gpu="H100", name="silent", startup_timeout="4s", tunnel_ca=fake.edge_ca_path).start())
+    (sandbox,) = fake.sandboxes().values()
+    assert not sandbox["running"] and sandbox["status"] == "GENERIC_STATUS_TERMINATED"
+    assert StateDir().load("silent").state == "down" and os.environ.get("MODAL_SERVER_URL") == fake.url
