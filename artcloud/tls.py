@@ -137,11 +137,13 @@ def make_launch_secrets(hosts: list[str] | None = None, days: int = 30) -> Launc
 def client_ssl_context(ca_cert: str | Path | None, *, check_hostname: bool = True) -> ssl.SSLContext:
     """An SSL context that trusts `ca_cert` (PEM text or a path) and nothing else. `check_hostname=False`
     is for a launch CA only (one certificate signed, key discarded), where the CA is the identity.
-    `ca_cert=None`: the public web's CAs (certifi's bundle), for a provider's own TLS edge (Modal's tunnels)."""
+    `ca_cert=None`: the public web's CAs (certifi's bundle, or $SSL_CERT_FILE), for a provider's own TLS
+    edge (Modal's tunnels)."""
     if ca_cert is None:
         import certifi
 
-        ctx = ssl.create_default_context(cafile=certifi.where())
+        # SSL_CERT_FILE, OpenSSL's own variable, wins (a company proxy's CA bundle, say).
+        ctx = ssl.create_default_context(cafile=os.environ.get("SSL_CERT_FILE") or certifi.where())
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         return ctx
     # A bare PROTOCOL_TLS_CLIENT context starts with an empty trust store (create_default_context

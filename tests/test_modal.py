@@ -22,6 +22,7 @@ import artcloud
 from artcloud.backends import modal as modal_backend
 from artcloud.backends.modal import ModalBackend, ModalError
 from artcloud.backends.state import StateDir
+from artcloud.storage.seaweed import ACCESS_KEY, SECRET_KEY
 from tests.modal_fake import FakeModal
 
 TINY = "artcloud/tiny-random"
@@ -88,22 +89,40 @@ def test_no_modal_token_says_what_to_do(fake, monkeypatch):
 
 
 @pytest.mark.slow
-def test_create_train_terminate_and_what_modal_was_sent(fake, tmp_path):
+def test_create_train_terminate_and_what_modal_was_sent(fake, tmp_path, monkeypatch, seaweed):
+    # S3 credentials as a laptop has them; the fake gives the sandbox none of this machine's AWS_* or ARTCLOUD_*.
+    monkeypatch.setenv("ARTCLOUD_S3_ENDPOINT_URL", seaweed.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    seaweed.client().create_bucket(Bucket="modal-e2e")
+    s3 = "s3://modal-e2e/runs"
+
     async def main():
-        backend = ModalBackend(gpu="H100", name="m1", timeout="1h", idle_timeout="20m", lease="5m",
+        backend = ModalBackend(gpu="H100", name="m1", timeout="1h", idle_timeout="20m", lease="5m", s3=s3,
                                tunnel_ca=fake.edge_ca_path, env={"FOO": "bar"})
         async with backend:
             assert backend.base_url.startswith("https://127.0.0.1:")
             assert backend._token not in repr(backend)
+            follow = subprocess.Popen([sys.executable, "-m", "artcloud", "logs", "m1", "-f"], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
             result = await one_step(backend, "agent")
             assert result.step == 1
             status = cli("status", "--json")
             row = json.loads(status.stdout.splitlines()[0])
             assert row["name"] == "m1" and row["provider"] == "modal" and row["status"] == "RUNNING", status.stderr
+            for _ in range(100):  # the push to S3 runs in the background
+                if ((await backend.model_info("agent")).get("s3") or {}).get("pushed_step") == 1:
+                    break
+                await asyncio.sleep(0.2)
             token = backend._token
+        out, err = follow.communicate(timeout=60)  # the stream ends with the sandbox
+        assert "serving plain HTTP" in out and token not in out + err, err
         return backend, token
 
     backend, token = asyncio.run(main())
+    from artcloud.storage.s3 import CheckpointStore, S3Config
+
+    assert CheckpointStore(S3Config.from_uri(s3)).latest("modal", "agent") == 1
     (create,) = fake.calls("SandboxCreate")
     sent = fake.sandboxes()[backend.sandbox_id]
     assert sent["gpu"] == "H100" and sent["timeout_secs"] == 3600 and sent["idle_timeout_secs"] == 1200
@@ -113,7 +132,9 @@ def test_create_train_terminate_and_what_modal_was_sent(fake, tmp_path):
     assert token not in (fake.root / "calls.jsonl").read_text()  # the secret is never recorded in the clear
     secrets = [fake.secret_env(i) for i in create["request"]["definition"]["secret_ids"]]
     assert [s["ARTCLOUD_TOKEN"] for s in secrets if "ARTCLOUD_TOKEN" in s] == [token]  # it travelled as a modal.Secret
-    assert {"FOO": "bar"} in secrets  # env= goes as one too (modal's way)
+    assert {"FOO": "bar", "ARTCLOUD_S3_ENDPOINT_URL": seaweed.endpoint} in secrets  # env= goes as one too (modal's way)
+    images = json.dumps(fake.calls("ImageGetOrCreate"))
+    assert "pip install" in images and SECRET_KEY not in images and token not in images  # nothing secret in the image
     record = StateDir().load("m1")
     assert record.provider == "modal" and record.extra["sandbox_id"] == backend.sandbox_id and record.state == "down"
     again = cli("down", "m1")
@@ -182,3 +203,42 @@ def test_a_tunnel_that_never_answers_times_out_and_terminates(fake, monkeypatch)
     (sandbox,) = fake.sandboxes().values()
     assert not sandbox["running"] and sandbox["status"] == "GENERIC_STATUS_TERMINATED"
     assert StateDir().load("silent").state == "down" and os.environ.get("MODAL_SERVER_URL") == fake.url
+
+
+@pytest.mark.slow
+def test_cli_launch_status_and_down_all_on_modal(fake, monkeypatch):
+    monkeypatch.setenv("SSL_CERT_FILE", str(fake.edge_ca_path))  # the fake edge's CA stands in for the public ones
+    result = cli("launch", "--provider", "modal", "--gpu", "L4", "--name", "cli1", "--max-duration", "2h")
+    assert result.returncode == 0, result.stderr
+    assert "cli1 is up: https://127.0.0.1:" in result.stdout and "ModalBackend(name='cli1')" in result.stdout
+    (sandbox,) = fake.sandboxes().values()
+    assert sandbox["running"] and sandbox["gpu"] == "L4" and sandbox["timeout_secs"] == 7200
+
+    async def attach():  # reconnect by name: no second sandbox
+        backend = ModalBackend(name="cli1", tunnel_ca=fake.edge_ca_path)
+        await backend.start()
+        assert (await backend.health())["ready"] and backend.sandbox_id == sandbox["id"]
+        await backend.close()
+
+    asyncio.run(attach())
+    assert len(fake.sandboxes()) == 1
+    status = cli("status")
+    assert "cli1" in status.stdout and "modal" in status.stdout and "RUNNING" in status.stdout
+    down = cli("down", "--all", "--yes")
+    assert down.returncode == 0 and "cli1: torn down" in down.stdout
+    assert not fake.sandboxes()[sandbox["id"]]["running"] and fake.live_pids() == []
+
+
+@pytest.mark.slow
+def test_a_cpu_only_sandbox_takes_modals_other_path(fake):
+    """modal 1.6.4 creates a sandbox without a GPU through its V2 calls (secrets inline, another stdio API)."""
+
+    async def main():
+        async with ModalBackend(gpu=None, name="cpu1", tunnel_ca=fake.edge_ca_path) as backend:
+            assert (await backend.health())["ready"]
+            return backend
+
+    backend = asyncio.run(main())
+    sandbox = fake.sandboxes()[backend.sandbox_id]
+    assert sandbox["v2"] and sandbox["gpu"] is None and not sandbox["running"]
+    assert "SandboxCreateV2" in fake.methods() and "SandboxCreate" not in fake.methods()
