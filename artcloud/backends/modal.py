@@ -42,7 +42,8 @@ SERVER_PORT = 8443
 MAX_TIMEOUT_S = 24 * 3600.0  # Modal's cap on a sandbox's lifetime
 PUSH_MARGIN_S = 300.0  # the server stops this long before Modal's timeout, to push its last checkpoint
 # Modal's GPU types (modal.gpu docs); "NAME:COUNT" asks for several.
-GPU_TYPES = ("T4", "L4", "A10", "A10G", "L40S", "A100", "A100-40GB", "A100-80GB", "H100", "H100!", "H200", "B200")
+GPU_TYPES = ("T4", "L4", "A10", "A10G", "L40S", "A100", "A100-40GB", "A100-80GB", "RTX-PRO-6000", "H100", "H100!",
+             "H200", "B200", "B200+")
 
 
 class ModalError(ArtcloudError):
@@ -178,6 +179,10 @@ class ModalBackend(RemoteBackend):
 
         found = {"ARTCLOUD_TOKEN": token}
         given = self._user_secrets
+        names = list(given) if given is not None and not isinstance(given, str) else [given] if given else []
+        if "ARTCLOUD_TOKEN" in names:
+            raise ModalError("ARTCLOUD_TOKEN is artcloud's own secret: name yours differently", code="bad_secret",
+                             field="secrets")
         if isinstance(given, Mapping):
             found.update({str(k): str(v) for k, v in given.items()})
         elif given is not None:
