@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from artcloud.backends.sky import SkyBackend, SkyError
     from artcloud.gather import GatherError, gather_trajectory_groups
     from artcloud.model import LinearTemperatureAnnealer, Model, TrainableModel, TrainResult
+    from artcloud.rewards import RulerError, ruler, ruler_score_group
     from artcloud.storage.s3 import pull_checkpoint
 
 _LAZY = {
@@ -37,6 +38,9 @@ _LAZY = {
     "TrainResult": "artcloud.model",
     "LinearTemperatureAnnealer": "artcloud.model",
     "pull_checkpoint": "artcloud.storage.s3",
+    "ruler": "artcloud.rewards",
+    "ruler_score_group": "artcloud.rewards",
+    "RulerError": "artcloud.rewards",
 }
 
 __all__ = [
@@ -44,6 +48,7 @@ __all__ = [
     "LocalBackend", "RemoteBackend", "SkyBackend", "SkyError", "ModalBackend", "ModalError", "ArtcloudError", "ServerGone", "VersionMismatch",
     "gather_trajectory_groups", "GatherError",
     "Model", "TrainableModel", "TrainResult", "LinearTemperatureAnnealer", "pull_checkpoint",
+    "ruler", "ruler_score_group", "RulerError",
 ]
 
 

@@ -96,6 +96,8 @@ class TrajectoryGroup(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     trajectories: list[Trajectory] = Field(default_factory=list)
+    # Numbers about the group as a whole (e.g. a judge's tokens and cost); not sent to the server.
+    metrics: dict[str, float] = Field(default_factory=dict)
     _pending: list[Any] = PrivateAttr(default_factory=list)
 
     def __init__(self, trajectories: Iterable[Trajectory | Awaitable[Trajectory]] | None = None, /, **data: Any):

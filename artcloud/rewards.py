@@ -1,0 +1,484 @@
+"""RULER: rewards from an LLM judge that ranks a group's trajectories against each other.
+
+    from artcloud.rewards import ruler_score_group
+    groups = await gather_trajectory_groups(..., after_each=lambda g: ruler_score_group(
+        g, "gpt-4.1-mini", swallow_exceptions=True))
+
+The judge sees all trajectories of a group at once: the messages they share are sent once as context,
+each trajectory's remainder under its id, the tools listed once. It answers, per trajectory, a score in
+[0, 1] and a short explanation, as JSON (`response_format` with a JSON schema where the endpoint takes
+it; a tolerant parse of the text where not). Any OpenAI-compatible endpoint can judge: OpenAI,
+OpenRouter, a vLLM server, or an artcloud server (so a judge can run offline).
+
+Client SDK layer: openai, tenacity and pydantic only; `openai` is imported when a judge is first called.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from artcloud.types import Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    import openai
+
+log = logging.getLogger("artcloud.rewards")
+
+__all__ = ["DEFAULT_RUBRIC", "RulerError", "RulerScore", "RulerResponse", "ruler", "ruler_score_group"]
+
+DEFAULT_RUBRIC = """\
+You are comparing several attempts by an AI agent at the same task. Judge them against each other:
+- An attempt that reaches the task's goal scores higher than one that does not, however polished the failed one is.
+- Among attempts that reach the goal, prefer the one that does it more directly: fewer wasted steps,
+  fewer needless tool calls, no padding.
+- Follow the task's own instructions literally: format, length, language and constraints count.
+- Attempts that stall, loop, invent facts or tool results, or ignore what a tool returned score low.
+- Partial progress earns partial credit.
+Use the whole range from 0 to 1 so that better attempts get clearly higher scores; equal work may get
+equal scores.
+"""
+
+_OUTPUT_INSTRUCTIONS = """\
+
+Reply with one JSON object and nothing else, in this form:
+{"scores": [{"trajectory_id": "1", "explanation": "one or two sentences on why", "score": 0.7}, ...]}
+Give exactly one entry for each trajectory id you were shown, each id once. Every score is a number from 0 to 1.
+"""
+
+# The JSON schema for `response_format` (strict: every object closed, every field required).
+_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "scores": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "trajectory_id": {"type": "string"},
+                    "explanation": {"type": "string"},
+                    "score": {"type": "number"},
+                },
+                "required": ["trajectory_id", "explanation", "score"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["scores"],
+    "additionalProperties": False,
+}
+
+
+class RulerError(Exception):
+    """The judge gave no usable answer (after retries), or cannot be called at all."""
+
+
+class _BadAnswer(Exception):
+    """An answer that cannot be parsed or validated; worth asking again."""
+
+
+class RulerScore(BaseModel):
+    """The judge's verdict on one trajectory."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    trajectory_id: str
+    explanation: str = ""
+    score: float = Field(ge=0.0, le=1.0)
+
+    @field_validator("trajectory_id", mode="before")
+    @classmethod
+    def _id_as_text(cls, v: Any) -> Any:
+        return str(v) if isinstance(v, int) else v
+
+
+class RulerResponse(BaseModel):
+    """The judge's whole answer: one score per trajectory id it was shown."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    scores: list[RulerScore]
+
+
+# ------------------------------------------------------------------------------------- messages
+
+
+def _plain(item: Any) -> dict[str, Any]:
+    """A message dict from a message dict, an OpenAI `Choice`, or a choice's dict."""
+    if hasattr(item, "model_dump"):
+        item = item.model_dump(mode="json", exclude_none=True)
+    if not isinstance(item, dict):
+        raise TypeError(f"a message must be a dict or an OpenAI Choice, not {type(item).__name__}")
+    if "message" in item and "role" not in item:  # a Choice: the policy's own turn
+        item = item["message"] or {}
+    out: dict[str, Any] = {"role": item.get("role") or "assistant"}
+    for key in ("name", "content", "tool_calls", "tool_call_id"):
+        value = item.get(key)
+        if value is None or value == []:
+            continue
+        if key == "tool_calls":
+            value = [{"id": c.get("id"), "name": (c.get("function") or {}).get("name"),
+                      "arguments": (c.get("function") or {}).get("arguments")} for c in value]
+        out[key] = value
+    return out
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def _render_message(m: dict[str, Any]) -> str:
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: keep the text ones
+        content = "\n".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    attrs = f' role="{m["role"]}"'
+    if m.get("name"):
+        attrs += f' name="{m["name"]}"'
+    if m.get("tool_call_id"):
+        attrs += f' tool_call_id="{m["tool_call_id"]}"'
+    lines = [content] if content else []
+    for call in m.get("tool_calls", []):
+        lines.append(f"[tool call {call.get('id') or ''}] {call.get('name')}({call.get('arguments') or ''})")
+    return f"<message{attrs}>\n" + "\n".join(lines) + "\n</message>"
+
+
+def _common_prefix(lists: Sequence[Sequence[dict[str, Any]]]) -> int:
+    n = min(len(x) for x in lists)
+    for i in range(n):
+        first = lists[0][i]
+        if any(x[i] != first for x in lists[1:]):
+            return i
+    return n
+
+
+def _judge_prompt(unique: list[list[dict[str, Any]]], tools: list[dict[str, Any]], rubric: str) -> list[dict[str, str]]:
+    k = _common_prefix(unique) if len(unique) > 1 else max(0, len(unique[0]) - 1)
+    parts = [f"Below are {len(unique)} trajectories (ids 1 to {len(unique)}) by an agent, which all start from the same context."]
+    if k:
+        parts.append("<context>\n" + "\n".join(_render_message(m) for m in unique[0][:k]) + "\n</context>")
+    if tools:
+        parts.append("<tools>\n" + "\n".join(json.dumps(t, ensure_ascii=False) for t in tools) + "\n</tools>")
+    for i, messages in enumerate(unique, 1):
+        rest = messages[k:]
+        body = "\n".join(_render_message(m) for m in rest) if rest else "(nothing beyond the context)"
+        parts.append(f'<trajectory id="{i}">\n{body}\n</trajectory>')
+    parts.append("Score every trajectory by the rubric, as the JSON object described.")
+    return [{"role": "system", "content": rubric.strip() + "\n" + _OUTPUT_INSTRUCTIONS},
+            {"role": "user", "content": "\n\n".join(parts)}]
+
+
+# ------------------------------------------------------------------------------------- parsing
+
+_FENCE = re.compile(r"```(?:json|JSON)?\s*(.*?)```", re.S)
+_THINK = re.compile(r"<think>.*?</think>", re.S)
+
+
+def parse_answer(text: str | None, ids: list[str]) -> list[RulerScore]:
+    """The judge's scores, in the order of `ids`; _BadAnswer unless every id is there exactly once."""
+    if not text or not text.strip():
+        raise _BadAnswer("the judge's answer is empty")
+    text = _THINK.sub("", text)
+    fenced = _FENCE.search(text)
+    candidates = [fenced.group(1)] if fenced else []
+    candidates.append(text)
+    data: Any = None
+    for cand in candidates:
+        cand = cand.strip()
+        try:
+            data = json.loads(cand)
+            break
+        except ValueError:
+            start = cand.find("{")
+            if start < 0:
+                continue
+            try:
+                data, _ = json.JSONDecoder().raw_decode(cand[start:])
+                break
+            except ValueError:
+                continue
+    if data is None:
+        raise _BadAnswer(f"no JSON object in the judge's answer: {text[:200]!r}")
+    if isinstance(data, list):
+        data = {"scores": data}
+    try:
+        answer = RulerResponse.model_validate(data)
+    except ValidationError as e:
+        raise _BadAnswer(f"the judge's JSON does not fit the schema: {e.errors()[:3]}") from e
+    got = [s.trajectory_id.strip() for s in answer.scores]
+    if len(got) != len(ids) or sorted(got) != sorted(ids):
+        raise _BadAnswer(f"the judge scored ids {got}; it was shown {ids}")
+    by_id = {s.trajectory_id.strip(): s for s in answer.scores}
+    return [by_id[i] for i in ids]
+
+
+# ------------------------------------------------------------------------------------- the call
+
+
+def _client(client: Any, base_url: str | None, api_key: str | None) -> "openai.AsyncOpenAI":
+    import openai
+
+    if client is not None:
+        if base_url or api_key:
+            raise ValueError("pass either client or base_url/api_key, not both")
+        return client.with_options(max_retries=0)  # tenacity owns the retries
+    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key or os.environ.get("OPENAI_API_KEY") or "none", max_retries=0)
+
+
+def _retry_after(e: BaseException) -> float | None:
+    response = getattr(e, "response", None)
+    value = response.headers.get("retry-after") if response is not None else None
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _retryable(e: BaseException) -> bool:
+    import openai
+
+    if isinstance(e, (_BadAnswer, openai.APIConnectionError, openai.RateLimitError, openai.InternalServerError)):
+        return True  # APITimeoutError is an APIConnectionError
+    return isinstance(e, openai.APIStatusError) and (e.status_code in (408, 409) or e.status_code >= 500)
+
+
+def _names_response_format(e: BaseException) -> bool:
+    import openai
+
+    if not isinstance(e, openai.BadRequestError):
+        return False
+    text = (str(e) + _canonical(getattr(e, "body", None) or "")).lower()
+    return "response_format" in text or "json_schema" in text
+
+
+async def _judge(
+    unique: list[list[dict[str, Any]]], tools: list[dict[str, Any]], judge_model: str, *, rubric: str,
+    client: Any, base_url: str | None, api_key: str | None, timeout: float, max_attempts: int,
+    retry_wait_s: float, response_format: bool, max_tokens: int | None, temperature: float | None,
+) -> tuple[list[RulerScore], dict[str, int]]:
+    from tenacity import AsyncRetrying, RetryError, retry_if_exception, stop_after_attempt
+
+    judge = _client(client, base_url, api_key)
+    messages = _judge_prompt(unique, tools, rubric)
+    ids = [str(i) for i in range(1, len(unique) + 1)]
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "calls": 0}
+    state = {"response_format": response_format}
+
+    def wait(rs: Any) -> float:
+        base = min(retry_wait_s * 2 ** (rs.attempt_number - 1), 60.0) * (0.5 + random.random() / 2)
+        after = _retry_after(rs.outcome.exception()) if rs.outcome is not None else None
+        return max(base, min(after, 60.0)) if after is not None else base
+
+    async def once() -> list[RulerScore]:
+        kwargs: dict[str, Any] = {}
+        if state["response_format"]:
+            kwargs["response_format"] = {"type": "json_schema",
+                                         "json_schema": {"name": "ruler_scores", "schema": _SCHEMA, "strict": True}}
+        if max_tokens is not None:
+            kwargs["max_tokens"] = max_tokens
+        if temperature is not None:
+            kwargs["temperature"] = temperature
+        import openai
+
+        try:
+            response = await judge.chat.completions.create(model=judge_model, messages=messages, timeout=timeout, **kwargs)
+        except openai.BadRequestError as e:
+            if state["response_format"] and _names_response_format(e):
+                log.info("judge %s does not take response_format; asking for plain JSON instead", judge_model)
+                state["response_format"] = False
+                raise _BadAnswer(f"response_format refused: {e}") from e
+            raise
+        usage["calls"] += 1
+        if response.usage is not None:
+            usage["prompt_tokens"] += response.usage.prompt_tokens or 0
+            usage["completion_tokens"] += response.usage.completion_tokens or 0
+        if not response.choices:
+            raise _BadAnswer("the judge returned no choices")
+        return parse_answer(response.choices[0].message.content, ids)
+
+    try:
+        async for attempt in AsyncRetrying(stop=stop_after_attempt(max_attempts), wait=wait,
+                                           retry=retry_if_exception(_retryable), reraise=False):
+            with attempt:
+                scores = await once()
+    except RetryError as e:
+        last = e.last_attempt.exception()
+        raise RulerError(f"the judge {judge_model!r} gave no usable answer in {max_attempts} attempts; "
+                         f"the last: {type(last).__name__}: {last}") from last
+    except Exception as e:
+        raise RulerError(f"the judge {judge_model!r} cannot be called: {type(e).__name__}: {e}") from e
+    return scores, usage
+
+
+# ------------------------------------------------------------------------------------- cache
+
+
+def _cache_path(cache_dir: str | os.PathLike, judge_model: str, rubric: str, unique: Any, tools: Any) -> Path:
+    key = hashlib.sha256(_canonical({"judge": judge_model, "rubric": rubric, "trajectories": unique, "tools": tools}).encode()).hexdigest()
+    return Path(cache_dir) / f"ruler-{key}.json"
+
+
+def _cache_read(path: Path, n: int) -> list[RulerScore] | None:
+    try:
+        scores = [RulerScore.model_validate(s) for s in json.loads(path.read_text())["scores"]]
+    except (OSError, ValueError, KeyError, TypeError, ValidationError):
+        return None
+    return scores if len(scores) == n else None
+
+
+def _cache_write(path: Path, scores: list[RulerScore]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ruler-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"scores": [s.model_dump() for s in scores]}, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ------------------------------------------------------------------------------------- public API
+
+
+async def _score(
+    message_lists: Iterable[Sequence[Any]], judge_model: str, tools: Iterable[dict[str, Any]] | None, *,
+    rubric: str, client: Any, base_url: str | None, api_key: str | None, cache_dir: str | os.PathLike | None,
+    timeout: float, max_attempts: int, retry_wait_s: float, response_format: bool,
+    max_tokens: int | None, temperature: float | None,
+) -> tuple[list[RulerScore], dict[str, int]]:
+    plain = [[_plain(m) for m in messages] for messages in message_lists]
+    if not plain:
+        return [], {"prompt_tokens": 0, "completion_tokens": 0, "calls": 0, "cache_hits": 0}
+    if any(not p for p in plain):
+        raise ValueError("every trajectory needs at least one message")
+    # Identical trajectories are judged once, and get the same score.
+    index: dict[str, int] = {}
+    unique: list[list[dict[str, Any]]] = []
+    which = []
+    for p in plain:
+        key = _canonical(p)
+        if key not in index:
+            index[key] = len(unique)
+            unique.append(p)
+        which.append(index[key])
+    tool_list: list[dict[str, Any]] = []
+    seen = set()
+    for t in tools or []:
+        if _canonical(t) not in seen:
+            seen.add(_canonical(t))
+            tool_list.append(t)
+
+    path = _cache_path(cache_dir, judge_model, rubric, unique, tool_list) if cache_dir is not None else None
+    cached = _cache_read(path, len(unique)) if path is not None else None
+    if cached is not None:
+        scores, usage = cached, {"prompt_tokens": 0, "completion_tokens": 0, "calls": 0, "cache_hits": 1}
+    else:
+        scores, usage = await _judge(unique, tool_list, judge_model, rubric=rubric, client=client, base_url=base_url,
+                                     api_key=api_key, timeout=timeout, max_attempts=max_attempts, retry_wait_s=retry_wait_s,
+                                     response_format=response_format, max_tokens=max_tokens, temperature=temperature)
+        usage["cache_hits"] = 0
+        if path is not None:
+            _cache_write(path, scores)
+    return [scores[i] for i in which], usage
+
+
+async def ruler(
+    message_lists: Iterable[Sequence[Any]],
+    judge_model: str,
+    *,
+    rubric: str = DEFAULT_RUBRIC,
+    tools: Iterable[dict[str, Any]] | None = None,
+    client: Any = None,
+    base_url: str | None = None,
+    api_key: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    timeout: float = 120.0,
+    max_attempts: int = 4,
+    retry_wait_s: float = 1.0,
+    response_format: bool = True,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+) -> list[RulerScore]:
+    """Judge trajectories (lists of message dicts or OpenAI Choices) against each other: one
+    `RulerScore` (score in [0, 1], explanation) per list, in order.
+
+    The judge is `client` (any `openai.AsyncOpenAI`), or one built from `base_url`/`api_key` (default:
+    OpenAI, with OPENAI_API_KEY). Rate limits, 5xx, timeouts and unparsable answers are retried
+    (`max_attempts`, backoff from `retry_wait_s`, honouring Retry-After); then RulerError.
+    `cache_dir` keeps each answer on disk, keyed by judge, rubric, tools and trajectories.
+    """
+    scores, _ = await _score(message_lists, judge_model, tools, rubric=rubric, client=client, base_url=base_url,
+                             api_key=api_key, cache_dir=cache_dir, timeout=timeout, max_attempts=max_attempts,
+                             retry_wait_s=retry_wait_s, response_format=response_format, max_tokens=max_tokens,
+                             temperature=temperature)
+    return scores
+
+
+async def ruler_score_group(
+    group: TrajectoryGroup,
+    judge_model: str,
+    *,
+    rubric: str = DEFAULT_RUBRIC,
+    client: Any = None,
+    base_url: str | None = None,
+    api_key: str | None = None,
+    swallow_exceptions: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    price: tuple[float, float] | None = None,
+    timeout: float = 120.0,
+    max_attempts: int = 4,
+    retry_wait_s: float = 1.0,
+    response_format: bool = True,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+) -> TrajectoryGroup | None:
+    """A copy of `group` with each trajectory's reward set to the judge's score.
+
+    Each trajectory keeps its earlier reward as `metrics["independent_reward"]` and gets the judge's
+    explanation in its `logs`; the group's `metrics` get the judge's tokens (`ruler_prompt_tokens`,
+    `ruler_completion_tokens`, `ruler_calls`, `ruler_cache_hits`) and, with `price=(USD per million
+    prompt tokens, USD per million completion tokens)`, `ruler_cost_usd`. When the judge fails, this
+    raises RulerError, or with `swallow_exceptions=True` logs a warning and returns None (which drops
+    the group in `gather_trajectory_groups(after_each=...)`). The other options are `ruler`'s.
+    """
+    try:
+        if group.pending:
+            raise ValueError("this group still has rollouts to run: use gather_trajectory_groups or await group.resolve()")
+        if not group.trajectories:
+            return group
+        tools = [t for traj in group.trajectories for t in (traj.tools or [])]
+        scores, usage = await _score(
+            [t.messages_and_choices for t in group.trajectories], judge_model, tools, rubric=rubric, client=client,
+            base_url=base_url, api_key=api_key, cache_dir=cache_dir, timeout=timeout, max_attempts=max_attempts,
+            retry_wait_s=retry_wait_s, response_format=response_format, max_tokens=max_tokens, temperature=temperature)
+    except Exception as e:
+        if not swallow_exceptions:
+            raise
+        log.warning("RULER dropped a group of %d: %s: %s", len(group.trajectories), type(e).__name__, e)
+        return None
+
+    out = group.model_copy(deep=True)
+    trajectories: list[Trajectory] = out.trajectories
+    for traj, s in zip(trajectories, scores):
+        traj.metrics["independent_reward"] = traj.reward
+        traj.metrics["ruler_score"] = s.score
+        traj.reward = s.score
+        traj.logs.append(f"RULER ({judge_model}) score {s.score:.3f}: {s.explanation}")
+    metrics = out.metrics
+    metrics["ruler_prompt_tokens"] = metrics.get("ruler_prompt_tokens", 0) + usage["prompt_tokens"]
+    metrics["ruler_completion_tokens"] = metrics.get("ruler_completion_tokens", 0) + usage["completion_tokens"]
+    metrics["ruler_calls"] = metrics.get("ruler_calls", 0) + usage["calls"]
+    metrics["ruler_cache_hits"] = metrics.get("ruler_cache_hits", 0) + usage["cache_hits"]
+    if price is not None:
+        cost = (usage["prompt_tokens"] * price[0] + usage["completion_tokens"] * price[1]) / 1e6
+        metrics["ruler_cost_usd"] = metrics.get("ruler_cost_usd", 0.0) + cost
+    return out
