@@ -53,6 +53,8 @@ class Judge:
                 if isinstance(action, tuple) and action[0] == "sleep":
                     time.sleep(action[1])
                     action = action[2]
+                if callable(action):  # an answer made from the request (e.g. one score per id it names)
+                    action = action(body)
                 self._send(200, {
                     "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": body["model"],
                     "choices": [{"index": 0, "finish_reason": "stop",
@@ -274,3 +276,27 @@ def test_an_artcloud_server_can_be_the_judge(tiny_server):
             assert await ruler_score_group(group("a", "b"), "agent", swallow_exceptions=True, **kw) is None
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_the_ruler_example_trains_with_its_judge(judge, tmp_path):
+    """examples/ruler_five_words.py end to end on tiny-random, with the scripted judge scoring every id it is shown."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def score_every_id(body: dict[str, Any]) -> str:
+        ids = re.findall(r'<trajectory id="(\d+)">', body["messages"][1]["content"])
+        return answer([(i, (int(i) % 3) / 2) for i in ids])
+
+    j = judge(*[score_every_id] * 8)
+    example = Path(__file__).resolve().parents[1] / "examples" / "ruler_five_words.py"
+    env = {**os.environ, "ARTCLOUD_JUDGE_BASE_URL": j.base_url, "ARTCLOUD_JUDGE_MODEL": "judge",
+           "ARTCLOUD_JUDGE_API_KEY": "k"}
+    result = subprocess.run([sys.executable, str(example), "--model", "artcloud/tiny-random", "--steps", "2",
+                             "--prompts", "1", "--group", "3", "--max-tokens", "6"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert len(j.requests) >= 2 and all(r["body"]["model"] == "judge" for r in j.requests)
