@@ -43,7 +43,8 @@ PUBLIC_PATHS = {"/health"}
 class TokenAuth:
     """ASGI middleware: `Authorization: Bearer TOKEN` on every path but /health, compared in constant time.
     It sits in front of routing, so even a 404 is only answered to someone holding the token.
-    Each authenticated request renews the server's lease (`registry.last_request_at`) when it starts and ends."""
+    Each authenticated request holds the server's lease while it runs and renews it when it ends. A dead
+    client's event stream ends at the next keep-alive write, so it holds nothing for long."""
 
     def __init__(self, app: Any, token: str, registry: Registry):
         self.app = app
@@ -69,12 +70,11 @@ class TokenAuth:
             )
             return await response(scope, receive, send)
         self.registry.last_request_at = time.time()
+        self.registry.in_flight += 1  # the lease does not run out under a request (registering a big model)
         try:
             return await self.app(scope, receive, send)
         finally:
-            # And again when it ends: a request that took longer than the lease (registering a big model)
-            # must not leave the lease expired behind it. A stream held open renews only at its ends;
-            # the client's heartbeats cover the middle.
+            self.registry.in_flight -= 1
             self.registry.last_request_at = time.time()
 
 

@@ -322,7 +322,7 @@ def _wait_for_end(server, registry, every_s: float) -> bool:
                         format_duration(registry.max_duration_s))
             server.should_exit = True
             return True
-        if registry.lease_s is not None and now - registry.last_request_at > registry.lease_s:
+        if registry.lease_s is not None and registry.in_flight == 0 and now - registry.last_request_at > registry.lease_s:
             log.warning("no client request or heartbeat for %s: pushing checkpoints and shutting down",
                         format_duration(registry.lease_s))
             server.should_exit = True

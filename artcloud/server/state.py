@@ -316,6 +316,7 @@ class Registry:
         self.models: dict[str, ServedModel] = {}
         self.ready = False
         self.last_request_at = time.time()  # renewed by every authenticated request: the lease
+        self.in_flight = 0  # authenticated requests running now; the lease waits for them
         self.started_at = time.time()
         self.lease_s: float | None = None  # `artcloud serve --lease`; the watcher lives in serve.py
         self.max_duration_s: float | None = None  # `--max-duration`
