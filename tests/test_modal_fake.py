@@ -23,20 +23,16 @@ import time
 import urllib.error
 import urllib.request
 
+import modal  # a dev dependency (pinned): a missing install fails here, it is never skipped
 import pytest
-
-pytest.importorskip("modal")
-pytest.importorskip("grpclib")
-
-import modal  # noqa: E402
-from modal.exception import (  # noqa: E402
+from modal.exception import (
     AuthError,
     InvalidError,
     NotFoundError,
     SandboxTimeoutError,
     UnimplementedError,
 )
-from modal_fake import FakeModal  # noqa: E402
+from modal_fake import FakeModal
 
 HTTP_SERVER = ('echo started; echo to-stderr >&2; sleep 1; '
                'exec python -m http.server --bind 127.0.0.1 "${ARTCLOUD_PORT:-8443}"')
