@@ -116,14 +116,7 @@ def tls_setup(path: Path, host: str, cert: str | None, key: str | None, token: s
     """Use the launcher's certificate, key and token, or make a CA, certificate and token of our own."""
     cert = cert or os.environ.get(ENV_CERT)
     key = key or os.environ.get(ENV_KEY)
-    if token_file:
-        try:
-            token = Path(token_file).expanduser().read_text().strip()
-        except OSError as e:
-            raise ServeError(f"--token-file {token_file} cannot be read ({e.strerror})") from e
-    token = token or os.environ.get(ENV_TOKEN)
-    if token is not None and len(token) < 16:
-        raise ServeError("the bearer token must have at least 16 characters: make one with `python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+    token = _given_token(token, token_file)
     tls_dir = path / ".tls"
     if bool(cert) != bool(key):
         raise ServeError("give both --tls-cert and --tls-key (or neither, and the server makes its own)")
@@ -141,17 +134,24 @@ def tls_setup(path: Path, host: str, cert: str | None, key: str | None, token: s
     return TLSFiles(paths.server_cert, paths.server_key, paths.ca_cert, made.token, paths.token)
 
 
-def _proxy_token(token: str | None, token_file: str | None) -> str:
-    """Behind a proxy the server never makes its own token: the launcher must give one."""
+def _given_token(token: str | None, token_file: str | None) -> str | None:
+    """The launcher's token (--token-file, else the argument, else $ARTCLOUD_TOKEN), or None."""
     if token_file:
         try:
             token = Path(token_file).expanduser().read_text().strip()
         except OSError as e:
             raise ServeError(f"--token-file {token_file} cannot be read ({e.strerror})") from e
     token = token or os.environ.get(ENV_TOKEN)
-    if not token or len(token) < 16:
-        raise ServeError(f"--behind-https-proxy needs the launcher's bearer token (16+ characters): set {ENV_TOKEN} "
-                         "or pass --token-file")
+    if token is not None and len(token) < 16:
+        raise ServeError("the bearer token must have at least 16 characters: make one with `python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+    return token
+
+
+def _proxy_token(token: str | None, token_file: str | None) -> str:
+    """Behind a proxy the server never makes its own token: the launcher must give one."""
+    token = _given_token(token, token_file)
+    if token is None:
+        raise ServeError(f"--behind-https-proxy needs the launcher's bearer token: set {ENV_TOKEN} or pass --token-file")
     return token
 
 
