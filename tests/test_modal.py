@@ -85,6 +85,18 @@ def test_no_modal_token_says_what_to_do(fake, monkeypatch):
     assert fake.calls("SandboxCreate") == [] and StateDir().all() == []
 
 
+def test_s3_without_credentials_or_a_bad_secret_name_creates_nothing(fake, monkeypatch, tmp_path):
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(ModalError, match=r"no S3 credentials on this machine for s3://b/p") as e:
+        asyncio.run(ModalBackend(gpu="H100", name="nos3", s3="s3://b/p").start())
+    assert e.value.field == "s3"
+    with pytest.raises(ModalError, match="ARTCLOUD_TOKEN is artcloud's own secret"):
+        asyncio.run(ModalBackend(gpu="H100", name="badsecret", secrets={"ARTCLOUD_TOKEN": "x"}).start())
+    assert fake.calls("SandboxCreate") == [] and StateDir().all() == []
+
+
 # ----------------------------------------------------------------------------------------- for real
 
 

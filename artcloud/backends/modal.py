@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from artcloud._version import __version__
+from artcloud.backends.launch import check_s3, user_secrets
 from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone
 from artcloud.backends.state import SandboxRecord, StateDir, check_name
 from artcloud.durations import format_duration, parse_duration
@@ -175,26 +176,9 @@ class ModalBackend(RemoteBackend):
         await self._wait_ready(record, deadline=time.monotonic() + min(self.startup_timeout_s, 300.0))
 
     def _launch_secrets(self, token: str) -> dict[str, str]:
-        from artcloud.backends.sky import s3_credentials  # the same rules: ARTCLOUD_S3_* first, then boto3's chain
-
-        found = {"ARTCLOUD_TOKEN": token}
-        given = self._user_secrets
-        names = list(given) if given is not None and not isinstance(given, str) else [given] if given else []
-        if "ARTCLOUD_TOKEN" in names:
-            raise ModalError("ARTCLOUD_TOKEN is artcloud's own secret: name yours differently", code="bad_secret",
-                             field="secrets")
-        if isinstance(given, Mapping):
-            found.update({str(k): str(v) for k, v in given.items()})
-        elif given is not None:
-            for key in [given] if isinstance(given, str) else given:
-                if key not in os.environ:
-                    raise ModalError(f"secret {key} is not set in this environment: export {key}=... first",
-                                     code="missing_secret", field="secrets")
-                found[key] = os.environ[key]
-        if self.s3:
-            for key, value in s3_credentials(self.s3).items():
-                found.setdefault(key, value)
-        return found
+        """The bearer token, the user's secrets and, for S3, this machine's AWS credentials: one modal.Secret."""
+        found = user_secrets(self._user_secrets, reserved=["ARTCLOUD_TOKEN"], s3=self.s3, error=ModalError)
+        return {"ARTCLOUD_TOKEN": token, **found}
 
     async def _launch(self) -> None:
         import modal
@@ -204,9 +188,7 @@ class ModalBackend(RemoteBackend):
         token = new_token()
         secret_env = self._launch_secrets(token)
         if self.s3:
-            from artcloud.backends.sky import check_s3
-
-            await asyncio.to_thread(check_s3, self.s3)
+            await asyncio.to_thread(check_s3, self.s3, error=ModalError)
         env = dict(self.env)
         for key in ("ARTCLOUD_S3_ENDPOINT_URL", "ARTCLOUD_S3_REGION"):
             if os.environ.get(key):

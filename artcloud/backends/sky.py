@@ -26,13 +26,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import secrets as _secrets
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from artcloud.backends.launch import check_s3, user_secrets
 from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone
 from artcloud.backends.sky_api import GPUOffer, SkyAPI, sky_api
 from artcloud.backends.sky_task import SECRET_NAMES, SERVER_PORT, ServerTask, build_task, describe
@@ -45,8 +45,6 @@ log = logging.getLogger("artcloud.sky")
 PROVIDER = "sky"
 FAILED_JOB = ("FAILED", "FAILED_SETUP", "FAILED_DRIVER", "FAILED_PRECHECKS", "FAILED_NO_RESOURCE",
               "FAILED_CONTROLLER", "CANCELLED", "SUCCEEDED")  # SUCCEEDED: the server exited
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_S3_SECRET_ENVS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
 
 class SkyError(ArtcloudError):
@@ -193,27 +191,7 @@ class SkyBackend(RemoteBackend):
 
     def _launch_secrets(self) -> dict[str, str]:
         """The user's secrets (values read here, now) and, for S3, this machine's AWS credentials."""
-        found: dict[str, str] = {}
-        given = self._user_secrets
-        if isinstance(given, Mapping):
-            found.update({str(k): str(v) for k, v in given.items()})
-        elif given is not None:
-            if isinstance(given, str):
-                given = [given]
-            for key in given:
-                if key not in os.environ:
-                    raise SkyError(f"secret {key} is not set in this environment: export {key}=... first",
-                                   code="missing_secret", field="secrets")
-                found[key] = os.environ[key]
-        for key in found:
-            if not _ENV_NAME.match(key):
-                raise SkyError(f"secret name {key!r} is not an environment variable name", code="bad_secret", field="secrets")
-            if key in SECRET_NAMES:
-                raise SkyError(f"{key} is artcloud's own secret: name yours differently", code="bad_secret", field="secrets")
-        if self.s3:
-            for key, value in s3_credentials(self.s3).items():
-                found.setdefault(key, value)
-        return found
+        return user_secrets(self._user_secrets, reserved=SECRET_NAMES, s3=self.s3, error=SkyError)
 
     def preflight(self) -> None:
         """Everything that can be checked before a machine is paid for (blocking; run in a thread)."""
@@ -234,7 +212,7 @@ class SkyBackend(RemoteBackend):
                 if best is not None:
                     self.price_per_hour = best.spot_price if self.use_spot else best.price
         if self.s3:
-            check_s3(self.s3)
+            check_s3(self.s3, error=SkyError)
 
     def task(self, *, launch_secrets: dict[str, str], wheel: Path | None) -> ServerTask:
         env = dict(self.env)
@@ -365,39 +343,6 @@ class SkyBackend(RemoteBackend):
                         self.cluster_name, format_duration(self.lease_s), self.cluster_name)
         else:
             await self.down()
-
-
-def s3_credentials(uri: str) -> dict[str, str]:
-    """The AWS credentials the sandbox needs for `uri`, from this machine's settings (ARTCLOUD_S3_* first,
-    then boto3's own chain: env, profiles, SSO)."""
-    key, secret = os.environ.get("ARTCLOUD_S3_ACCESS_KEY_ID"), os.environ.get("ARTCLOUD_S3_SECRET_ACCESS_KEY")
-    token = None
-    if not (key and secret):
-        try:
-            import boto3
-        except ImportError as e:
-            raise SkyError("s3= needs boto3 here: pip install 'artcloud[s3]'", code="missing_dependency") from e
-        found = boto3.Session().get_credentials()
-        frozen = found.get_frozen_credentials() if found is not None else None
-        if frozen is None or not frozen.access_key or not frozen.secret_key:
-            raise SkyError(f"no S3 credentials on this machine for {uri}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-                           "(or ARTCLOUD_S3_ACCESS_KEY_ID / ARTCLOUD_S3_SECRET_ACCESS_KEY), or configure an AWS profile",
-                           code="no_s3_credentials", field="s3")
-        key, secret, token = frozen.access_key, frozen.secret_key, frozen.token
-    creds = {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
-    if token:
-        creds["AWS_SESSION_TOKEN"] = token
-    return creds
-
-
-def check_s3(uri: str) -> None:
-    """The bucket is reachable and writable with these credentials, checked from here before launching."""
-    from artcloud.storage.s3 import CheckpointStore, S3Config, StorageError
-
-    try:
-        CheckpointStore(S3Config.from_uri(uri)).check()
-    except StorageError as e:
-        raise SkyError(str(e), code="s3_unusable", field="s3") from e
 
 
 def _one_line(e: BaseException) -> str:
