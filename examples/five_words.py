@@ -7,8 +7,8 @@ stops the server at the end.
 
     python examples/five_words.py [--steps 24] [--seed 0] [--out five_words.png]
 
-The same script trains on a cloud GPU by changing one line: the backend (SkyBackend / ModalBackend, once
-they land) instead of LocalBackend; everything after `register` is the same protocol.
+The same script trains on a cloud GPU by changing one line: the backend (SkyBackend / ModalBackend)
+instead of LocalBackend; everything after `register` is the same protocol.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import os
 import random
-import re
 import sys
 import tempfile
 import time
@@ -29,26 +28,12 @@ from functools import partial
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# The task, the rollout and its word-count reward are the demo's own (examples/five_words.py). Here the
+# word-count reward is only the yardstick: RULER replaces it and keeps it as metrics["independent_reward"].
+from five_words import TOPICS, rollout  # noqa: E402  (this folder is on sys.path when the script runs)
+
 import artcloud
 from artcloud.rewards import DEFAULT_RUBRIC, ruler_score_group
-
-TOPICS = ["the sea", "a cat", "winter", "coffee", "the moon", "a library", "rain", "music", "a forest",
-          "bread", "trains", "the desert", "a city at night", "friendship", "mountains", "a garden"]
-
-
-def word_count_reward(text: str) -> float:
-    words = len(re.findall(r"[A-Za-z0-9']+", text))
-    return max(0.0, 1.0 - abs(words - 5) / 5)
-
-
-async def rollout(client, model: artcloud.TrainableModel, topic: str, seed: int, max_tokens: int) -> artcloud.Trajectory:
-    messages = [{"role": "user", "content": f"Describe {topic} in exactly five words."}]
-    response = await client.chat.completions.create(
-        model=model.name, messages=messages, max_tokens=max_tokens, logprobs=True, seed=seed,
-    )
-    choice = response.choices[0]
-    # The reward set here is only the yardstick: RULER replaces it and keeps it as independent_reward.
-    return artcloud.Trajectory(messages_and_choices=[*messages, choice], reward=word_count_reward(choice.message.content or ""))
 
 
 def judge_from_env():
