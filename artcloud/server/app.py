@@ -9,6 +9,8 @@
     POST /artcloud/models/{name}/train             start a training job -> 202 {job_id}
     GET  /artcloud/jobs/{job_id}                   job status
     GET  /artcloud/jobs/{job_id}/events?after=N    NDJSON events after cursor N (&follow=true to wait)
+    POST /artcloud/shutdown                        refuse new training, wait for jobs (optional), push
+                                                   the final checkpoints to S3, answer, then exit
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from artcloud._version import __version__
@@ -38,6 +42,14 @@ log = logging.getLogger("artcloud.server")
 
 DEFAULT_MAX_TOKENS = 256
 PUBLIC_PATHS = {"/health"}
+EXIT_DELAY_S = 0.2  # after the shutdown answer is sent, before uvicorn is asked to stop
+
+
+class ShutdownRequest(BaseModel):
+    # Here rather than in artcloud.protocol: only the server and RemoteBackend.shutdown use it.
+    model_config = ConfigDict(extra="forbid")
+
+    wait_for_training_s: float = Field(0.0, ge=0.0, allow_inf_nan=False)
 
 
 class TokenAuth:
@@ -199,6 +211,7 @@ def create_app(registry: Registry, token: str) -> FastAPI:
             existing = model.jobs.find_by_key(key)
             if existing is not None and existing.status != "failed":
                 return _job_response(_check_same(existing, body_hash), 200)
+        _check_not_stopping(registry)  # a retried POST above still gets its job; nothing new starts
         engine = model.engine
         samples, stats = await asyncio.to_thread(build_samples, engine.tokenizer, engine.vocab_size, req)
         async with model.submit_lock:  # a concurrent retry with the same key must not start a second job
@@ -206,6 +219,7 @@ def create_app(registry: Registry, token: str) -> FastAPI:
                 existing = model.jobs.find_by_key(key)
                 if existing is not None and existing.status != "failed":
                     return _job_response(_check_same(existing, body_hash), 200)
+            _check_not_stopping(registry)  # shutdown may have begun while the samples were built
             job = model.jobs.create(idempotency_key=key, body_hash=body_hash)
             model.submit(job, samples, stats, req.config)
         return _job_response(job, 202)
@@ -228,7 +242,32 @@ def create_app(registry: Registry, token: str) -> FastAPI:
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
+    # ------------------------------------------------------------------------------------- shutdown
+
+    @app.post("/artcloud/shutdown")
+    async def shutdown(body: ShutdownRequest | None = None) -> JSONResponse:
+        """From now on training POSTs get 409 shutting_down. Waits up to wait_for_training_s for queued and
+        running jobs, pushes every model's newest committed checkpoint to S3, answers, and only then asks
+        the process to exit (the lifespan exit releases the S3 claims). Calling it again is harmless."""
+        wait = body.wait_for_training_s if body is not None else 0.0
+        log.warning("shutdown requested (waiting up to %.0f s for training): pushing checkpoints, then exiting", wait)
+        models = await registry.shutdown(wait)
+        exit_after = BackgroundTask(_exit_soon, registry) if registry.request_exit is not None else None
+        return JSONResponse({"ok": True, "models": models}, background=exit_after)
+
     return app
+
+
+async def _exit_soon(registry: Registry) -> None:
+    # Runs once the answer is sent; the short delay lets it leave the socket before uvicorn stops.
+    if registry.request_exit is not None:
+        asyncio.get_running_loop().call_later(EXIT_DELAY_S, registry.request_exit)
+
+
+def _check_not_stopping(registry: Registry) -> None:
+    if registry.stopping:
+        raise ApiError(409, "shutting_down", "the server is shutting down (POST /artcloud/shutdown): it takes no new "
+                       "training jobs; start a new server to train more")
 
 
 def _check_same(job: Job, body_hash: str) -> Job:

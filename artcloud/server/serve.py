@@ -1,8 +1,9 @@
 """Run the server: check the path and port, set up TLS and the token, hand over to uvicorn.
 
 Teardown layers 2 and 4 live here: with `--lease`, no authenticated request or heartbeat for that long
-ends the server; `--max-duration` ends it after that long, clients or not. Both take uvicorn's graceful
-path, whose lifespan exit pushes the final checkpoints to S3, and the process exits with status 0.
+ends the server; `--max-duration` ends it after that long, clients or not. Both, and a launcher's POST
+/artcloud/shutdown, take uvicorn's graceful path, whose lifespan exit pushes the final checkpoints to
+S3, and the process exits with status 0.
 
 Every failure a user can cause (a taken port, an unwritable path, a missing certificate) raises
 ServeError with one line that says what to do; the CLI prints it and exits with status 2.
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from artcloud._version import __version__
@@ -250,6 +252,7 @@ def run(
     if context is not None:
         wrap_uvicorn_protocol(config, context, hint=url)
     server = uvicorn.Server(config)
+    registry.request_exit = partial(_request_exit, server)  # POST /artcloud/shutdown, once it has answered
     if parent_pid is not None:
         _exit_with_parent(server, parent_pid)
     if lease_s is not None or max_duration_s is not None:
@@ -262,6 +265,25 @@ def run(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _request_exit(server, force_after_s: float = FORCE_EXIT_AFTER_S) -> None:
+    """uvicorn's graceful path: stop listening, finish open requests, then the lifespan exit (final
+    pushes, S3 claims released); `run` then exits with status 0. A hung exit ends anyway, with status 1."""
+    import threading
+
+    if server.should_exit:
+        return  # a second shutdown request, or the lease got there first
+    log.warning("shutting down at a client's request (POST /artcloud/shutdown)")
+    server.should_exit = True
+
+    def force() -> None:
+        time.sleep(force_after_s)
+        log.error("the server did not shut down %s after it was asked to: exiting now", format_duration(force_after_s))
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=force, name="artcloud-shutdown-watch", daemon=True).start()
 
 
 def _exit_with_parent(server, parent_pid: int, every_s: float = 0.5) -> None:

@@ -245,6 +245,11 @@ class ServedModel:
         if folder is not None:
             await self.host.call(self.engine.load_adapter, self.slot, self.spec.lora, folder, optimizer=True)
 
+    @property
+    def busy(self) -> bool:
+        """A training job is queued or running (a job reloaded from disk is always closed)."""
+        return self.lock.writing or not self._queue.empty() or any(not j.done for j in self.jobs.jobs.values())
+
     def info(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -320,6 +325,9 @@ class Registry:
         self.started_at = time.time()
         self.lease_s: float | None = None  # `artcloud serve --lease`; the watcher lives in serve.py
         self.max_duration_s: float | None = None  # `--max-duration`
+        self.stopping = False  # POST /artcloud/shutdown: no new training jobs from then on
+        # Set by serve.run: asks uvicorn to take its graceful path (None when the app runs in-process).
+        self.request_exit: Callable[[], None] | None = None
         self._register_lock = asyncio.Lock()
 
     async def _host(self, base_model: str) -> EngineHost:
@@ -435,6 +443,31 @@ class Registry:
         now = time.time()
         return {"lease_s": self.lease_s, "idle_s": round(now - self.last_request_at, 1),
                 "max_duration_s": self.max_duration_s, "uptime_s": round(now - self.started_at, 1)}
+
+    async def shutdown(self, wait_for_training_s: float = 0.0, every_s: float = 0.1) -> list[dict[str, Any]]:
+        """Stop taking training jobs, wait up to `wait_for_training_s` for queued and running ones, then
+        push every model's newest committed checkpoint to S3. Returns each model's step and S3 status;
+        `training` true means a job was still at work (its step is not committed; the exit abandons it).
+        Safe to call again. Exiting the process is the caller's part (`request_exit`)."""
+        self.stopping = True
+        deadline = time.monotonic() + wait_for_training_s
+        while any(m.busy for m in self.models.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(every_s)
+        out = []
+        for model in list(self.models.values()):
+            error = None
+            if model.pusher is not None:
+                try:
+                    await model.pusher.flush()
+                except Exception as e:  # a timeout: reported, and the lifespan exit tries once more
+                    log.error("push of %s before shutdown failed: %s", model.name, e)
+                    error = f"{type(e).__name__}: {e}"
+            # The model as it is now (history, checkpoints, S3 status): the launcher's last look at it.
+            entry: dict[str, Any] = {**model.info(), "training": model.busy}
+            if error is not None:
+                entry["error"] = error
+            out.append(entry)
+        return out
 
     async def close(self) -> None:
         for model in self.models.values():
