@@ -12,6 +12,7 @@ from artcloud._version import __version__
 from artcloud.types import LoraConfig, TrainConfig, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
+    from artcloud.backends.from_env import backend_from_env
     from artcloud.backends.local import LocalBackend
     from artcloud.backends.modal import ModalBackend, ModalError
     from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone, VersionMismatch
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "LocalBackend": "artcloud.backends.local",
+    "backend_from_env": "artcloud.backends.from_env",
     "RemoteBackend": "artcloud.backends.remote",
     "SkyBackend": "artcloud.backends.sky",
     "ModalBackend": "artcloud.backends.modal",
@@ -46,6 +48,7 @@ _LAZY = {
 __all__ = [
     "__version__", "LoraConfig", "TrainConfig", "Trajectory", "TrajectoryGroup",
     "LocalBackend", "RemoteBackend", "SkyBackend", "SkyError", "ModalBackend", "ModalError", "ArtcloudError", "ServerGone", "VersionMismatch",
+    "backend_from_env",
     "gather_trajectory_groups", "GatherError",
     "Model", "TrainableModel", "TrainResult", "LinearTemperatureAnnealer", "pull_checkpoint",
     "ruler", "ruler_score_group", "RulerError",

@@ -35,8 +35,12 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class LocalBackend(RemoteBackend):
-    """Runs the training server here (CPU engine unless this machine has more). Checkpoints live under
-    `path` (default ./.artcloud/local), so a new LocalBackend on the same path resumes the models."""
+    """Runs the training server here. Checkpoints live under `path` (default ./.artcloud/local), so a new
+    LocalBackend on the same path resumes the models.
+
+    engine: cpu, or auto (the GPU in bfloat16 when torch sees one). s3: push checkpoints to
+    s3://BUCKET/PREFIX too (credentials from this environment). lease, max_duration: as `artcloud serve`.
+    """
 
     def __init__(
         self,
@@ -46,13 +50,24 @@ class LocalBackend(RemoteBackend):
         host: str = "127.0.0.1",
         startup_timeout: float = 600.0,
         log_level: str = "warning",
+        engine: str = "cpu",
+        s3: str | None = None,
+        lease: str | float | None = None,
+        max_duration: str | float | None = None,
         **kwargs: Any,
     ):
+        from artcloud.durations import parse_duration
+
+        if s3 is not None and not (s3.startswith("s3://") and len(s3) > 5):
+            raise ValueError(f"s3 must look like s3://BUCKET/PREFIX, not {s3!r}")
         self.path = Path(path) if path is not None else DEFAULT_PATH
         self.port = port
         self.host = host
         self.startup_timeout = startup_timeout
         self.log_level = log_level
+        self.engine, self.s3 = engine, s3
+        self.lease_s = parse_duration(lease, what="lease") if lease is not None else None
+        self.max_duration_s = parse_duration(max_duration, what="max_duration") if max_duration is not None else None
         self._secrets = make_launch_secrets()
         super().__init__("https://localhost", token=self._secrets.token, ca_cert=self._secrets.ca_cert, **kwargs)
         self._proc: subprocess.Popen | None = None
@@ -77,6 +92,7 @@ class LocalBackend(RemoteBackend):
     async def start(self) -> None:
         if self.running:
             return
+        self._shut_down = False
         self.path.mkdir(parents=True, exist_ok=True)
         offset = self.log_file.stat().st_size if self.log_file.exists() else 0
         env = {
@@ -87,7 +103,13 @@ class LocalBackend(RemoteBackend):
             "PYTHONUNBUFFERED": "1",
         }
         cmd = [sys.executable, "-m", "artcloud", "serve", "--path", str(self.path), "--host", self.host,
-               "--port", str(self.port or 0), "--log-level", self.log_level, "--parent-pid", str(os.getpid())]
+               "--port", str(self.port or 0), "--log-level", self.log_level, "--parent-pid", str(os.getpid()), "--engine", self.engine]
+        if self.s3:
+            cmd += ["--s3", self.s3]
+        if self.lease_s is not None:
+            cmd += ["--lease", f"{round(self.lease_s)}s"]
+        if self.max_duration_s is not None:
+            cmd += ["--max-duration", f"{round(self.max_duration_s)}s"]
         with open(self.log_file, "ab") as out:
             self._proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -154,6 +176,9 @@ class LocalBackend(RemoteBackend):
     async def down(self) -> None:
         await self.close()
         await asyncio.get_running_loop().run_in_executor(None, self._stop_now)
+
+    async def gone(self) -> bool:
+        return not self.running
 
     def _stop_now(self, timeout: float = 30.0) -> None:
         proc, self._proc = self._proc, None

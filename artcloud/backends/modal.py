@@ -152,6 +152,7 @@ class ModalBackend(RemoteBackend):
     async def start(self) -> None:
         if self._owns:
             return
+        self._shut_down = False
         record = self.state.load(self.name)
         if record is not None and record.provider != PROVIDER and record.state != "down":
             raise ModalError(f"{self.name} is a live {record.provider} sandbox of this machine: choose another name",
@@ -297,8 +298,17 @@ class ModalBackend(RemoteBackend):
         self._owns = False
 
     async def down(self) -> None:
-        """Terminate the sandbox (idempotent) and mark it down in the registry."""
+        """Have the server push its last checkpoint, then terminate the sandbox (idempotent) and mark it
+        down in the registry."""
+        await self._final_push()
         await self._teardown()
+
+    async def gone(self) -> bool:
+        sandbox = self._sandbox
+        if sandbox is None:
+            record = self.state.load(self.name)
+            sandbox = await _lookup(record) if record is not None and record.extra.get("sandbox_id") else None
+        return sandbox is None or await sandbox.poll.aio() is not None
 
     async def __aexit__(self, *exc: Any) -> None:
         if self.keep:

@@ -64,6 +64,8 @@ def _raise_for(response: httpx.Response) -> None:
 class RemoteBackend:
     """A running `artcloud serve`, reached at `base_url` over HTTPS with the launch's token and CA."""
 
+    price_per_hour: float | None = None  # dollars, where the provider's catalog says (SkyBackend)
+
     def __init__(
         self,
         base_url: str,
@@ -89,6 +91,7 @@ class RemoteBackend:
         self._http: httpx.AsyncClient | None = None
         self._heartbeat: asyncio.Task | None = None
         self._version_checked = False
+        self._shut_down = False  # the server was asked to push its last checkpoint and exit
 
     def __repr__(self) -> str:  # never the token
         return f"{type(self).__name__}({self.base_url!r})"
@@ -163,6 +166,54 @@ class RemoteBackend:
     async def down(self) -> None:
         """A RemoteBackend does not own its server: this only closes the connection."""
         await self.close()
+
+    async def shutdown(self, wait_for_training_s: float = 0.0, timeout: float = 600.0) -> dict[str, Any]:
+        """Ask the server to end itself gracefully: POST /artcloud/shutdown.
+
+        Once this returns, the server takes no new training jobs (409 shutting_down), has waited up to
+        `wait_for_training_s` for queued and running ones, and has pushed every model's newest committed
+        checkpoint to S3 (or tried to): each entry of the answer's `models` gives its `step`, its `s3`
+        status (None without S3; the push is safe when `pushed_step == step`, `pending` is false and
+        `last_error` is None; `error` says why a push did not finish), and `training: true` where a job
+        was still at work (its step is not committed and is lost). The process then exits with status 0
+        shortly after answering, so the machine may be torn down once this returns. Sent once,
+        never retried (a lost answer may mean the server already left); a server that does not answer
+        raises ServerGone. `timeout` bounds the whole call, waiting and pushes included.
+        """
+        async def post() -> dict[str, Any]:
+            # Its own timeout: the server may wait for training and pushes far longer than self.timeout.
+            response = await self._client().post("/artcloud/shutdown", json={"wait_for_training_s": wait_for_training_s},
+                                                  timeout=httpx.Timeout(timeout, connect=30.0))
+            _raise_for(response)
+            return response.json()
+
+        try:
+            answer = await asyncio.wait_for(post(), timeout)
+            self._shut_down = True
+            return answer
+        except (httpx.TransportError, asyncio.TimeoutError) as e:
+            raise ServerGone(f"the artcloud server at {self.base_url} did not answer the shutdown request "
+                             f"({type(e).__name__}: {e})", code="server_unreachable") from e
+
+    async def _final_push(self, timeout: float = 300.0) -> None:
+        """Before a machine is torn down: have its server push its last checkpoint and exit. Best effort
+        (a server already gone has nothing left to push), once, and only for a server that answered."""
+        if self._shut_down or not self._version_checked:
+            return
+        try:
+            await self.shutdown(timeout=timeout)
+        except ArtcloudError as e:
+            log.warning("the server at %s did not confirm its final push: %s", self.base_url, e)
+        self._shut_down = True
+
+    async def gone(self) -> bool:
+        """True once the server is gone. A bare URL can only ask it; a backend that owns its machine
+        asks the machine's provider."""
+        try:
+            await self._call("GET", "/health", retry=False)
+        except ServerGone:
+            return True
+        return False
 
     async def __aenter__(self) -> "RemoteBackend":
         await self.start()

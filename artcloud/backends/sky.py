@@ -160,6 +160,7 @@ class SkyBackend(RemoteBackend):
     async def start(self) -> None:
         if self._owns_cluster:
             return
+        self._shut_down = False
         name = self.cluster_name
         info = await asyncio.to_thread(self.api.status, name)
         record = self.state.load(name)
@@ -333,8 +334,13 @@ class SkyBackend(RemoteBackend):
         self._owns_cluster = False
 
     async def down(self) -> None:
-        """Tear the cluster down (idempotent: a cluster already gone is fine) and forget it."""
+        """Have the server push its last checkpoint, then tear the cluster down (idempotent: a cluster
+        already gone is fine) and forget it."""
+        await self._final_push()
         await self._teardown()
+
+    async def gone(self) -> bool:
+        return await asyncio.to_thread(self.api.status, self.cluster_name) is None
 
     async def __aexit__(self, *exc: Any) -> None:
         if self.keep:
