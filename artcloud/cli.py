@@ -4,6 +4,7 @@
     artcloud pull PROJECT/MODEL [--step N] [--to DIR]    a checkpoint from S3, verified
     artcloud launch [--gpu H100:1] [--s3 ...]            the server on a cloud GPU (SkyPilot); see cli_sandbox.py
     artcloud status | logs NAME [-f] | down NAME|--all   what this machine launched, and tearing it down
+    artcloud run SCRIPT [--backend sky] [--detach]       a training script on a sandbox of its own; see cli_run.py
 """
 
 from __future__ import annotations
@@ -112,8 +113,8 @@ def pull(
     print(f"pulled {target} step {folder.name} into {folder}")
 
 
-# launch, status, logs, down: they register themselves on `app`.
-from artcloud import cli_sandbox  # noqa: E402,F401
+# launch, status, logs, down, run: they register themselves on `app`.
+from artcloud import cli_run, cli_sandbox  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,244 @@
+"""`artcloud run SCRIPT` end to end with the local backend: a real server, a real S3 (SeaweedFS), the real
+CLI in a subprocess, and real signals. Each test checks the exit code, the summary, the checkpoints on S3
+and that nothing the run started is still running."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from artcloud.storage.seaweed import ACCESS_KEY, SECRET_KEY
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "examples" / "ci" / "train.py"
+TINY_ARGS = ["--model", "artcloud/tiny-random", "--group", "4", "--max-tokens", "8"]
+
+# Trains one step after another until stopped (a nightly job that would run all night).
+FOREVER = textwrap.dedent("""
+    import asyncio
+    import artcloud
+
+    async def rollout(client, model, seed):
+        messages = [{{"role": "user", "content": "Say something."}}]
+        r = await client.chat.completions.create(model=model.name, messages=messages, max_tokens=4, logprobs=True, seed=seed)
+        # Rewards that always differ within a group, so every step trains.
+        return artcloud.Trajectory(messages_and_choices=[*messages, r.choices[0]], reward=seed / 4)
+
+    async def main():
+        async with artcloud.backend_from_env() as backend:
+            model = artcloud.TrainableModel(name="forever", project="ci", base_model="artcloud/tiny-random")
+            await model.register(backend)
+            client = model.openai_client()
+            while True:
+                groups = await artcloud.gather_trajectory_groups(
+                    [artcloud.TrajectoryGroup(rollout(client, model, s) for s in range(4))])
+                result = await model.train(groups, progress=False)
+                print(f"trained step {{result.step}}", flush=True)
+                if {fail_at} and result.step >= {fail_at}:
+                    raise SystemExit("the reward function broke")
+
+    asyncio.run(main())
+""")
+
+
+@pytest.fixture
+def run_env(tmp_path, seaweed, monkeypatch):
+    bucket = f"run-{tmp_path.name[-20:].lower().replace('_', '-')}"
+    seaweed.client().create_bucket(Bucket=bucket)
+    env = {**os.environ, "ARTCLOUD_S3_ENDPOINT_URL": seaweed.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+           "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path / "home"),
+           "ARTCLOUD_HOME": str(tmp_path / "state"), "GITHUB_STEP_SUMMARY": str(tmp_path / "step-summary.md"),
+           "PYTHONPATH": str(REPO)}
+    env.pop("ARTCLOUD_BACKEND", None)
+    (tmp_path / "home").mkdir()
+    return env, f"s3://{bucket}/runs"
+
+
+def start_run(tmp_path, env, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "artcloud", "run", *args], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def forever_script(tmp_path, fail_at: int = 0) -> Path:
+    script = tmp_path / f"forever_{fail_at}.py"
+    script.write_text(FOREVER.format(fail_at=fail_at))
+    return script
+
+
+def leftovers(*needles: str) -> list[str]:
+    """Command lines of live processes that mention any needle (the run's script, its server's folder)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = (Path("/proc") / pid / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = next(line for line in (Path("/proc") / pid / "status").read_text().splitlines() if line.startswith("State:"))
+        except (OSError, StopIteration):
+            continue
+        if "zombie" not in state and any(n in cmd for n in needles) and int(pid) != os.getpid():
+            found.append(f"{pid}: {cmd}")
+    return found
+
+
+def s3_steps(seaweed, s3: str, project: str, model: str) -> list[int]:
+    bucket, _, prefix = s3[5:].partition("/")
+    keys = [o["Key"] for page in seaweed.client().get_paginator("list_objects_v2").paginate(
+        Bucket=bucket, Prefix=f"{prefix}/{project}/{model}/checkpoints/") for o in page.get("Contents", [])]
+    return sorted({int(k.split("/")[-2]) for k in keys if k.endswith("/manifest.json")})
+
+
+def wait_for_line(proc: subprocess.Popen, text: str, timeout: float = 180) -> list[str]:
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if text in line:
+            return lines
+    raise AssertionError(f"never saw {text!r}; output:\n{''.join(lines)}")
+
+
+def finish(proc: subprocess.Popen, timeout: float = 180) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    return out
+
+
+@pytest.mark.slow
+def test_run_succeeds_with_summary_checkpoints_on_s3_and_nothing_left(tmp_path, run_env, seaweed):
+    env, s3 = run_env
+    data = tmp_path / "server-data"
+    proc = start_run(tmp_path, env, str(TRAIN), "--s3", s3, "--path", str(data), "--name", "nightly-1",
+                     "--", *TINY_ARGS, "--steps", "2")
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    assert "artcloud run: succeeded (the script finished)" in out and "exit 0" in out
+
+    summary = json.loads((tmp_path / "artcloud-run.json").read_text())
+    assert summary["outcome"] == "succeeded" and summary["exit_code"] == 0 and summary["script_exit_code"] == 0
+    assert summary["run"] == "nightly-1" and summary["backend"] == "local" and summary["teardown"]["ok"]
+    (model,) = summary["models"]
+    assert (model["project"], model["name"], model["step"]) == ("nightly", "five-words", 2)
+    assert [h["step"] for h in model["history"]] == [1, 2]
+    assert all(0.0 <= h["reward_mean"] <= 1.0 for h in model["history"])
+    assert s3_steps(seaweed, s3, "nightly", "five-words") == [0, 1, 2]
+    assert [c["uri"] for c in model["checkpoints"]][-1] == f"{s3}/nightly/five-words/checkpoints/2" == model["final_checkpoint"]
+    assert summary["estimated_cost_usd"] == 0.0 and summary["wall_time_s"] > 0
+
+    markdown = (tmp_path / "artcloud-run.md").read_text()
+    assert "succeeded" in markdown and "xychart-beta" in markdown
+    assert (tmp_path / "step-summary.md").read_text().strip() == markdown.strip()  # $GITHUB_STEP_SUMMARY got it too
+    assert "Bearer" not in markdown + json.dumps(summary)
+    assert leftovers(str(data)) == []
+
+
+@pytest.mark.slow
+def test_failing_script_exits_with_its_status_and_is_torn_down(tmp_path, run_env, seaweed):
+    env, s3 = run_env
+    script = forever_script(tmp_path, fail_at=1)
+    data = tmp_path / "server-data"
+    proc = start_run(tmp_path, env, str(script), "--s3", s3, "--path", str(data))
+    out = finish(proc)
+    assert proc.returncode == 1, out
+    assert "the reward function broke" in out
+    summary = json.loads((tmp_path / "artcloud-run.json").read_text())
+    assert (summary["outcome"], summary["script_exit_code"]) == ("script_failed", 1)
+    assert summary["reason"] == "the script exited with status 1" and summary["teardown"]["ok"]
+    assert s3_steps(seaweed, s3, "ci", "forever") == [0, 1]
+    assert summary["models"][0]["final_checkpoint"] == f"{s3}/ci/forever/checkpoints/1"
+    assert leftovers(str(data), str(script)) == []
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_pushes_the_last_checkpoint_and_tears_down(tmp_path, run_env, seaweed):
+    env, s3 = run_env
+    script = forever_script(tmp_path)
+    data = tmp_path / "server-data"
+    proc = start_run(tmp_path, env, str(script), "--s3", s3, "--path", str(data))
+    wait_for_line(proc, "trained step 2")
+    proc.send_signal(signal.SIGTERM)
+    out = finish(proc)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "SIGTERM: stopping the script" in out
+    summary = json.loads((tmp_path / "artcloud-run.json").read_text())
+    assert summary["outcome"] == "interrupted" and summary["reason"] == "stopped by SIGTERM"
+    assert summary["teardown"]["ok"] and "final checkpoint pushed" in summary["teardown"]["detail"]
+    (model,) = summary["models"]
+    on_s3 = s3_steps(seaweed, s3, "ci", "forever")
+    # The newest committed step is on S3: the server pushed it before it went. (A step in flight at the
+    # signal may still commit during the shutdown and be pushed by the exit: then S3 is one ahead.)
+    assert model["step"] >= 2 and on_s3[-1] in (model["step"], model["step"] + 1)
+    assert model["final_checkpoint"] == f"{s3}/ci/forever/checkpoints/{on_s3[-1]}"
+    assert leftovers(str(data), str(script)) == []
+
+
+@pytest.mark.slow
+def test_budget_stops_cleanly_with_exit_4(tmp_path, run_env, seaweed):
+    env, s3 = run_env
+    script = forever_script(tmp_path)
+    data = tmp_path / "server-data"
+    # $360/h is 10 cents a second: a $3 budget lasts 30 s from the launch.
+    proc = start_run(tmp_path, env, str(script), "--s3", s3, "--path", str(data),
+                     "--price-per-hour", "360", "--budget-usd", "3")
+    out = finish(proc)
+    assert proc.returncode == 4, out
+    summary = json.loads((tmp_path / "artcloud-run.json").read_text())
+    assert summary["outcome"] == "budget" and summary["reason"].startswith("budget $3.00 reached after")
+    assert 3.0 <= summary["estimated_cost_usd"] < 3.0 + 0.1 * 60  # stopped at the cap, teardown included
+    assert summary["teardown"]["ok"]
+    (model,) = summary["models"]
+    assert model["step"] >= 1 and s3_steps(seaweed, s3, "ci", "forever")[-1] == model["step"]
+    assert leftovers(str(data), str(script)) == []
+
+
+@pytest.mark.slow
+def test_max_duration_stops_with_exit_124(tmp_path, run_env):
+    env, s3 = run_env
+    script = forever_script(tmp_path)
+    data = tmp_path / "server-data"
+    proc = start_run(tmp_path, env, str(script), "--path", str(data), "--max-duration", "25s")
+    out = finish(proc)
+    assert proc.returncode == 124, out
+    summary = json.loads((tmp_path / "artcloud-run.json").read_text())
+    assert summary["outcome"] == "timeout" and summary["reason"] == "--max-duration 25s reached"
+    assert summary["teardown"]["ok"] and summary["s3"] is None
+    # Without S3 the checkpoints stay in the server's folder, and the summary says where.
+    assert summary["models"][0]["final_checkpoint"].startswith(str(data.resolve()))
+    assert leftovers(str(data), str(script)) == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["missing.py"], "no script at missing.py: give the path of a Python training script"),
+    (["{train}", "--backend", "sky"], "--backend sky needs --s3 s3://BUCKET/PREFIX"),
+    (["{train}", "--backend", "modal", "--s3", "s3://b/p", "--budget-usd", "5"], "--budget-usd on modal needs --price-per-hour"),
+    (["{train}", "--budget-usd", "0"], "--budget-usd must be more than 0"),
+    (["{train}", "--backend", "gcp"], "--backend is local, sky or modal, not 'gcp'"),
+    (["{train}", "--summary", "out.md"], "--summary takes the JSON path"),
+    (["{train}", "--max-duration", "soon"], "--max-duration"),
+    (["{train}", "--gpu", "H100", "--s3", "s3://b/p"], "gpu does not apply to the local backend"),
+])
+def test_bad_options_are_one_line_with_exit_2(tmp_path, run_env, args, message):
+    env, _ = run_env
+    args = [a.replace("{train}", str(TRAIN)) for a in args]
+    result = subprocess.run([sys.executable, "-m", "artcloud", "run", *args], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("artcloud: error: ") and message in lines[0], result.stderr
+    assert not (tmp_path / "artcloud-run.json").exists()
+
+
+def test_run_help_teaches_flags_and_exit_codes():
+    result = subprocess.run([sys.executable, "-m", "artcloud", "run", "--help"], capture_output=True, text=True,
+                            env={**os.environ, "COLUMNS": "200"}, timeout=60)
+    assert result.returncode == 0
+    for text in ("--backend", "--budget-usd", "--price-per-hour", "--detach", "--summary", "--max-duration",
+                 "124", "backend_from_env"):
+        assert text in result.stdout, text
