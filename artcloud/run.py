@@ -359,7 +359,7 @@ class Runner:
             "schema": 1, "run": self.name, "script": str(self.opts.script), "args": list(self.opts.args),
             "backend": self.opts.backend, "gpu": self.opts.gpu if self.opts.backend != "local" else None,
             "sandbox": getattr(self.backend, "cluster_name", None) or getattr(self.backend, "name", None),
-            "detached": self.opts.detached_inner,
+            "detached": self.opts.detached_inner or ending.outcome == "detached",
             "outcome": ending.outcome, "exit_code": ending.exit_code, "reason": ending.reason,
             "script_exit_code": self.script_exit,
             "started_at": _iso(self.started), "ended_at": _iso(ended), "wall_time_s": round(ended - self.started, 1),

@@ -23,9 +23,10 @@ _STATUS = {
     "succeeded": "succeeded",
     "script_failed": "failed: the script failed",
     "launch_failed": "failed: launch failed",
-    "interrupted": "failed: interrupted",
-    "timeout": "failed: time limit reached",
-    "budget": "failed: budget reached",
+    "interrupted": "stopped: interrupted",
+    "timeout": "stopped: time limit reached",
+    "budget": "stopped: budget reached",
+    "detached": "detached: the loop runs on the sandbox",
     "teardown_failed": "failed: teardown failed",
 }
 

@@ -116,7 +116,7 @@ def test_a_failed_run_says_why():
         outcome="budget", exit_code=3, script_exit_code=None, reason="budget $5.00 reached after 41m",
         teardown={"ok": False, "detail": "sky down timed out"},
     ))
-    assert md.startswith("## artcloud run nightly-7f3a2c: failed: budget reached\n")
+    assert md.startswith("## artcloud run nightly-7f3a2c: stopped: budget reached\n")
     assert "| exit code | 3: budget $5.00 reached after 41m |" in md
     assert "| teardown | FAILED: sky down timed out |" in md
     md = render_markdown(summary(outcome="script_failed", exit_code=1, script_exit_code=1))
@@ -198,7 +198,7 @@ def test_write_summary_appends_to_the_github_step_summary(tmp_path, monkeypatch)
     text = step_summary.read_text()
     assert text.startswith("# earlier step\n")
     assert "## artcloud run first-run: succeeded" in text
-    assert "## artcloud run second-run: failed: time limit reached" in text
+    assert "## artcloud run second-run: stopped: time limit reached" in text
     assert text.index("first-run") < text.index("second-run")
 
 

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from artcloud._version import __version__
 from artcloud.backends.launch import check_s3, user_secrets
@@ -68,6 +68,18 @@ def server_command(*, lease_s: float, max_duration_s: float, s3: str | None, eng
         args += ["--s3", s3]
     line = " ".join(shlex.quote(a) for a in args)
     return ["sh", "-c", f'exec {line} --path "$HOME/artcloud-data" --port "${{ARTCLOUD_PORT:-{SERVER_PORT}}}"']
+
+
+def job_command(script_name: str, run_args: list[str]) -> list[str]:
+    """A detached run's command: the script (base64 in $ARTCLOUD_RUN_SCRIPT) written to a file, then
+    `artcloud run` on it, whose own server runs in the same sandbox."""
+    name = shlex.quote(script_name)
+    line = " ".join(shlex.quote(a) for a in ["artcloud", "run", script_name, *run_args])
+    return ["sh", "-c", f'set -e; mkdir -p "$HOME/artcloud-run"; cd "$HOME/artcloud-run"; '
+                        f'printf %s "$ARTCLOUD_RUN_SCRIPT" | base64 -d > {name}; exec {line}']
+
+
+MAX_SCRIPT_BYTES = 64 * 1024  # it travels in an environment variable (Linux caps one at 128 kB)
 
 
 def server_image(wheel: Path | None, *, extras: str = "gpu", python: str | None = None):
@@ -181,7 +193,24 @@ class ModalBackend(RemoteBackend):
         found = user_secrets(self._user_secrets, reserved=["ARTCLOUD_TOKEN"], s3=self.s3, error=ModalError)
         return {"ARTCLOUD_TOKEN": token, **found}
 
-    async def _launch(self) -> None:
+    async def launch_job(self, script: Path, run_args: Callable[[float | None], list[str]]) -> None:
+        """`artcloud run --detach`: the sandbox runs the training loop itself (`artcloud run SCRIPT
+        --backend local ...`, its own server in the same sandbox) and ends when the loop does.
+        `run_args(None)` gives that command's arguments (Modal's client has no price list)."""
+        script = Path(script)
+        if script.stat().st_size > MAX_SCRIPT_BYTES:
+            raise ModalError(f"{script} is over {MAX_SCRIPT_BYTES // 1024} kB: a detached run ships one script; put the "
+                             "rest in a package the image installs (image=)", code="script_too_big", field="script")
+        record = self.state.load(self.name)
+        if record is not None and record.state != "down":
+            raise ModalError(f"{self.name} is a live sandbox of this machine: choose another name for the run",
+                             code="name_taken", field="name")
+        self._shut_down = True  # no server of ours to ask for a final push: the loop pushes its own
+        await self._launch(job=(script, run_args(None)))
+
+    async def _launch(self, job: tuple[Path, list[str]] | None = None) -> None:
+        import base64
+
         import modal
 
         from artcloud.backends.wheel import build_wheel
@@ -201,24 +230,34 @@ class ModalBackend(RemoteBackend):
         self._token = token
         record = SandboxRecord(name=self.name, provider=PROVIDER, gpu=self.gpu, max_duration_s=self.timeout_s,
                                s3=self.s3, extra={"app": self.app_name})
+        if job is not None:
+            command = job_command(job[0].name, job[1])
+            env["ARTCLOUD_RUN_SCRIPT"] = base64.b64encode(job[0].read_bytes()).decode()
+            record.extra["run"] = job[0].name
+        else:
+            command = server_command(lease_s=self.lease_s, max_duration_s=self.max_duration_s, s3=self.s3,
+                                     engine=self.engine)
         self.state.save(record, ca_cert="", token=token)  # before the sandbox exists: see the module docstring
         self._owns = True
         try:
             with tempfile.TemporaryDirectory(prefix="artcloud-wheel-") as tmp:
                 image = self.image if self.image is not None else server_image(build_wheel(Path(tmp)))
                 self._sandbox = await modal.Sandbox.create.aio(
-                    *server_command(lease_s=self.lease_s, max_duration_s=self.max_duration_s, s3=self.s3,
-                                    engine=self.engine),
+                    *command,
                     app=app, name=self.name, tags={"artcloud": __version__}, image=image, env=env or None,
                     secrets=[modal.Secret.from_dict(secret_env)], gpu=self.gpu, cpu=self.cpu, memory=self.memory,
                     region=self.region, timeout=int(self.timeout_s),
                     idle_timeout=int(self.idle_timeout_s) if self.idle_timeout_s else None,
-                    encrypted_ports=[SERVER_PORT],
+                    encrypted_ports=[SERVER_PORT] if job is None else [],
                 )
             self.sandbox_id = self._sandbox.object_id
             record.extra["sandbox_id"] = self.sandbox_id
+            if job is not None:
+                record.state = "up"
             self.state.save(record)
             log.info("created Modal sandbox %s (%s) for %s", self.sandbox_id, self.gpu, self.name)
+            if job is not None:
+                return
             await self._wait_ready(record, deadline=time.monotonic() + self.startup_timeout_s)
         except BaseException as e:
             await self._fail_start(e)

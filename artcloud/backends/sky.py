@@ -27,10 +27,11 @@ import asyncio
 import logging
 import os
 import secrets as _secrets
+import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from artcloud.backends.launch import check_s3, user_secrets
 from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone
@@ -215,7 +216,8 @@ class SkyBackend(RemoteBackend):
         if self.s3:
             check_s3(self.s3, error=SkyError)
 
-    def task(self, *, launch_secrets: dict[str, str], wheel: Path | None) -> ServerTask:
+    def task(self, *, launch_secrets: dict[str, str], wheel: Path | None, run_args: list[str] | None = None,
+             workdir: Path | None = None) -> ServerTask:
         env = dict(self.env)
         region = os.environ.get("ARTCLOUD_S3_REGION") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if self.s3 and region:
@@ -224,10 +226,21 @@ class SkyBackend(RemoteBackend):
             secrets=launch_secrets, gpu=self.gpu, cloud=self.cloud, region=self.region, use_spot=self.use_spot,
             disk_size=self.disk_size, image=self.image, engine=self.engine, lease_s=self.lease_s,
             max_duration_s=self.max_duration_s, s3=self.s3, s3_endpoint_url=os.environ.get("ARTCLOUD_S3_ENDPOINT_URL"),
-            env=env, wheel=wheel,
+            env=env, wheel=wheel, run_args=run_args, workdir=workdir,
         )
 
-    async def _launch(self) -> None:
+    async def launch_job(self, script: Path, run_args: Callable[[float | None], list[str]]) -> None:
+        """`artcloud run --detach`: the cluster runs the training loop itself (`artcloud run SCRIPT
+        --backend local ...`, its own server on the same machine) instead of serving this client.
+        `run_args(price_per_hour)` gives that command's arguments once the catalog's price is known.
+        Returns once SkyPilot has the job; the cluster goes `idle_minutes` after the loop ends."""
+        if self._owns_cluster or await asyncio.to_thread(self.api.status, self.cluster_name) is not None:
+            raise SkyError(f"a cluster named {self.cluster_name} exists: choose another name for the run",
+                           code="name_taken", field="cluster_name")
+        self._shut_down = True  # no server of ours to ask for a final push: the loop pushes its own
+        await self._launch(job=(Path(script), run_args))
+
+    async def _launch(self, job: tuple[Path, Callable[[float | None], list[str]]] | None = None) -> None:
         from artcloud.backends.wheel import build_wheel
 
         name = self.cluster_name
@@ -241,9 +254,15 @@ class SkyBackend(RemoteBackend):
             name=name, provider=PROVIDER, gpu=self.gpu, cloud=self.cloud, price_per_hour=self.price_per_hour,
             max_duration_s=self.max_duration_s, idle_minutes=self.idle_minutes, s3=self.s3,
         )
+        if job is not None:
+            record.extra["run"] = job[0].name
         with tempfile.TemporaryDirectory(prefix="artcloud-wheel-") as tmp:
             wheel = None if self.image else build_wheel(Path(tmp))
-            task = self.task(launch_secrets=launch_secrets, wheel=wheel)
+            run_args = None
+            if job is not None:  # the script travels in the workdir, next to the wheel
+                shutil.copy(job[0], Path(tmp) / job[0].name)
+                run_args = [job[0].name, *job[1](self.price_per_hour)]
+            task = self.task(launch_secrets=launch_secrets, wheel=wheel, run_args=run_args, workdir=Path(tmp))
             log.info("launching %s: %s", name, describe(task))
             self.state.save(record, ca_cert=tls.ca_cert, token=tls.token)  # before SkyPilot is asked: see above
             self._owns_cluster = True
@@ -254,6 +273,10 @@ class SkyBackend(RemoteBackend):
             except BaseException as e:
                 await self._fail_start(f"SkyPilot could not launch {name}: {_one_line(e)}", e, code="launch_failed")
                 raise AssertionError("unreachable") from e
+        if job is not None:
+            record.state = "up"
+            self.state.save(record)
+            return
         try:
             await self._wait_ready(record, deadline=time.monotonic() + self.startup_timeout_s)
         except BaseException as e:

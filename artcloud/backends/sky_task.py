@@ -9,6 +9,7 @@ them. `render` shows a task with every secret redacted.
 from __future__ import annotations
 
 import copy
+import shlex
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -70,10 +71,14 @@ def build_task(
     s3_endpoint_url: str | None = None,
     env: dict[str, str] | None = None,
     wheel: Path | None = None,
+    run_args: list[str] | None = None,
+    workdir: Path | None = None,
 ) -> ServerTask:
     """Fill the template. `secrets` must hold the token and the server's certificate and key (PEM);
     it may hold more (S3 credentials, the user's own). `wheel`: a wheel file whose folder becomes the
-    task's workdir, so the sandbox installs exactly this client's artcloud."""
+    task's workdir, so the sandbox installs exactly this client's artcloud. `run_args`: run
+    `artcloud run ARGS...` (a detached training loop, its script in the workdir) instead of the server;
+    `workdir`: the folder to sync when there is no wheel (a prebuilt image)."""
     missing = [name for name in SECRET_NAMES if not secrets.get(name)]
     if missing:
         raise ValueError(f"the task needs the secrets {', '.join(missing)}")
@@ -111,6 +116,13 @@ def build_task(
     elif wheel is not None:
         envs["ARTCLOUD_WHEEL"] = wheel.name
         config["workdir"] = str(wheel.parent)
+    if workdir is not None and "workdir" not in config:
+        config["workdir"] = str(workdir)
+    if run_args is not None:
+        # Same shell (venv, timeout belt), another command: `artcloud run`, whose own server is local.
+        run = config["run"]
+        head = run[:run.index('"$PY" -m artcloud serve')]
+        config["run"] = head + '"$PY" -m artcloud run ' + " ".join(shlex.quote(a) for a in run_args) + "\n"
     for key, value in (env or {}).items():
         if key in secrets:
             raise ValueError(f"{key} is given both as an env and as a secret: keep it a secret only")
