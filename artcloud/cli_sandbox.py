@@ -244,7 +244,8 @@ def status(
         for record, live in rows:
             print(json.dumps({"name": record.name, "provider": record.provider, "status": live, "gpu": record.gpu,
                               "url": record.url, "launched_at": record.launched_at, "age_s": round(record.age_s(now)),
-                              "price_per_hour": record.price_per_hour, "cost_so_far": record.cost_so_far(now)}))
+                              "price_per_hour": record.price_per_hour, "cost_so_far": record.cost_so_far(now),
+                              "run": record.extra.get("run")}))
         return
     from rich.table import Table
 
@@ -260,7 +261,8 @@ def status(
         cost = record.cost_so_far(now)
         total += cost or 0.0
         table.add_row(record.name, record.provider, live, record.gpu or "-", format_duration(record.age_s(now)),
-                      _money(record.price_per_hour), _money(cost), record.url or "-")
+                      _money(record.price_per_hour), _money(cost),
+                      record.url or (f"detached run of {record.extra['run']}" if record.extra.get("run") else "-"))
     out.print(table)
     out.print(f"estimated cost so far: {_money(total)} (catalog prices; the cloud's bill is the truth)")
     if gone:

@@ -27,7 +27,7 @@ Environment:
     ARTCLOUD_STANDIN_MINUTE_S  seconds in an autostop "minute" (default 60; tests use e.g. 0.5)
     ARTCLOUD_STANDIN_CLOUDS    enabled clouds, comma-separated (default "local")
     ARTCLOUD_STANDIN_CATALOG   "offline": gpu_offers() cannot read the catalog (returns None)
-    ARTCLOUD_STANDIN_FAULT     RecordingSky only: launch_fails, no_health, job_fails (comma-separated)
+    ARTCLOUD_STANDIN_FAULT     RecordingSky only: launch_fails, no_health, job_fails, down_fails (comma-separated)
 
 No `import sky` here: the real package validates the task in the contract tests.
 """
@@ -693,7 +693,7 @@ def _teardown(root: Path, name: str, supervisor_pid: int | None) -> None:
 # ----------------------------------------------------------------------------------------- RecordingSky
 
 SECRET = "<secret>"
-FAULTS = ("launch_fails", "no_health", "job_fails")
+FAULTS = ("launch_fails", "no_health", "job_fails", "down_fails")
 
 
 def _redact(value: Any, secret_values: list[str]) -> Any:
@@ -714,7 +714,8 @@ class RecordingSky(LocalSky):
 
     - launch_fails: launch raises ResourcesUnavailableError (as SkyPilot does when no cloud has capacity);
     - no_health: the job runs `sleep 3600` instead of the server: RUNNING, but nothing listens on the endpoint;
-    - job_fails: the job runs `echo boom >&2; exit 3`.
+    - job_fails: the job runs `echo boom >&2; exit 3`;
+    - down_fails: down raises ConnectionError (the API server is gone) and the cluster stays up.
     """
 
     @staticmethod
@@ -780,6 +781,8 @@ class RecordingSky(LocalSky):
 
     def down(self, cluster_name):
         self._record("down", cluster_name=cluster_name)
+        if "down_fails" in self.faults():  # e.g. the API server went away: the cluster stays up
+            raise ConnectionError("Could not connect to SkyPilot API server at http://127.0.0.1:46580")
         return super().down(cluster_name)
 
     def check_cloud(self, cloud):

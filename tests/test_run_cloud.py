@@ -1,7 +1,9 @@
-"""`artcloud run --detach` with the local stand-ins: the SkyPilot stand-in (runs the task's setup and run
-as local processes) and the fake Modal control plane (runs the sandbox's command). The runner exits at
-once; the loop (`artcloud run --backend local` on the sandbox) trains, pushes to the real S3, uploads its
-summary, and the sandbox goes by itself."""
+"""`artcloud run` on the cloud backends, with the local stand-ins: the SkyPilot stand-in (runs the task's
+setup and run as local processes) and the fake Modal control plane (runs the sandbox's command).
+
+Attached, the runner owns the cluster and tears it down (or says, with exit 5, that it could not). With
+--detach the runner exits at once; the loop (`artcloud run --backend local` on the sandbox) trains,
+pushes to the real S3, uploads its summary, and the sandbox goes by itself."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 from tests.sky_standin import leftover_processes
 from tests.test_modal import fake  # noqa: F401  (fixture)
 from tests.test_run import TINY_ARGS, TRAIN, s3_steps
-from tests.test_sky import sky_env, use_s3  # noqa: F401  (fixture)
+from tests.test_sky import recording, sky_env, use_s3  # noqa: F401  (fixture)
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -37,7 +39,51 @@ def wait_for_summary(seaweed, s3: str, name: str, timeout: float = 300) -> dict:
 def status_names() -> list[str]:
     result = cli("status", "--json", timeout=120)
     assert result.returncode == 0, result.stderr
-    return [json.loads(line)["name"] for line in result.stdout.splitlines() if line.strip()]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+    assert all(row["run"] == "train.py" for row in rows if row["name"].startswith("det-"))
+    return [row["name"] for row in rows]
+
+
+@pytest.mark.slow
+def test_run_on_sky_trains_prices_and_tears_the_cluster_down(sky_env, monkeypatch, seaweed, tmp_path):  # noqa: F811
+    s3 = use_s3(monkeypatch, seaweed, "attached-sky")
+    monkeypatch.chdir(tmp_path)
+    result = cli("run", str(TRAIN), "--backend", "sky", "--gpu", "H100:1", "--s3", s3, "--name", "att-sky",
+                 "--budget-usd", "50", "--", *TINY_ARGS, "--steps", "2")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "artcloud-run.json").read_text())
+    assert (summary["outcome"], summary["sandbox"], summary["gpu"]) == ("succeeded", "att-sky", "H100:1")
+    assert summary["price_per_hour"] > 0 and 0 < summary["estimated_cost_usd"] < 50  # the catalog's price
+    assert summary["teardown"] == {"ok": True, "detail": "final checkpoint pushed; att-sky torn down"}
+    assert summary["models"][0]["final_checkpoint"] == f"{s3}/nightly/five-words/checkpoints/2"
+    assert s3_steps(seaweed, s3, "nightly", "five-words") == [0, 1, 2]
+    assert "att-sky" not in status_names() and leftover_processes(sky_env) == {}
+
+
+def test_run_whose_sandbox_cannot_start_exits_3(sky_env, monkeypatch, seaweed, tmp_path):  # noqa: F811
+    recording(monkeypatch, "launch_fails")
+    s3 = use_s3(monkeypatch, seaweed, "launch-fails")
+    monkeypatch.chdir(tmp_path)
+    result = cli("run", str(TRAIN), "--backend", "sky", "--s3", s3, "--name", "nocap")
+    assert result.returncode == 3, result.stderr
+    summary = json.loads((tmp_path / "artcloud-run.json").read_text())
+    assert summary["outcome"] == "launch_failed" and "no capacity in any enabled region" in summary["reason"]
+    assert summary["script_exit_code"] is None and summary["teardown"]["ok"]
+    assert status_names() == []
+
+
+@pytest.mark.slow
+def test_run_whose_teardown_fails_exits_5_and_names_the_fix(sky_env, monkeypatch, seaweed, tmp_path):  # noqa: F811
+    recording(monkeypatch, "down_fails")
+    s3 = use_s3(monkeypatch, seaweed, "down-fails")
+    monkeypatch.chdir(tmp_path)
+    result = cli("run", str(TRAIN), "--backend", "sky", "--s3", s3, "--name", "stuck", "--", *TINY_ARGS, "--steps", "1")
+    assert result.returncode == 5, result.stderr
+    summary = json.loads((tmp_path / "artcloud-run.json").read_text())
+    assert summary["outcome"] == "teardown_failed" and not summary["teardown"]["ok"]
+    assert "run `artcloud down stuck`" in summary["reason"]
+    assert "stuck" in status_names()  # still listed, so `artcloud down --all` finds it (the fixture downs it)
+    assert summary["models"][0]["final_checkpoint"] == f"{s3}/nightly/five-words/checkpoints/1"
 
 
 @pytest.mark.slow
@@ -53,8 +99,13 @@ def test_detach_on_sky_the_runner_exits_and_the_loop_finishes_on_the_cluster(sky
     assert local["outcome"] == "detached" and local["detached"] and local["sandbox"] == "det-sky"
     assert f"{s3}/runs/det-sky/summary.md" in local["reason"]
     launched_in = time.monotonic() - started
+    assert "det-sky" in status_names()
+    follow = subprocess.Popen([sys.executable, "-m", "artcloud", "logs", "det-sky", "-f"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
 
     summary = wait_for_summary(seaweed, s3, "det-sky")
+    followed, _ = follow.communicate(timeout=120)  # ends with the job
+    assert "step 2: mean reward" in followed and "artcloud run: succeeded" in followed
     assert summary["outcome"] == "succeeded" and summary["detached"] and summary["backend"] == "local"
     # The budget travelled with the loop: the catalog's price, counted from the launch.
     assert summary["budget_usd"] == 50 and summary["price_per_hour"] > 0
