@@ -314,8 +314,8 @@ def down(
 ) -> None:
     """Tear sandboxes down now. A sandbox already gone counts as done (exit 0).
 
-    The server is not asked for a last checkpoint push: every finished training step was pushed
-    already. Example: artcloud down mail-agent
+    A server that still answers is first asked to push its last checkpoint and exit (a minute at
+    most); the sandbox goes either way. Example: artcloud down mail-agent
     """
     from artcloud.backends.providers import sandboxes
     from artcloud.backends.state import StateDir
@@ -336,6 +336,9 @@ def down(
         records = [_known(name) for name in names]
     failed, asked = [], {}
     for record in records:
+        pushed = _final_push(state, record)
+        if pushed:
+            print(f"{record.name}: {pushed}")
         try:
             existed = asked.setdefault(record.provider, sandboxes(record.provider)).down(record)
         except Exception as e:
@@ -346,3 +349,29 @@ def down(
     if failed:
         raise CLIError(f"could not tear down {', '.join(failed)}: run `artcloud down` again, or use the "
                        "provider's own tool (`sky down NAME`, `modal sandbox list`)")
+
+
+def _final_push(state, record, timeout: float = 60.0) -> str | None:
+    """Ask a live sandbox's server (with the credentials in the registry) to push its last checkpoint and
+    exit. None when there is no server to ask; a note on what happened otherwise."""
+    from artcloud.backends.remote import ArtcloudError, RemoteBackend
+
+    creds = state.credentials(record.name)
+    if record.state != "up" or not record.url or creds is None or record.extra.get("run"):
+        return None  # a detached run's loop pushes its own checkpoints
+    ca, token = creds
+    # SkyPilot: the launch CA alone (a bare IP, so no host name check). Modal: the public CAs of its edge.
+    backend = RemoteBackend(record.url, token=token, ca_cert=ca or None, check_hostname=not ca)
+
+    async def push() -> str:
+        try:
+            answer = await backend.shutdown(timeout=timeout)
+        finally:
+            await backend.close()
+        steps = [f"{m['name']}@{m['step']}" for m in answer.get("models", [])]
+        return f"last checkpoint pushed ({', '.join(steps)})" if steps else "server stopped (no models)"
+
+    try:
+        return asyncio.run(push())
+    except ArtcloudError as e:
+        return f"no final push ({str(e).splitlines()[0]}); tearing down anyway"

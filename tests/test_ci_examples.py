@@ -29,10 +29,17 @@ WORKFLOW = CI / "nightly.yml"
 MODAL_CRON = CI / "modal_cron.py"
 
 # Every flag `artcloud run` takes (artcloud/cli_run.py must accept each of them).
-RUN_FLAGS = frozenset({
-    "--backend", "--gpu", "--cloud", "--s3", "--max-duration", "--budget-usd", "--price-per-hour", "--lease",
-    "--detach", "--summary", "--name", "--secret", "--env",
-})
+def _run_flags() -> frozenset[str]:
+    """Every option `artcloud run` takes, read from the CLI itself."""
+    import typer.main
+
+    from artcloud.cli import app
+
+    command = typer.main.get_command(app).commands["run"]
+    return frozenset(opt for param in command.params for opt in param.opts if opt.startswith("--"))
+
+
+RUN_FLAGS = _run_flags()
 
 
 # --- actionlint -------------------------------------------------------------------------------------

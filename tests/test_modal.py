@@ -238,6 +238,7 @@ def test_cli_launch_status_and_down_all_on_modal(fake, monkeypatch):
     assert "cli1" in status.stdout and "modal" in status.stdout and "RUNNING" in status.stdout
     down = cli("down", "--all", "--yes")
     assert down.returncode == 0 and "cli1: torn down" in down.stdout
+    assert "cli1: server stopped (no models)" in down.stdout  # asked first, through the tunnel, with the token
     assert not fake.sandboxes()[sandbox["id"]]["running"] and fake.live_pids() == []
 
 

@@ -162,3 +162,30 @@ def test_detach_needs_a_cloud_backend_and_s3(tmp_path, monkeypatch):
     assert result.returncode == 2 and "--backend modal needs --s3" in result.stderr
 
 
+
+
+@pytest.mark.slow
+def test_artcloud_down_asks_a_live_server_for_its_last_push_first(sky_env, monkeypatch, seaweed, tmp_path):  # noqa: F811
+    import asyncio
+
+    import artcloud
+    from artcloud.backends.sky import SkyBackend
+    from tests.test_modal import one_step
+
+    s3 = use_s3(monkeypatch, seaweed, "down-pushes")
+    launch = cli("launch", "--gpu", "H100:1", "--s3", s3, "--name", "live")
+    assert launch.returncode == 0, launch.stderr
+
+    async def train_and_leave() -> artcloud.TrainResult:
+        backend = SkyBackend(cluster_name="live")
+        await backend.start()  # attach
+        result = await one_step(backend, "agent")
+        await backend.close()  # leave it up, as a laptop that closes its lid
+        return result
+
+    assert asyncio.run(train_and_leave()).step == 1
+    down = cli("down", "live")
+    assert down.returncode == 0, down.stderr
+    assert down.stdout.splitlines() == ["live: last checkpoint pushed (agent@1)", "live: torn down"]
+    assert s3_steps(seaweed, s3, "modal", "agent")[-1] == 1  # (one_step's project is "modal")
+    assert leftover_processes(sky_env) == {}
