@@ -217,7 +217,8 @@ class Runner:
             if backend.price_per_hour is None:
                 raise RunError(f"SkyPilot's catalog has no price for {backend.gpu} here, so --budget-usd cannot be "
                                "enforced: pass --price-per-hour")
-        self.say(f"starting the {self.opts.backend} backend ({self.opts.gpu or 'default GPU' if self.opts.backend != 'local' else 'this machine'})")
+        where = "this machine" if self.opts.backend == "local" else (self.opts.gpu or "its default GPU")
+        self.say(f"starting the {self.opts.backend} backend ({where})")
         start = asyncio.ensure_future(backend.start())
         try:
             ending = await self._watch(start, snapshots=False)
@@ -231,7 +232,6 @@ class Runner:
         if start.exception() is not None:
             e = start.exception()
             return Ending("launch_failed", EXIT_LAUNCH, f"the sandbox could not be started: {e}")
-        self.billing_since = self.opts.billing_since or self.billing_since
         price = self.price()
         self.say(f"server up at {backend.base_url}" + (f" (${price:.2f}/h)" if price else ""))
         return None
@@ -304,9 +304,16 @@ class Runner:
             await self._snapshot()
             try:
                 answer = await asyncio.wait_for(backend.shutdown(), 600.0)
+                failed = []
                 for info in answer.get("models", []):  # the last word on each model: after the final push
                     self.models[info["name"]] = info
-                notes.append("final checkpoint pushed" if self.opts.s3 else "server stopped")
+                    s3 = info.get("s3") or {}
+                    if info.get("error") or s3.get("pending") or s3.get("last_error"):
+                        failed.append(f"{info['name']} ({info.get('error') or s3.get('last_error') or 'still pending'})")
+                if failed:
+                    notes.append(f"the final push failed for {', '.join(failed)}: earlier steps are on S3")
+                else:
+                    notes.append("final checkpoint pushed" if self.opts.s3 else "server stopped")
             except Exception as e:
                 notes.append(f"the final push was not confirmed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
         what = getattr(backend, "cluster_name", None) or getattr(backend, "name", None) or "the local server"

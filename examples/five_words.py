@@ -7,8 +7,9 @@ stops the server at the end.
 
     python examples/five_words.py [--steps 24] [--seed 0] [--out five_words.png]
 
-The same script trains on a cloud GPU by changing one line: the backend (SkyBackend / ModalBackend)
-instead of LocalBackend; everything after `register` is the same protocol.
+The same script trains on a cloud GPU unchanged: `artcloud run examples/five_words.py --backend sky
+--gpu L4 --s3 s3://BUCKET/runs` starts the sandbox, and `artcloud.backend_from_env()` below connects to
+it; everything after `register` is the same protocol.
 """
 
 from __future__ import annotations
@@ -78,8 +79,10 @@ async def main() -> None:
     rng = random.Random(args.seed)
     started = time.time()
 
-    backend = artcloud.LocalBackend(path=args.path or tempfile.mkdtemp(prefix="artcloud-demo-"))
-    print(f"starting the training server on this machine ({args.model}, CPU) ...")
+    # Under `artcloud run` the runner's server; otherwise a server on this machine (CPU).
+    backend = artcloud.backend_from_env(
+        default=lambda: artcloud.LocalBackend(path=args.path or tempfile.mkdtemp(prefix="artcloud-demo-")))
+    print(f"starting the training server ({args.model}) ...")
     async with backend:
         model = artcloud.TrainableModel(
             name="five-words", project="demo", base_model=args.model,

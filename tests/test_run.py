@@ -184,14 +184,14 @@ def test_budget_stops_cleanly_with_exit_4(tmp_path, run_env, seaweed):
     env, s3 = run_env
     script = forever_script(tmp_path)
     data = tmp_path / "server-data"
-    # $360/h is 10 cents a second: a $3 budget lasts 30 s from the launch.
+    # $360/h is 10 cents a second: a $2 budget lasts 20 s from the launch.
     proc = start_run(tmp_path, env, str(script), "--s3", s3, "--path", str(data),
-                     "--price-per-hour", "360", "--budget-usd", "3")
+                     "--price-per-hour", "360", "--budget-usd", "2")
     out = finish(proc)
     assert proc.returncode == 4, out
     summary = json.loads((tmp_path / "artcloud-run.json").read_text())
-    assert summary["outcome"] == "budget" and summary["reason"].startswith("budget $3.00 reached after")
-    assert 3.0 <= summary["estimated_cost_usd"] < 3.0 + 0.1 * 60  # stopped at the cap, teardown included
+    assert summary["outcome"] == "budget" and summary["reason"].startswith("budget $2.00 reached after")
+    assert 2.0 <= summary["estimated_cost_usd"] < 2.0 + 0.1 * 60  # stopped at the cap, teardown included
     assert summary["teardown"]["ok"]
     (model,) = summary["models"]
     assert model["step"] >= 1 and s3_steps(seaweed, s3, "ci", "forever")[-1] == model["step"]

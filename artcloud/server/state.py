@@ -446,8 +446,8 @@ class Registry:
 
     async def shutdown(self, wait_for_training_s: float = 0.0, every_s: float = 0.1) -> list[dict[str, Any]]:
         """Stop taking training jobs, wait up to `wait_for_training_s` for queued and running ones, then
-        push every model's newest committed checkpoint to S3. Returns each model's step and S3 status;
-        `training` true means a job was still at work (its step is not committed; the exit abandons it).
+        push every model's newest committed checkpoint to S3. Returns each model's info (as
+        GET /artcloud/models/NAME: step, history, checkpoints, S3 status) after the push; `training` true means a job was still at work (its step is not committed; the exit abandons it).
         Safe to call again. Exiting the process is the caller's part (`request_exit`)."""
         self.stopping = True
         deadline = time.monotonic() + wait_for_training_s
