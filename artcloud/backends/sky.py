@@ -262,7 +262,8 @@ class SkyBackend(RemoteBackend):
             if job is not None:  # the script travels in the workdir, next to the wheel
                 shutil.copy(job[0], Path(tmp) / job[0].name)
                 run_args = [job[0].name, *job[1](self.price_per_hour)]
-            task = self.task(launch_secrets=launch_secrets, wheel=wheel, run_args=run_args, workdir=Path(tmp))
+            task = self.task(launch_secrets=launch_secrets, wheel=wheel, run_args=run_args,
+                             workdir=Path(tmp) if job is not None else None)
             log.info("launching %s: %s", name, describe(task))
             self.state.save(record, ca_cert=tls.ca_cert, token=tls.token)  # before SkyPilot is asked: see above
             self._owns_cluster = True

@@ -157,6 +157,20 @@ def test_task_with_a_wheel_has_its_workdir(sky, launch_secrets, tmp_path):
         _load(sky, missing)
 
 
+def test_detached_run_task_validates_and_runs_the_script_from_the_workdir(sky, launch_secrets, tmp_path):
+    """`artcloud run --detach`: the same task, with the script in the workdir and `artcloud run` as the job."""
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    args = ["train.py", "--backend", "local", "--s3", "s3://b/runs", "--", "--prompt", "it's here"]
+    config = build_task(secrets=launch_secrets, s3="s3://b/runs", run_args=args, workdir=tmp_path).config
+    task = _load(sky, config)
+    assert task.workdir == str(tmp_path) and (Path(task.workdir) / "train.py").is_file()
+    last = task.run.strip().splitlines()[-1].strip()
+    assert last.startswith('"$PY" -m artcloud run train.py --backend local') and "'it'\"'\"'s here'" in last
+    assert "artcloud serve" not in task.run and "exec timeout" in task.run  # the timeout belt stays
+    result = subprocess.run(["bash", "-n"], input=task.run, text=True, capture_output=True)
+    assert result.returncode == 0, result.stderr
+
+
 # ----------------------------------------------------------------------------------------- secrets
 
 def test_names_only_secrets_are_managed_references_in_sky(sky, launch_secrets):
