@@ -157,18 +157,19 @@ def test_failing_script_exits_with_its_status_and_is_torn_down(tmp_path, run_env
 
 
 @pytest.mark.slow
-def test_sigterm_mid_run_pushes_the_last_checkpoint_and_tears_down(tmp_path, run_env, seaweed):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_mid_run_pushes_the_last_checkpoint_and_tears_down(tmp_path, run_env, seaweed, sig):
     env, s3 = run_env
     script = forever_script(tmp_path)
     data = tmp_path / "server-data"
     proc = start_run(tmp_path, env, str(script), "--s3", s3, "--path", str(data))
     wait_for_line(proc, "trained step 2")
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)  # a CI cancel (SIGINT, then SIGTERM), or Ctrl-C in a terminal
     out = finish(proc)
-    assert proc.returncode == 128 + signal.SIGTERM, out
-    assert "SIGTERM: stopping the script" in out
+    assert proc.returncode == 128 + sig, out
+    assert f"{sig.name}: stopping the script" in out
     summary = json.loads((tmp_path / "artcloud-run.json").read_text())
-    assert summary["outcome"] == "interrupted" and summary["reason"] == "stopped by SIGTERM"
+    assert summary["outcome"] == "interrupted" and summary["reason"] == f"stopped by {sig.name}"
     assert summary["teardown"]["ok"] and "final checkpoint pushed" in summary["teardown"]["detail"]
     (model,) = summary["models"]
     on_s3 = s3_steps(seaweed, s3, "ci", "forever")
@@ -203,11 +204,11 @@ def test_max_duration_stops_with_exit_124(tmp_path, run_env):
     env, s3 = run_env
     script = forever_script(tmp_path)
     data = tmp_path / "server-data"
-    proc = start_run(tmp_path, env, str(script), "--path", str(data), "--max-duration", "25s")
+    proc = start_run(tmp_path, env, str(script), "--path", str(data), "--max-duration", "15s")
     out = finish(proc)
     assert proc.returncode == 124, out
     summary = json.loads((tmp_path / "artcloud-run.json").read_text())
-    assert summary["outcome"] == "timeout" and summary["reason"] == "--max-duration 25s reached"
+    assert summary["outcome"] == "timeout" and summary["reason"] == "--max-duration 15s reached"
     assert summary["teardown"]["ok"] and summary["s3"] is None
     # Without S3 the checkpoints stay in the server's folder, and the summary says where.
     assert summary["models"][0]["final_checkpoint"].startswith(str(data.resolve()))

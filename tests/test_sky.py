@@ -357,7 +357,8 @@ def test_max_duration_pushes_the_last_checkpoint_and_the_server_goes(sky_env, mo
     s3 = use_s3(monkeypatch, seaweed, "sky-capped")
 
     async def main():
-        backend = SkyBackend(cluster_name="capped", s3=s3, max_duration="40s", idle_minutes=1)
+        # retries=2: once the server is gone, model_info says so without the default backoff (seconds).
+        backend = SkyBackend(cluster_name="capped", s3=s3, max_duration="30s", idle_minutes=1, retries=2)
         await backend.start()
         model = artcloud.TrainableModel(name="capped", project="sky", base_model=TINY)
         await model.register(backend)
