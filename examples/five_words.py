@@ -111,7 +111,7 @@ async def main() -> None:
             print(f"step {step + 1:2d}/{args.steps}  mean reward {curve[-1]:.2f}  -> {model.inference_name(result.step)}"
                   f"  ({time.time() - t0:4.1f} s)  best: {answer!r}")
 
-    first, last = sum(curve[:3]) / 3, sum(curve[-3:]) / 3
+    first, last = sum(curve[:3]) / len(curve[:3]), sum(curve[-3:]) / len(curve[-3:])
     plot(curve, args.out, f"five words, SmolLM2-135M, seed {args.seed}: {first:.2f} -> {last:.2f}")
     print(f"mean reward: first 3 steps {first:.2f}, last 3 steps {last:.2f} ({last - first:+.2f}); "
           f"curve saved to {args.out}; {time.time() - started:.0f} s in all; the server is stopped")
