@@ -10,6 +10,7 @@ from typing import List, Optional
 import typer
 
 from artcloud.cli import CLIError, app
+from artcloud.cli_sandbox import _env_pairs
 
 EXIT_CODES = """Exit codes: 0 the script finished; the script's own status when it failed; 2 bad options;
 3 the sandbox could not be started; 4 --budget-usd reached; 5 the sandbox could not be confirmed gone
@@ -69,26 +70,17 @@ def run(
             raise RunError("--summary takes the JSON path (the Markdown goes next to it): e.g. --summary artcloud-run.json")
         if path is not None and opts.backend != "local":
             raise RunError("--path is for --backend local")
+    except (RunError, ValueError) as e:
+        raise CLIError(str(e)) from e
+    try:
         if detach:
             from artcloud.run_detached import launch_detached
 
             code = asyncio.run(launch_detached(opts))
         else:
             code = asyncio.run(Runner(opts).run())
-    except (RunError, ValueError) as e:
+    except RunError as e:  # found out while starting (a backend option, a price): nothing was left running
         raise CLIError(str(e)) from e
     sys.stdout.flush()
     raise typer.Exit(code)
-
-
-def _env_pairs(pairs: list[str]) -> dict[str, str]:
-    from artcloud.run import RunError
-
-    env = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise RunError(f"--env takes KEY=VALUE, not {pair!r}")
-        env[key] = value
-    return env
 

@@ -300,23 +300,23 @@ class Runner:
         if backend is None:
             return {"ok": True, "detail": "nothing was started"}
         notes = []
-        if getattr(backend, "base_url", "").startswith("https://") and "pending.invalid" not in backend.base_url:
-            await self._snapshot()
-            try:
-                answer = await asyncio.wait_for(backend.shutdown(), 600.0)
-                failed = []
-                for info in answer.get("models", []):  # the last word on each model: after the final push
-                    self.models[info["name"]] = info
-                    s3 = info.get("s3") or {}
-                    if info.get("error") or s3.get("pending") or s3.get("last_error"):
-                        failed.append(f"{info['name']} ({info.get('error') or s3.get('last_error') or 'still pending'})")
-                if failed:
-                    notes.append(f"the final push failed for {', '.join(failed)}: earlier steps are on S3")
-                else:
-                    notes.append("final checkpoint pushed" if self.opts.s3 else "server stopped")
-            except Exception as e:
-                notes.append(f"the final push was not confirmed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-        what = getattr(backend, "cluster_name", None) or getattr(backend, "name", None) or "the local server"
+        try:
+            answer = await backend.final_push()  # None: the server never answered (nothing to push)
+        except Exception as e:
+            answer = None
+            notes.append(f"the final push was not confirmed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        if answer is not None:
+            failed = []
+            for info in answer.get("models", []):  # the last word on each model: after the final push
+                self.models[info["name"]] = info
+                s3 = info.get("s3") or {}
+                if info.get("error") or s3.get("pending") or s3.get("last_error"):
+                    failed.append(f"{info['name']} ({info.get('error') or s3.get('last_error') or 'still pending'})")
+            if failed:
+                notes.append(f"the final push failed for {', '.join(failed)}: earlier steps are on S3")
+            else:
+                notes.append("final checkpoint pushed" if self.opts.s3 else "server stopped")
+        what = getattr(backend, "sandbox_name", "the local server")
         try:
             await asyncio.wait_for(asyncio.shield(backend.down()), 900.0)
             gone = await backend.gone()
@@ -365,7 +365,7 @@ class Runner:
         summary = {
             "schema": 1, "run": self.name, "script": str(self.opts.script), "args": list(self.opts.args),
             "backend": self.opts.backend, "gpu": self.opts.gpu if self.opts.backend != "local" else None,
-            "sandbox": getattr(self.backend, "cluster_name", None) or getattr(self.backend, "name", None),
+            "sandbox": getattr(self.backend, "sandbox_name", None),
             "detached": self.opts.detached_inner or ending.outcome == "detached",
             "outcome": ending.outcome, "exit_code": ending.exit_code, "reason": ending.reason,
             "script_exit_code": self.script_exit,

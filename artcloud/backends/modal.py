@@ -31,9 +31,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from artcloud._version import __version__
 from artcloud.backends.launch import check_s3, user_secrets
-from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone
+from artcloud.backends.remote import ArtcloudError, SandboxBackend, ServerGone
 from artcloud.backends.state import SandboxRecord, StateDir, check_name
-from artcloud.durations import format_duration, parse_duration
+from artcloud.durations import parse_duration
 from artcloud.tls import new_token
 
 log = logging.getLogger("artcloud.modal")
@@ -95,7 +95,7 @@ def server_image(wheel: Path | None, *, extras: str = "gpu", python: str | None 
     return image.add_local_file(wheel, remote, copy=True).run_commands(f"pip install '{remote}[{extras}]'")
 
 
-class ModalBackend(RemoteBackend):
+class ModalBackend(SandboxBackend):
     """The training server in a Modal Sandbox, reached over Modal's HTTPS tunnel with this launch's token.
 
     gpu: Modal's GPU type ('H100', 'A100-80GB:2', 'L4'); None for CPU only.
@@ -336,12 +336,6 @@ class ModalBackend(RemoteBackend):
             self.state.mark_down(self.name)
         self._owns = False
 
-    async def down(self) -> None:
-        """Have the server push its last checkpoint, then terminate the sandbox (idempotent) and mark it
-        down in the registry."""
-        await self._final_push()
-        await self._teardown()
-
     async def gone(self) -> bool:
         sandbox = self._sandbox
         if sandbox is None:
@@ -349,13 +343,9 @@ class ModalBackend(RemoteBackend):
             sandbox = await _lookup(record) if record is not None and record.extra.get("sandbox_id") else None
         return sandbox is None or await sandbox.poll.aio() is not None
 
-    async def __aexit__(self, *exc: Any) -> None:
-        if self.keep:
-            await self.close()
-            log.warning("keep=True: %s stays up until its lease (%s without a client) or `artcloud down %s`",
-                        self.name, format_duration(self.lease_s), self.name)
-        else:
-            await self.down()
+    @property
+    def sandbox_name(self) -> str:
+        return self.name
 
 
 async def _lookup(record: SandboxRecord):

@@ -19,6 +19,7 @@ import httpx
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from artcloud._version import __version__
+from artcloud.durations import format_duration
 from artcloud.tls import client_ssl_context
 
 log = logging.getLogger("artcloud.client")
@@ -195,16 +196,12 @@ class RemoteBackend:
             raise ServerGone(f"the artcloud server at {self.base_url} did not answer the shutdown request "
                              f"({type(e).__name__}: {e})", code="server_unreachable") from e
 
-    async def _final_push(self, timeout: float = 300.0) -> None:
-        """Before a machine is torn down: have its server push its last checkpoint and exit. Best effort
-        (a server already gone has nothing left to push), once, and only for a server that answered."""
+    async def final_push(self, timeout: float = 600.0) -> dict[str, Any] | None:
+        """`shutdown()` once, for a server that has answered: its answer, or None when there was nothing to
+        ask (never reached, or already asked). Launchers call it before a machine is torn down."""
         if self._shut_down or not self._version_checked:
-            return
-        try:
-            await self.shutdown(timeout=timeout)
-        except ArtcloudError as e:
-            log.warning("the server at %s did not confirm its final push: %s", self.base_url, e)
-        self._shut_down = True
+            return None
+        return await self.shutdown(timeout=timeout)
 
     async def gone(self) -> bool:
         """True once the server is gone. A bare URL can only ask it; a backend that owns its machine
@@ -312,3 +309,32 @@ class RemoteBackend:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
+
+
+class SandboxBackend(RemoteBackend):
+    """A RemoteBackend that owns the machine its server runs on (SkyBackend, ModalBackend). Subclasses
+    add how it starts, `_teardown()` (close, tear down, mark down in the registry) and `gone()`."""
+
+    sandbox_name: str  # the cluster or sandbox name `artcloud status / logs / down` know it by
+    keep: bool = False  # leave it up on leaving `async with` (the lease and the provider's timers still apply)
+    lease_s: float
+
+    async def _teardown(self) -> None:
+        raise NotImplementedError
+
+    async def down(self) -> None:
+        """Have the server push its last checkpoint and exit (best effort: a server already gone has
+        nothing left to push), then tear the machine down (idempotent) and mark it down."""
+        try:
+            await self.final_push(timeout=300.0)
+        except ArtcloudError as e:
+            log.warning("the server at %s did not confirm its final push: %s", self.base_url, e)
+        await self._teardown()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self.keep:
+            await self.close()
+            log.warning("keep=True: %s stays up until its lease (%s without a client) or `artcloud down %s`",
+                        self.sandbox_name, format_duration(self.lease_s), self.sandbox_name)
+        else:
+            await self.down()

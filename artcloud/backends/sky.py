@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from artcloud.backends.launch import check_s3, user_secrets
-from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone
+from artcloud.backends.remote import ArtcloudError, SandboxBackend, ServerGone
 from artcloud.backends.sky_api import GPUOffer, SkyAPI, sky_api
 from artcloud.backends.sky_task import SECRET_NAMES, SERVER_PORT, ServerTask, build_task, describe
 from artcloud.backends.state import SandboxRecord, StateDir, check_name
-from artcloud.durations import format_duration, parse_duration
+from artcloud.durations import parse_duration
 from artcloud.tls import make_launch_secrets
 
 log = logging.getLogger("artcloud.sky")
@@ -79,7 +79,7 @@ def pick_offer(offers: list[GPUOffer], gpu: str, *, cloud: str | None, use_spot:
     return min(priced, key=lambda o: o.spot_price if use_spot else o.price)
 
 
-class SkyBackend(RemoteBackend):
+class SkyBackend(SandboxBackend):
     """The training server on a SkyPilot cluster of its own, reached over HTTPS.
 
     gpu: SkyPilot's accelerator spec ('H100:1', 'A100-80GB:2', 'L4'); None for a CPU machine.
@@ -357,22 +357,12 @@ class SkyBackend(RemoteBackend):
             self.state.mark_down(name)
         self._owns_cluster = False
 
-    async def down(self) -> None:
-        """Have the server push its last checkpoint, then tear the cluster down (idempotent: a cluster
-        already gone is fine) and forget it."""
-        await self._final_push()
-        await self._teardown()
-
     async def gone(self) -> bool:
         return await asyncio.to_thread(self.api.status, self.cluster_name) is None
 
-    async def __aexit__(self, *exc: Any) -> None:
-        if self.keep:
-            await self.close()
-            log.warning("keep=True: %s stays up until its lease (%s without a client) or `artcloud down %s`",
-                        self.cluster_name, format_duration(self.lease_s), self.cluster_name)
-        else:
-            await self.down()
+    @property
+    def sandbox_name(self) -> str:
+        return self.cluster_name
 
 
 def _one_line(e: BaseException) -> str:
