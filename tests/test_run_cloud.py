@@ -90,7 +90,6 @@ def test_run_whose_teardown_fails_exits_5_and_names_the_fix(sky_env, monkeypatch
 def test_detach_on_sky_the_runner_exits_and_the_loop_finishes_on_the_cluster(sky_env, monkeypatch, seaweed, tmp_path):  # noqa: F811
     s3 = use_s3(monkeypatch, seaweed, "detached-sky")
     monkeypatch.chdir(tmp_path)
-    started = time.monotonic()
     result = cli("run", str(TRAIN), "--backend", "sky", "--gpu", "H100:1", "--s3", s3, "--name", "det-sky",
                  "--budget-usd", "50", "--detach", "--", *TINY_ARGS, "--steps", "2")
     assert result.returncode == 0, result.stderr
@@ -98,7 +97,10 @@ def test_detach_on_sky_the_runner_exits_and_the_loop_finishes_on_the_cluster(sky
     local = json.loads((tmp_path / "artcloud-run.json").read_text())
     assert local["outcome"] == "detached" and local["detached"] and local["sandbox"] == "det-sky"
     assert f"{s3}/runs/det-sky/summary.md" in local["reason"]
-    launched_in = time.monotonic() - started
+    # The runner came back while the loop was still to run: no summary on S3 yet, the cluster listed.
+    bucket, _, prefix = s3[5:].partition("/")
+    listed = seaweed.client().list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/runs/det-sky/")
+    assert listed.get("KeyCount", 0) == 0
     assert "det-sky" in status_names()
     follow = subprocess.Popen([sys.executable, "-m", "artcloud", "logs", "det-sky", "-f"], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
@@ -112,7 +114,6 @@ def test_detach_on_sky_the_runner_exits_and_the_loop_finishes_on_the_cluster(sky
     (model,) = summary["models"]
     assert model["step"] == 2 and s3_steps(seaweed, s3, "nightly", "five-words") == [0, 1, 2]
     assert model["final_checkpoint"] == f"{s3}/nightly/five-words/checkpoints/2"
-    bucket, _, prefix = s3[5:].partition("/")
     markdown = seaweed.client().get_object(Bucket=bucket, Key=f"{prefix}/runs/det-sky/summary.md")["Body"].read().decode()
     assert "succeeded" in markdown
 
@@ -122,7 +123,6 @@ def test_detach_on_sky_the_runner_exits_and_the_loop_finishes_on_the_cluster(sky
         time.sleep(1.0)
     assert "det-sky" not in status_names()
     assert leftover_processes(sky_env) == {}
-    assert launched_in < time.monotonic() - started  # the runner was back before the loop was done
 
 
 @pytest.mark.slow
