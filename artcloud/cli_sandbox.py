@@ -336,29 +336,31 @@ def down(
         records = [_known(name) for name in names]
     failed, asked = [], {}
     for record in records:
-        pushed = _final_push(state, record)
-        if pushed:
-            print(f"{record.name}: {pushed}")
+        stopped, note = _final_push(state, record)
+        if note:
+            print(f"{record.name}: {note}")
         try:
             existed = asked.setdefault(record.provider, sandboxes(record.provider)).down(record)
         except Exception as e:
             failed.append(f"{record.name} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
             continue
         state.mark_down(record.name)
-        print(f"{record.name}: {'torn down' if existed else 'already gone'}")
+        # A Modal sandbox ends with its server's exit, which the final push asked for: still our teardown.
+        print(f"{record.name}: {'torn down' if existed or stopped else 'already gone'}")
     if failed:
         raise CLIError(f"could not tear down {', '.join(failed)}: run `artcloud down` again, or use the "
                        "provider's own tool (`sky down NAME`, `modal sandbox list`)")
 
 
-def _final_push(state, record, timeout: float = 60.0) -> str | None:
+def _final_push(state, record, timeout: float = 60.0) -> tuple[bool, str | None]:
     """Ask a live sandbox's server (with the credentials in the registry) to push its last checkpoint and
-    exit. None when there is no server to ask; a note on what happened otherwise."""
+    exit. Returns (whether the server answered and is exiting, a note on what happened or None when
+    there was no server to ask)."""
     from artcloud.backends.remote import ArtcloudError, RemoteBackend
 
     creds = state.credentials(record.name)
     if record.state != "up" or not record.url or creds is None or record.extra.get("run"):
-        return None  # a detached run's loop pushes its own checkpoints
+        return False, None  # a detached run's loop pushes its own checkpoints
     ca, token = creds
     # SkyPilot: the launch CA alone (a bare IP, so no host name check). Modal: the public CAs of its edge.
     backend = RemoteBackend(record.url, token=token, ca_cert=ca or None, check_hostname=not ca)
@@ -372,6 +374,6 @@ def _final_push(state, record, timeout: float = 60.0) -> str | None:
         return f"last checkpoint pushed ({', '.join(steps)})" if steps else "server stopped (no models)"
 
     try:
-        return asyncio.run(push())
+        return True, asyncio.run(push())
     except ArtcloudError as e:
-        return f"no final push ({str(e).splitlines()[0]}); tearing down anyway"
+        return False, f"no final push ({str(e).splitlines()[0]}); tearing down anyway"

@@ -5,6 +5,7 @@ processes over HTTPS; S3 is a real SeaweedFS."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 
@@ -134,3 +135,47 @@ def test_shutdown_waits_for_training_then_refuses_new_jobs(tmp_path, one_torch_t
             assert time.monotonic() < deadline, exits
             time.sleep(0.05)
         assert exits[0] > answered
+
+
+def test_a_step_in_flight_at_shutdown_is_dropped_not_committed(tmp_path, one_torch_thread):
+    """Without a wait, shutdown freezes the models: a step still computing ends with the error
+    shutting_down and commits nothing, so the answered step is the newest on disk (and on S3)."""
+    from fastapi.testclient import TestClient
+
+    from artcloud.server.app import create_app
+    from artcloud.server.engines.cpu import CPUEngine
+    from artcloud.server.state import Registry
+    from artcloud.storage import checkpoints
+
+    class SlowTrainer(CPUEngine):  # the real engine; its step takes 2 s more, so shutdown lands mid-step
+        def train_step(self, *args, **kwargs):
+            time.sleep(2.0)
+            return super().train_step(*args, **kwargs)
+
+    token = "t" * 32
+    registry = Registry(tmp_path / "data", engine="cpu", factory=SlowTrainer)
+    with TestClient(create_app(registry, token), headers={"Authorization": f"Bearer {token}"}) as c:
+        assert c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY}).status_code == 200
+        r = c.post("/artcloud/models/agent/train", json={"groups": rollout_groups(c, "agent", ["x", "y"], n=4)})
+        assert r.status_code == 202, r.text
+        job_id = r.json()["job_id"]
+        deadline = time.monotonic() + 30
+        while c.get(f"/artcloud/jobs/{job_id}").json()["status"] != "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+        r = c.post("/artcloud/shutdown", json={"wait_for_training_s": 0})
+        assert r.status_code == 200, r.text
+        (model,) = r.json()["models"]
+        assert model["step"] == 0 and model["training"] is True
+
+        while c.get(f"/artcloud/jobs/{job_id}").json()["status"] == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        events = [e for e in c.get(f"/artcloud/jobs/{job_id}/events", params={"follow": False}).text.splitlines() if e]
+        last = json.loads(events[-1])
+        assert last["type"] == "error" and last["data"]["code"] == "shutting_down", last
+        assert "step 1 was not committed" in last["data"]["message"]
+        info = c.get("/artcloud/models/agent").json()
+        assert info["step"] == 0 and info["history"] == []
+    assert checkpoints.committed_steps(tmp_path / "data" / "p" / "agent") == [0]

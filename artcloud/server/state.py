@@ -50,6 +50,14 @@ def default_engine_factory(kind: str) -> Callable[[str], Engine]:
     return CPUEngine
 
 
+class Abandoned(Exception):
+    """A training step finished after shutdown froze its model: it is dropped, not committed."""
+
+    def __init__(self, step: int):
+        super().__init__(f"step {step} abandoned at shutdown")
+        self.step = step
+
+
 class EngineHost:
     """One engine and the one thread that may touch it."""
 
@@ -95,6 +103,9 @@ class ServedModel:
         self._queue: asyncio.Queue[tuple[Job, list[TrainSample], dict[str, Any], TrainConfig]] = asyncio.Queue()
         self._worker: asyncio.Task | None = None
         self._old: OrderedDict[int, str] = OrderedDict()
+        # Shutdown freezes the model: from then on no step commits, so what it answers is what S3 holds.
+        self.commit_lock = asyncio.Lock()
+        self.frozen = False
 
     @property
     def engine(self) -> Engine:
@@ -191,6 +202,11 @@ class ServedModel:
             job, samples, stats, config = await self._queue.get()
             try:
                 await self._run(job, samples, stats, config)
+            except Abandoned as e:
+                log.warning("%s: step %d computed during shutdown, not committed", self.name, e.step)
+                job.emit("error", code="shutting_down", step=self.step,
+                         message=f"the server is shutting down: step {e.step} was not committed, {self.name} stays "
+                                 f"at step {self.step} (on S3 too); train it again on a new server")
             except Exception as e:
                 log.exception("training job %s failed", job.id)
                 if not job.done:
@@ -215,8 +231,11 @@ class ServedModel:
             try:
                 steps = await self.host.call(self.engine.train_step, self.slot, samples, config, on_step)
                 record = _history_record(next_step, job.id, stats, steps, time.time() - t0)
-                self.history.append(record)
-                folder = await self._commit(next_step)
+                async with self.commit_lock:
+                    if self.frozen:
+                        raise Abandoned(next_step)
+                    self.history.append(record)
+                    folder = await self._commit(next_step)
             except BaseException:
                 # Put the adapter and optimizer back to the last committed step: a half-applied update
                 # is never served and never trained on.
@@ -447,12 +466,17 @@ class Registry:
     async def shutdown(self, wait_for_training_s: float = 0.0, every_s: float = 0.1) -> list[dict[str, Any]]:
         """Stop taking training jobs, wait up to `wait_for_training_s` for queued and running ones, then
         push every model's newest committed checkpoint to S3. Returns each model's info (as
-        GET /artcloud/models/NAME: step, history, checkpoints, S3 status) after the push; `training` true means a job was still at work (its step is not committed; the exit abandons it).
+        GET /artcloud/models/NAME: step, history, checkpoints, S3 status) after the push. The models are
+        frozen first: a job still at work (`training` true) finishes with the error `shutting_down` and
+        commits nothing, so each model's answered step is the newest on disk and on S3.
         Safe to call again. Exiting the process is the caller's part (`request_exit`)."""
         self.stopping = True
         deadline = time.monotonic() + wait_for_training_s
         while any(m.busy for m in self.models.values()) and time.monotonic() < deadline:
             await asyncio.sleep(every_s)
+        for model in list(self.models.values()):
+            async with model.commit_lock:  # a commit under way ends first; none starts after
+                model.frozen = True
         out = []
         for model in list(self.models.values()):
             error = None
