@@ -10,6 +10,10 @@ STAMP := $(VENV)/.installed-stamp
 # transformers cannot live with, so the SkyPilot contract tests (tests/laptop) run here.
 LAPTOP := .venv-laptop
 LAPTOP_STAMP := $(LAPTOP)/.installed-stamp
+# Tests run in this many pytest-xdist workers, one test file each at a time (module fixtures stay whole);
+# most of a test's time is a server process starting or waiting, so 2 workers pay off even on 2 cores.
+TEST_WORKERS ?= 2
+PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
@@ -35,11 +39,11 @@ $(LAPTOP_STAMP): pyproject.toml Makefile
 install: $(STAMP) $(LAPTOP_STAMP)
 
 test: $(STAMP) $(LAPTOP_STAMP)
-	$(BIN)/python -m pytest -q -ra --ignore=tests/laptop
+	$(BIN)/python -m pytest -q -ra $(PYTEST_PAR) --ignore=tests/laptop
 	$(LAPTOP)/bin/python -m pytest -q -ra tests/laptop
 
 test-fast: $(STAMP) $(LAPTOP_STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" --ignore=tests/laptop
+	$(BIN)/python -m pytest -q $(PYTEST_PAR) -m "not slow" --ignore=tests/laptop
 	$(LAPTOP)/bin/python -m pytest -q tests/laptop
 
 demo: $(STAMP)
