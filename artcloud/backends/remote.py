@@ -310,7 +310,6 @@ class RemoteBackend:
                 delay = min(delay * 2, 10.0)
 
 
-
 class SandboxBackend(RemoteBackend):
     """A RemoteBackend that owns the machine its server runs on (SkyBackend, ModalBackend). Subclasses
     add how it starts, `_teardown()` (close, tear down, mark down in the registry) and `gone()`."""
