@@ -215,3 +215,41 @@ def test_retention_plan_keeps_the_newest_the_best_and_always_the_latest():
     assert ck.plan_retention(steps, keep_last=2) == [0, 1, 2, 3]
     assert ck.plan_retention(steps, keep_last=2, metric={1: 0.9, 2: 0.1, 5: 0.3}) == [0, 2, 3]
     assert ck.plan_retention([7], keep_last=1, metric={7: 0.0}) == []
+
+
+def _rewrite_manifest(folder: Path, edit) -> None:
+    manifest = json.loads((folder / ck.MANIFEST).read_text())
+    edit(manifest)
+    (folder / ck.MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda m: m["files"].update({"../../escape": {"size": 1, "sha256": "0" * 64}}), "'../../escape'"),
+    (lambda m: m["files"].update({"/etc/passwd": {"size": 1, "sha256": "0" * 64}}), "'/etc/passwd'"),
+    (lambda m: m["files"]["optimizer.pt"].update(size=-1), "'size'"),
+    (lambda m: m["files"]["optimizer.pt"].update(sha256="xyz"), "'sha256'"),
+    (lambda m: m.update(step=4), "says step 4"),
+    (lambda m: m.update(step="3"), "'step'"),
+], ids=["parent", "absolute", "negative-size", "bad-sha", "other-step", "str-step"])
+def test_a_local_manifest_is_validated_like_a_remote_one(tmp_path, edit, named):
+    folder = _commit(tmp_path, 3)
+    _rewrite_manifest(folder, edit)
+    with pytest.raises(ck.CorruptCheckpoint) as info:
+        ck.verify(folder, hashes=False)
+    assert str(folder / ck.MANIFEST) in str(info.value) and "(step 3)" in str(info.value) and named in str(info.value)
+    assert ck.latest_valid(tmp_path) is None  # skipped, never loaded
+
+
+def test_commit_refuses_a_file_name_a_reader_would_refuse(tmp_path):
+    with pytest.raises(ck.CorruptCheckpoint, match="'.hidden'"):
+        ck.commit(tmp_path, 1, _writer({".hidden": b"x"}), {})
+    assert _leftovers(tmp_path) == []
+
+
+def test_step_folders_are_ascii_digits_only(tmp_path):
+    _commit(tmp_path, 2)
+    odd = ck.checkpoints_dir(tmp_path) / "²"  # "²".isdigit() is True, int("²") raises
+    odd.mkdir()
+    (odd / ck.MANIFEST).write_text("{}")
+    assert ck.committed_steps(tmp_path) == [2]
+    assert ck.set_aside_after(tmp_path, 2) == []

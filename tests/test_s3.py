@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import threading
 import time
 import uuid
 
 import pytest
+from botocore.exceptions import ClientError, ParamValidationError
 
 from artcloud.storage import checkpoints
 from artcloud.storage.s3 import CheckpointStore, S3Config, StorageError
@@ -109,3 +112,123 @@ def test_s3_killed_mid_upload_commits_nothing_and_the_push_resumes(tmp_path):
         assert (pulled / "big.bin").read_bytes() == (folder / "big.bin").read_bytes()
     finally:
         server.stop()
+
+
+# ------------------------------------------------------------------------------------- untrusted input from the bucket
+
+def _files_under(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+PAYLOAD = b"written by whoever holds the bucket's keys"
+SHA = hashlib.sha256(PAYLOAD).hexdigest()
+
+
+def _hostile_name(name: str):
+    """A manifest entry `name` whose object exists too, so a reader that trusted it would write it."""
+    def edit(manifest: dict, tmp_path) -> list[str]:
+        manifest["files"][name.format(tmp=tmp_path)] = {"size": len(PAYLOAD), "sha256": SHA}
+        return [name.format(tmp=tmp_path)]
+    return edit
+
+
+def _edit(fn):
+    def edit(manifest: dict, tmp_path) -> list[str]:
+        fn(manifest)
+        return []
+    return edit
+
+
+HOSTILE_MANIFESTS = {
+    "parent-escape": (_hostile_name("../../x"), "'../../x'"),
+    "absolute-path": (_hostile_name("{tmp}/outside/abs.bin"), "file name '/"),  # long paths are cut short
+    "subfolder": (_hostile_name("a/b"), "'a/b'"),
+    "dot-dot": (_hostile_name(".."), "'..'"),
+    "dot-file": (_hostile_name(".bashrc"), "'.bashrc'"),
+    "empty-name": (_hostile_name(""), "''"),
+    "nul": (_hostile_name("a\x00b"), "'a\\x00b'"),
+    "manifest-itself": (_hostile_name("manifest.json"), "'manifest.json'"),
+    "str-size": (_edit(lambda m: m["files"]["a.bin"].update(size="5000")), "'size'"),
+    "huge-size": (_edit(lambda m: m["files"]["a.bin"].update(size=1 << 50)), "'size'"),
+    "no-sha256": (_edit(lambda m: m["files"]["a.bin"].pop("sha256")), "'sha256'"),
+    "upper-sha256": (_edit(lambda m: m["files"]["a.bin"].update(sha256=m["files"]["a.bin"]["sha256"].upper())), "'sha256'"),
+    "huge-count": (_edit(lambda m: m["files"].update({f"f{i}": {"size": 0, "sha256": "0" * 64} for i in range(1001)})), "1003 files"),
+    "other-step": (_edit(lambda m: m.update(step=2)), "says step 2"),
+    "bool-step": (_edit(lambda m: m.update(step=True)), "'step'"),
+    "files-list": (_edit(lambda m: m.update(files=[])), "'files'"),
+    "not-an-object": (lambda m, t: (m.clear(), m.update(list=True))[0] or [], "format"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_MANIFESTS))
+@pytest.mark.parametrize("entry", ["store.pull", "pull_checkpoint"])
+def test_a_hostile_manifest_is_refused_before_anything_is_written(seaweed, tmp_path, monkeypatch, case, entry):
+    from artcloud.storage.s3 import CorruptRemoteCheckpoint, pull_checkpoint
+
+    store = store_for(seaweed)
+    s3, bucket = seaweed.client(), store.config.bucket
+    store.push("p", "m", commit(tmp_path / "m", 1, {"a.bin": 5000}))
+    (tmp_path / "outside").mkdir()
+    key = "runs/p/m/checkpoints/1/manifest.json"
+    manifest = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    edit, named = HOSTILE_MANIFESTS[case]
+    for name in edit(manifest, tmp_path):
+        try:  # the object a trusting reader would fetch and write (AWS takes any key; SeaweedFS refuses "..")
+            s3.put_object(Bucket=bucket, Key=f"runs/p/m/checkpoints/1/{name}", Body=PAYLOAD)
+        except (ClientError, ParamValidationError, ValueError):
+            pass
+    s3.put_object(Bucket=bucket, Key=key, Body=json.dumps(manifest).encode())
+
+    before = _files_under(tmp_path)
+    dest = tmp_path / "a" / "b" / "dest"
+    with pytest.raises(StorageError) as info:
+        if entry == "store.pull":  # what server resume calls
+            store.pull("p", "m", 1, dest)
+        else:  # what `artcloud pull` calls
+            monkeypatch.setenv("ARTCLOUD_S3_ENDPOINT_URL", seaweed.endpoint)
+            monkeypatch.setenv("ARTCLOUD_S3_ACCESS_KEY_ID", ACCESS_KEY)
+            monkeypatch.setenv("ARTCLOUD_S3_SECRET_ACCESS_KEY", SECRET_KEY)
+            pull_checkpoint("p/m", s3=f"s3://{bucket}/runs", to=dest, progress=False)
+    message = str(info.value)
+    assert isinstance(info.value, CorruptRemoteCheckpoint) and isinstance(info.value, checkpoints.CorruptCheckpoint)
+    assert f"s3://{bucket}/{key}" in message and "(step 1)" in message and named in message, message
+    assert "\n" not in message
+    assert _files_under(tmp_path) == before  # nothing written anywhere, outside or in
+    assert not dest.exists() and not (tmp_path / "a" / "b" / "x").exists()
+
+
+@pytest.mark.parametrize("garbage", [b"not json", b"[1]", b'{"step": "1"}', b'{"step": -1}', b'{"step": true}', b"{}",
+                                     b"\xff\xfe", b'{"step": 1, "pad": "' + b"x" * (100 << 10) + b'"}'],
+                         ids=["text", "list", "str", "negative", "bool", "empty", "binary", "huge"])
+def test_a_garbage_latest_pointer_is_a_clear_storage_error(seaweed, tmp_path, garbage):
+    store = store_for(seaweed)
+    store.push("p", "m", commit(tmp_path / "m", 1, {"a.bin": 100}))
+    key = "runs/p/m/LATEST"
+    seaweed.client().put_object(Bucket=store.config.bucket, Key=key, Body=garbage)
+    with pytest.raises(StorageError, match=f"s3://{store.config.bucket}/{key}") as info:
+        store.pull("p", "m", None, tmp_path / "out")
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(StorageError, match="LATEST"):
+        store.latest("p", "m")
+
+
+def test_an_object_larger_than_its_manifest_says_stops_downloading(seaweed, tmp_path):
+    store = store_for(seaweed)
+    store.push("p", "m", commit(tmp_path / "m", 1, {"a.bin": 100}))
+    # Swapped for a big one after the commit: the download stops at the manifest's size, not at 20 MB.
+    seaweed.client().put_object(Bucket=store.config.bucket, Key="runs/p/m/checkpoints/1/a.bin", Body=os.urandom(20 << 20))
+    with pytest.raises(checkpoints.CorruptCheckpoint, match="larger than the 100 bytes"):
+        store.pull("p", "m", 1, tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_the_test_s3_server_takes_a_bucket_per_test_for_a_whole_session(seaweed):
+    """One volume per bucket, capped by default at free disk / 1 GB (~70 here): past that every write is
+    an InternalError, and a session of S3 tests (one bucket each) ran into it."""
+    import urllib.request
+
+    master = next(a.split("=", 1)[1] for a in seaweed._args if a.startswith("-master.port="))
+    with urllib.request.urlopen(f"http://127.0.0.1:{master}/dir/status", timeout=10) as r:
+        topology = json.load(r)["Topology"]
+    assert topology["Max"] >= 1000, topology

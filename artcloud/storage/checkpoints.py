@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
+import re
 import shutil
 import time
 import uuid
@@ -24,9 +26,19 @@ MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 FORMAT = 1
 
+# What a manifest may name. A manifest can come from S3, where anyone holding the bucket's keys (every
+# sandbox does) can write one: each name becomes a file path on the reader's machine, so it must be one
+# plain file name, never a path (no "/", "..", absolute paths, NUL, or names that start with a dot).
+FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+STEP_NAME = re.compile(r"[0-9]{1,12}")  # a step's folder (or S3 key part); str.isdigit() would take "²"
+MAX_FILES = 1000
+MAX_FILE_SIZE = 1 << 40  # 1 TiB: far above any adapter or optimizer state
+MAX_MANIFEST_BYTES = 1 << 20  # MAX_FILES entries of ~300 bytes each fit three times over
+
 
 class CorruptCheckpoint(Exception):
-    pass
+    """A checkpoint (or its manifest) is damaged or not what it claims: never load it."""
 
 
 def sha256_file(path: Path) -> str:
@@ -66,7 +78,9 @@ def checkpoints_dir(model_dir: Path) -> Path:
 def commit(
     model_dir: Path, step: int, write_files: Callable[[Path], list[str]], trainer_state: dict[str, Any]
 ) -> Path:
-    """Write checkpoint `step`: `write_files(folder)` writes the engine's files and returns their names."""
+    """Write checkpoint `step`: `write_files(folder)` writes the engine's files and returns their names
+    (each one plain file name, see FILE_NAME: a manifest that validate_manifest would refuse is never
+    committed; CorruptCheckpoint then, and nothing is left behind)."""
     root = checkpoints_dir(model_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / str(step)
@@ -84,6 +98,7 @@ def commit(
             _fsync_file(path)
             files[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
         manifest = {"format": FORMAT, "step": step, "created_at": time.time(), "files": files}
+        validate_manifest(manifest, str(final / MANIFEST), step)  # what a reader would refuse is never written
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
         _fsync_file(tmp / MANIFEST)
         _fsync_dir(tmp)
@@ -95,19 +110,83 @@ def commit(
     return final
 
 
-def read_manifest(folder: Path) -> dict[str, Any]:
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpoint(f"{folder}: no readable {MANIFEST} ({e})") from e
-    if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
-        raise CorruptCheckpoint(f"{folder}: unknown manifest format")
+def short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def validate_manifest(manifest: Any, where: str, step: int | None = None) -> dict[str, Any]:
+    """`manifest` (parsed JSON from disk or S3: untrusted) if it is a well-formed manifest of `step`.
+
+    Checked completely before anything acts on it: the format; `step` an int >= 0 (equal to `step` when
+    the caller knows it); `files` a dict of at most MAX_FILES entries, each named by one plain file name
+    (FILE_NAME, not the manifest itself) with `size` an int in [0, MAX_FILE_SIZE) and `sha256` 64
+    lowercase hex digits. Anything else raises CorruptCheckpoint with one line naming `where` (the file
+    or S3 key), the step and the bad entry."""
+    label = f"manifest {where}" + (f" (step {step})" if step is not None else "")
+
+    def bad(what: str) -> CorruptCheckpoint:
+        return CorruptCheckpoint(f"{label} is invalid: {what}; not loading it")
+
+    if not isinstance(manifest, dict):
+        raise bad(f"expected a JSON object, got {type(manifest).__name__}")
+    if manifest.get("format") != FORMAT:
+        raise bad(f"unknown manifest format {short_repr(manifest.get('format'))} (this artcloud reads format {FORMAT})")
+    found = manifest.get("step")
+    if type(found) is not int or found < 0:  # type(), not isinstance: True is an int too
+        raise bad(f"'step' must be an integer >= 0, not {short_repr(found)}")
+    if step is not None and found != step:
+        raise bad(f"it says step {found}")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise bad(f"'files' must be an object, not {type(files).__name__}")
+    if len(files) > MAX_FILES:
+        raise bad(f"it lists {len(files)} files (at most {MAX_FILES})")
+    folded: set[str] = set()
+    for name, meta in files.items():
+        if not FILE_NAME.fullmatch(name) or name == MANIFEST:
+            raise bad(f"file name {short_repr(name)} is not one plain file name (letters, digits, '.', '_', '-'; "
+                      "no folders, no leading dot)")
+        if name.casefold() in folded:  # two names one case-insensitive disk (macOS) would merge
+            raise bad(f"file name {short_repr(name)} is listed twice (ignoring case)")
+        folded.add(name.casefold())
+        if not isinstance(meta, dict):
+            raise bad(f"entry {name!r} must be an object with size and sha256")
+        size = meta.get("size")
+        if type(size) is not int or not 0 <= size < MAX_FILE_SIZE:
+            raise bad(f"entry {name!r}: 'size' must be an integer in [0, {MAX_FILE_SIZE}), not {short_repr(size)}")
+        digest = meta.get("sha256")
+        if not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
+            raise bad(f"entry {name!r}: 'sha256' must be 64 lowercase hex digits, not {short_repr(digest)}")
+    created = manifest.get("created_at")
+    if created is not None and (type(created) not in (int, float) or not math.isfinite(created)):
+        raise bad(f"'created_at' must be a number, not {short_repr(created)}")
     return manifest
 
 
-def verify(folder: Path, *, hashes: bool = True) -> dict[str, Any]:
-    """The manifest, after checking every file's size (and sha256 when `hashes`)."""
-    manifest = read_manifest(folder)
+def _folder_step(folder: Path) -> int | None:
+    return int(folder.name) if STEP_NAME.fullmatch(folder.name) else None
+
+
+def read_manifest(folder: Path, step: int | None = None) -> dict[str, Any]:
+    """The validated manifest of `folder` (see validate_manifest); `step` defaults to the folder's name
+    when that is a step number. Raises CorruptCheckpoint."""
+    path = folder / MANIFEST
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise ValueError(f"larger than {MAX_MANIFEST_BYTES} bytes")
+        manifest = json.loads(raw)
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"{folder}: no readable {MANIFEST} ({e})") from e
+    return validate_manifest(manifest, str(path), _folder_step(folder) if step is None else step)
+
+
+def verify(folder: Path, *, hashes: bool = True, step: int | None = None) -> dict[str, Any]:
+    """The manifest (validated, see read_manifest), after checking every file's size (and sha256 when
+    `hashes`)."""
+    manifest = read_manifest(folder, step)
     for name, meta in manifest["files"].items():
         path = folder / name
         if not path.is_file() or path.stat().st_size != meta["size"]:
@@ -124,7 +203,7 @@ def committed_steps(model_dir: Path) -> list[int]:
         return []
     steps = []
     for entry in root.iterdir():
-        if entry.name.isdigit() and (entry / MANIFEST).is_file():
+        if STEP_NAME.fullmatch(entry.name) and (entry / MANIFEST).is_file():
             steps.append(int(entry.name))
     return sorted(steps)
 
@@ -163,7 +242,7 @@ def set_aside_after(model_dir: Path, step: int) -> list[str]:
     moved = []
     if root.is_dir():
         for entry in root.iterdir():
-            if entry.name.isdigit() and int(entry.name) > step:
+            if STEP_NAME.fullmatch(entry.name) and int(entry.name) > step:
                 target = root / f".invalid-{entry.name}-{uuid.uuid4().hex[:8]}"
                 os.rename(entry, target)
                 moved.append(target.name)

@@ -6,6 +6,11 @@ manifests and checks every hash, so a half-finished upload is never read. A push
 that are not already there with the same sha256 (kept in the object's metadata), in parallel, multipart
 for large ones, with retries and backoff on throttling, 5xx and connection errors.
 
+Everything read from the bucket is untrusted: anyone holding its keys (every sandbox does) can write
+there. Manifests, LATEST and OWNER are parsed with a size cap and validated completely before anything
+acts on them (checkpoints.validate_manifest); a bad one is a StorageError naming the key, never a path
+written outside the destination.
+
 boto3 is imported inside the functions: the laptop SDK does not need it.
 """
 
@@ -13,12 +18,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import uuid
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -31,10 +39,19 @@ log = logging.getLogger("artcloud.storage")
 
 LATEST = "LATEST"
 OWNER = "OWNER"
+MAX_POINTER_BYTES = 64 << 10  # LATEST and OWNER are a few dozen bytes
 
 
 class StorageError(Exception):
     """S3 cannot be used as configured; the message says what to fix."""
+
+
+class ClaimLost(StorageError):
+    """Another server holds (or took over) this model's claim: stop training and pushing it here."""
+
+
+class CorruptRemoteCheckpoint(StorageError, checkpoints.CorruptCheckpoint):
+    """A checkpoint on S3 is invalid or does not match its manifest (both a StorageError and a CorruptCheckpoint)."""
 
 
 @dataclass(frozen=True)
@@ -75,9 +92,10 @@ class PushResult:
 
 
 def _retryable(exc: BaseException) -> bool:
-    from botocore.exceptions import ClientError, ConnectionError, EndpointConnectionError, ReadTimeoutError
+    from botocore.exceptions import ClientError, ConnectionError, HTTPClientError
 
-    if isinstance(exc, (ConnectionError, EndpointConnectionError, ReadTimeoutError)):
+    # HTTPClientError: a connection closed or reset mid-request, a read timeout (not a ConnectionError).
+    if isinstance(exc, (ConnectionError, HTTPClientError)):
         return True
     if isinstance(exc, ClientError):
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
@@ -113,7 +131,9 @@ class CheckpointStore:
                 region_name=self.config.region or "us-east-1",
                 aws_access_key_id=self.config.access_key_id,
                 aws_secret_access_key=self.config.secret_access_key,
-                config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1},
+                # total_max_attempts 1: every retry is ours (_retry, with backoff). botocore's "max_attempts"
+                # counts retries, so max_attempts=1 meant a second, hidden try of every request.
+                config=Config(s3={"addressing_style": "path"}, retries={"total_max_attempts": 1, "mode": "standard"},
                               max_pool_connections=max(10, self.workers * 2), connect_timeout=10, read_timeout=60),
             )
         return self._s3
@@ -130,16 +150,36 @@ class CheckpointStore:
     def _step_key(self, project: str, model: str, step: int, name: str = "") -> str:
         return self._key(project, model, "checkpoints", step, name)
 
-    def _get_json(self, key: str) -> dict[str, Any] | None:
+    def _url(self, key: str) -> str:
+        return f"s3://{self.config.bucket}/{key}"
+
+    def _get_object(self, key: str, limit: int) -> tuple[bytes, str] | None:
+        """The object's bytes (at most `limit`: a bigger one is refused, not read) and ETag; None if absent."""
         from botocore.exceptions import ClientError
 
         try:
-            body = self._retry(self.s3.get_object, Bucket=self.config.bucket, Key=key)["Body"].read()
+            obj = self._retry(self.s3.get_object, Bucket=self.config.bucket, Key=key)
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
                 return None
             raise
-        return json.loads(body)
+        if int(obj.get("ContentLength") or 0) > limit:
+            obj["Body"].close()
+            raise StorageError(f"{self._url(key)} is {obj['ContentLength']} bytes, more than {limit}: not reading it")
+        body = obj["Body"].read(limit + 1)
+        if len(body) > limit:
+            raise StorageError(f"{self._url(key)} is more than {limit} bytes: not reading it")
+        return body, obj.get("ETag", "")
+
+    def _get_json(self, key: str, limit: int = checkpoints.MAX_MANIFEST_BYTES) -> tuple[Any, str] | None:
+        """Parsed JSON (untrusted: the caller validates it) and its ETag, or None if the key is absent."""
+        found = self._get_object(key, limit)
+        if found is None:
+            return None
+        try:
+            return json.loads(found[0]), found[1]
+        except ValueError as e:  # UnicodeDecodeError included
+            raise StorageError(f"{self._url(key)} is not valid JSON ({e}): delete or rewrite it") from e
 
     def check(self) -> None:
         """Fail now, with what to fix, if the bucket cannot be reached, read and written."""
@@ -170,56 +210,138 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------------------------- ownership
 
+    @staticmethod
+    def _owner_record(owner: str) -> dict[str, Any]:
+        # A fresh nonce per write: after a lost answer, reading OWNER back says whether this write landed.
+        return {"owner": owner, "host": socket.gethostname(), "pid": os.getpid(), "renewed_at": time.time(),
+                "nonce": uuid.uuid4().hex}
+
+    def _read_owner(self, key: str) -> tuple[dict[str, Any], str] | None:
+        """The OWNER record (validated: it is untrusted JSON) and its ETag, or None if there is none."""
+        found = self._get_json(key, MAX_POINTER_BYTES)
+        if found is None:
+            return None
+        record, etag = found
+        problem = None
+        if not isinstance(record, dict):
+            problem = "not a JSON object"
+        elif not isinstance(record.get("owner"), str) or not record["owner"]:
+            problem = "no 'owner' string"
+        elif type(record.get("renewed_at")) not in (int, float) or not math.isfinite(record["renewed_at"]):
+            problem = "no numeric 'renewed_at'"
+        if problem:
+            raise StorageError(f"the claim record {self._url(key)} is not valid ({problem}): if no server is training "
+                               "this model, delete it; otherwise stop that server first")
+        return record, etag
+
+    def _put_owner(self, key: str, record: dict[str, Any], **condition: str) -> bool:
+        """Write OWNER if `condition` (IfNoneMatch / IfMatch) holds; False if another write got there first.
+
+        A conditional put whose answer was lost is retried, and the retry gets 412 for our own write; so
+        on 412/409 the record is read back, and a record with our owner and this write's nonce is ours."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self._retry(self.s3.put_object, Bucket=self.config.bucket, Key=key, Body=json.dumps(record).encode(), **condition)
+            return True
+        except ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") not in (409, 412):
+                raise
+        found = self._read_owner(key)
+        return found is not None and found[0].get("owner") == record["owner"] and found[0].get("nonce") == record["nonce"]
+
     def claim(self, project: str, model: str, owner: str, stale_after_s: float = 900.0) -> None:
-        """Make this server the one writer of PROJECT/MODEL here, or refuse.
+        """Make this server the one writer of PROJECT/MODEL here, or refuse with a StorageError.
 
         Two servers training the same model would write different step N's over each other. The OWNER
         object is created only if absent (If-None-Match: *) and renewed or taken over only if unchanged
         since read (If-Match: ETag), so of two racing servers exactly one wins; an owner that stopped
-        renewing for `stale_after_s` (a dead server) is taken over."""
-        from botocore.exceptions import ClientError
-
+        renewing for `stale_after_s` (a dead server) is taken over. Each write carries a fresh nonce, so a
+        write whose answer was lost (retried, then 412) is recognised as ours by reading OWNER back. A
+        garbage OWNER is a StorageError saying what to do, never taken over silently."""
         key = self._key(project, model, OWNER)
-        now = time.time()
-        mine = {"owner": owner, "host": socket.gethostname(), "pid": os.getpid(), "renewed_at": now}
-        try:
-            self._retry(self.s3.put_object, Bucket=self.config.bucket, Key=key, Body=json.dumps(mine).encode(), IfNoneMatch="*")
+        if self._put_owner(key, self._owner_record(owner), IfNoneMatch="*"):
             return
-        except ClientError as e:
-            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") not in (409, 412):
-                raise
-        current = self._retry(self.s3.get_object, Bucket=self.config.bucket, Key=key)
-        record = json.loads(current["Body"].read())
-        age = now - float(record.get("renewed_at", 0))
-        if record.get("owner") != owner and age < stale_after_s:
+        found = self._read_owner(key)
+        if found is None:  # released between our put and our read: one more try to create it
+            if self._put_owner(key, self._owner_record(owner), IfNoneMatch="*"):
+                return
+            raise StorageError(f"another server claimed {project}/{model} under {self.config.uri} at the same moment")
+        record, etag = found
+        age = time.time() - float(record["renewed_at"])
+        if record["owner"] != owner and age < stale_after_s:
             raise StorageError(
                 f"{project}/{model} under {self.config.uri} is being trained by another server "
                 f"({record.get('host')}, pid {record.get('pid')}, seen {age:.0f} s ago): stop it, use another S3 "
                 f"prefix, or wait until it has been silent for {stale_after_s:.0f} s"
             )
-        try:
-            self._retry(self.s3.put_object, Bucket=self.config.bucket, Key=key, Body=json.dumps(mine).encode(),
-                        IfMatch=current["ETag"])
-        except ClientError as e:
-            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):
-                raise StorageError(f"another server claimed {project}/{model} under {self.config.uri} at the same moment") from e
-            raise
+        if not self._put_owner(key, self._owner_record(owner), IfMatch=etag):
+            raise StorageError(f"another server claimed {project}/{model} under {self.config.uri} at the same moment")
+
+    def renew(self, project: str, model: str, owner: str) -> None:
+        """Renew this server's claim on PROJECT/MODEL (If-Match on the record read), or raise ClaimLost.
+
+        ClaimLost means another owner holds the claim (it took the model over after `stale_after_s` of
+        silence from us), or the record is gone: this server must stop training and pushing the model,
+        since its steps would overwrite the other writer's. Unlike `claim`, renew never takes over."""
+        key = self._key(project, model, OWNER)
+        where = f"{project}/{model} under {self.config.uri}"
+        found = self._read_owner(key)
+        if found is None:
+            raise ClaimLost(f"the claim on {where} is gone (released or deleted): this server stops writing it; "
+                            "register the model again to resume from S3")
+        record, etag = found
+        if record["owner"] != owner:
+            raise ClaimLost(f"{where} was taken over by another server ({record.get('host')}, pid {record.get('pid')}): "
+                            "this server stops training and pushing it")
+        if not self._put_owner(key, self._owner_record(owner), IfMatch=etag):
+            raise ClaimLost(f"another server took {where} over while this one renewed its claim: "
+                            "this server stops training and pushing it")
 
     def release(self, project: str, model: str, owner: str) -> None:
-        record = self._get_json(self._key(project, model, OWNER))
-        if record is not None and record.get("owner") == owner:
-            self._retry(self.s3.delete_object, Bucket=self.config.bucket, Key=self._key(project, model, OWNER))
+        """Delete OWNER if it is ours (a garbage record is a StorageError and is left alone)."""
+        key = self._key(project, model, OWNER)
+        found = self._read_owner(key)
+        if found is not None and found[0]["owner"] == owner:
+            self._retry(self.s3.delete_object, Bucket=self.config.bucket, Key=key)
 
     # ------------------------------------------------------------------------------------- push
 
+    def _run_all(self, fn: Callable[..., Any], items: list[tuple[Any, ...]], name: str) -> list[Any]:
+        """fn(*item) for each item on `self.workers` threads; the first failure cancels what has not
+        started and is raised once the running ones end (fail fast, no half-hearted carrying on)."""
+        with ThreadPoolExecutor(self.workers, thread_name_prefix=name) as pool:
+            futures = [pool.submit(fn, *item) for item in items]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in futures if f in done and f.exception() is not None), None)
+            if failed is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise failed.exception()  # type: ignore[misc]
+        return [f.result() for f in futures]
+
     def push(self, project: str, model: str, folder: Path) -> PushResult:
-        """Upload a committed local checkpoint folder, manifest last, then move LATEST forward."""
+        """Upload a committed local checkpoint folder, manifest last, then move LATEST forward.
+
+        If the folder vanishes while it uploads (retention deleted it locally), the push stops at the
+        first missing file with a StorageError saying so, and the manifest is never uploaded: the step
+        stays uncommitted on S3 (`sweep_uncommitted` removes what was uploaded)."""
         t0 = time.monotonic()
-        manifest = checkpoints.verify(folder, hashes=False)  # hashes were checked when it was written
+
+        def vanished(step: int | str, e: OSError) -> StorageError:
+            return StorageError(f"the checkpoint folder {folder} vanished while step {step} of {project}/{model} was "
+                                f"being pushed ({e.strerror or e}): step {step} is not committed on S3")
+
+        try:
+            manifest = checkpoints.verify(folder, hashes=False)  # hashes were checked when it was written
+            body = (folder / checkpoints.MANIFEST).read_bytes()  # the commit point, read while the folder is there
+        except (checkpoints.CorruptCheckpoint, OSError) as e:
+            if not folder.is_dir():
+                raise vanished(folder.name, FileNotFoundError(2, "No such file or directory")) from e
+            raise
         step = int(manifest["step"])
         result = PushResult(step=step)
-        remote = self._get_json(self._step_key(project, model, step, checkpoints.MANIFEST))
-        if remote is not None and remote.get("files") == manifest["files"]:
+        manifest_key = self._step_key(project, model, step, checkpoints.MANIFEST)
+        if self._remote_files(manifest_key, step) == manifest["files"]:
             result.skipped_files = len(manifest["files"])
         else:
             from boto3.s3.transfer import TransferConfig
@@ -231,17 +353,20 @@ class CheckpointStore:
                 key = self._step_key(project, model, step, name)
                 if self._remote_sha(key) == meta["sha256"]:
                     return 0
-                self._retry(self.s3.upload_file, str(folder / name), self.config.bucket, key,
-                            ExtraArgs={"Metadata": {"sha256": meta["sha256"]}}, Config=transfer)
+                try:
+                    self._retry(self.s3.upload_file, str(folder / name), self.config.bucket, key,
+                                ExtraArgs={"Metadata": {"sha256": meta["sha256"]}}, Config=transfer)
+                except FileNotFoundError as e:
+                    raise vanished(step, e) from e
                 return meta["size"]
 
-            with ThreadPoolExecutor(self.workers, thread_name_prefix="s3-push") as pool:
-                sizes = list(pool.map(lambda item: upload(*item), manifest["files"].items()))
+            sizes = self._run_all(upload, list(manifest["files"].items()), "s3-push")
+            if not folder.is_dir():  # deleted after its last file went up: retention wants it gone
+                raise vanished(step, FileNotFoundError(2, "No such file or directory"))
             result.uploaded_files = sum(1 for s in sizes if s)
             result.uploaded_bytes = sum(sizes)
             result.skipped_files = len(sizes) - result.uploaded_files
-            body = (folder / checkpoints.MANIFEST).read_bytes()  # the commit point
-            self._retry(self.s3.put_object, Bucket=self.config.bucket, Key=self._step_key(project, model, step, checkpoints.MANIFEST), Body=body)
+            self._retry(self.s3.put_object, Bucket=self.config.bucket, Key=manifest_key, Body=body)
         latest = self.latest(project, model)
         if latest is None or latest < step:
             self._retry(self.s3.put_object, Bucket=self.config.bucket, Key=self._key(project, model, LATEST),
@@ -249,16 +374,42 @@ class CheckpointStore:
         result.seconds = time.monotonic() - t0
         return result
 
-    def _remote_sha(self, key: str) -> str | None:
+    def _remote_files(self, manifest_key: str, step: int) -> dict[str, Any] | None:
+        """The files of the manifest already at `manifest_key`; None if absent or invalid (then overwritten)."""
+        found = self._get_json(manifest_key)
+        if found is None:
+            return None
+        try:
+            return checkpoints.validate_manifest(found[0], self._url(manifest_key), step)["files"]
+        except checkpoints.CorruptCheckpoint as e:
+            log.warning("%s; pushing over it", e)
+            return None
+
+    def _head(self, key: str) -> dict[str, Any] | None:
         from botocore.exceptions import ClientError
 
         try:
-            head = self._retry(self.s3.head_object, Bucket=self.config.bucket, Key=key)
+            return self._retry(self.s3.head_object, Bucket=self.config.bucket, Key=key)
         except ClientError as e:
             if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
                 return None
             raise
-        return head.get("Metadata", {}).get("sha256")
+
+    def _remote_sha(self, key: str) -> str | None:
+        head = self._head(key)
+        return None if head is None else head.get("Metadata", {}).get("sha256")
+
+    def _step_objects(self, project: str, model: str) -> dict[int, list[str]]:
+        """Every object key under checkpoints/, by step (keys that are not STEP/NAME are left out)."""
+        prefix = self._key(project, model, "checkpoints") + "/"
+        steps: dict[int, list[str]] = {}
+        paginator = self.s3.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.config.bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                step, _, name = obj["Key"][len(prefix):].partition("/")
+                if name and checkpoints.STEP_NAME.fullmatch(step):
+                    steps.setdefault(int(step), []).append(obj["Key"])
+        return steps
 
     def delete_step(self, project: str, model: str, step: int) -> None:
         """Uncommit a step (its manifest goes first), then delete its files. Never the LATEST step."""
@@ -272,50 +423,107 @@ class CheckpointStore:
                 self._retry(self.s3.delete_object, Bucket=self.config.bucket, Key=obj["Key"])
         log.info("retention: deleted %s%s", f"s3://{self.config.bucket}/", prefix)
 
+    def sweep_uncommitted(self, project: str, model: str, keep: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """Delete the objects of every step that has no manifest, is below LATEST and is not in `keep`:
+        the partial upload of a push that died (or stopped because retention deleted its folder).
+        Returns the steps swept, ascending. A step being pushed right now must be in `keep`; a step above
+        LATEST is never swept (it may be the next commit, still uploading). No LATEST: nothing is swept."""
+        latest = self.latest(project, model)
+        if latest is None:
+            return []
+        objects = self._step_objects(project, model)
+        swept = []
+        for step in sorted(objects):
+            if step >= latest or step in keep:
+                continue
+            keys = objects[step]
+            manifest_key = self._step_key(project, model, step, checkpoints.MANIFEST)
+            if manifest_key in keys or self._head(manifest_key) is not None:
+                continue  # committed (the second look catches a manifest written since the listing)
+            for key in keys:
+                self._retry(self.s3.delete_object, Bucket=self.config.bucket, Key=key)
+            swept.append(step)
+        if swept:
+            log.info("swept uncommitted steps %s of %s/%s from %s", swept, project, model, self.config.uri)
+        return swept
+
     # ------------------------------------------------------------------------------------- read
 
     def latest(self, project: str, model: str) -> int | None:
-        pointer = self._get_json(self._key(project, model, LATEST))
-        return int(pointer["step"]) if pointer else None
+        """The step LATEST points to (None if there is no LATEST). A garbage pointer is a StorageError."""
+        key = self._key(project, model, LATEST)
+        found = self._get_json(key, MAX_POINTER_BYTES)
+        if found is None:
+            return None
+        pointer = found[0]
+        step = pointer.get("step") if isinstance(pointer, dict) else None
+        if type(step) is not int or step < 0:
+            raise StorageError(f"the LATEST pointer {self._url(key)} is not valid (expected {{\"step\": N}} with N >= 0, "
+                               f"got {checkpoints.short_repr(pointer)}): rewrite it to name a committed step, or delete it")
+        return step
 
     def committed_steps(self, project: str, model: str) -> list[int]:
-        prefix = self._key(project, model, "checkpoints") + "/"
-        steps = []
-        paginator = self.s3.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.config.bucket, Prefix=prefix):
-            for obj in page.get("Contents", []):
-                rest = obj["Key"][len(prefix):]
-                step, _, name = rest.partition("/")
-                if name == checkpoints.MANIFEST and step.isdigit():
-                    steps.append(int(step))
-        return sorted(steps)
+        return sorted(step for step, keys in self._step_objects(project, model).items()
+                      if self._step_key(project, model, step, checkpoints.MANIFEST) in keys)
+
+    def read_manifest(self, project: str, model: str, step: int) -> dict[str, Any] | None:
+        """The committed manifest of `step`, validated (checkpoints.validate_manifest: names, sizes,
+        hashes, and that it is step `step`'s); None if the step is not committed. A bad manifest raises
+        CorruptRemoteCheckpoint naming its key and the bad entry."""
+        key = self._step_key(project, model, step, checkpoints.MANIFEST)
+        try:
+            found = self._get_json(key)
+            if found is None:
+                return None
+            return checkpoints.validate_manifest(found[0], self._url(key), step)
+        except (StorageError, checkpoints.CorruptCheckpoint) as e:
+            if isinstance(e, CorruptRemoteCheckpoint):
+                raise
+            raise CorruptRemoteCheckpoint(str(e)) from e
 
     def pull(self, project: str, model: str, step: int | None, dest: Path,
              on_manifest: Callable[[dict[str, Any]], None] | None = None,
              on_bytes: Callable[[int], None] | None = None) -> Path:
         """Download step (None: LATEST) into dest/STEP, every file checked against the committed manifest.
-        Written to a temporary folder and renamed: a failed or corrupt pull leaves nothing behind."""
+
+        The manifest is untrusted: it is validated completely (read_manifest) before anything is written,
+        so a hostile one (a name like "../../x", an absolute path, a huge count...) raises
+        CorruptRemoteCheckpoint and leaves `dest` as it was, not even created. Each file is written only
+        inside a fresh temporary folder (its resolved path is checked), stops downloading once it exceeds
+        its manifest size, and is checked against its sha256; the folder is then renamed to dest/STEP. A
+        failed or corrupt pull leaves nothing behind. A garbage LATEST is a StorageError."""
         if step is None:
             step = self.latest(project, model)
             if step is None:
                 raise StorageError(f"no committed checkpoint of {project}/{model} under {self.config.uri}")
-        manifest = self._get_json(self._step_key(project, model, step, checkpoints.MANIFEST))
+        if type(step) is not int or step < 0:
+            raise StorageError(f"a step is an integer >= 0, not {step!r}")
+        manifest = self.read_manifest(project, model, step)
         if manifest is None:
             raise StorageError(f"step {step} of {project}/{model} is not committed under {self.config.uri}")
         if on_manifest is not None:
             on_manifest(manifest)
+        _check_free_space(dest, sum(meta["size"] for meta in manifest["files"].values()), f"step {step} of {project}/{model}")
         dest.mkdir(parents=True, exist_ok=True)
         final = dest / str(step)
         tmp = Path(tempfile.mkdtemp(prefix=f".pull-{step}-", dir=dest))
         try:
-            def download(name: str) -> None:
-                self._retry(self.s3.download_file, self.config.bucket, self._step_key(project, model, step, name), str(tmp / name),
-                            Callback=on_bytes)
+            inside = tmp.resolve()
 
-            with ThreadPoolExecutor(self.workers, thread_name_prefix="s3-pull") as pool:
-                list(pool.map(download, manifest["files"]))
+            def download(name: str, meta: dict[str, Any]) -> None:
+                target = tmp / name
+                if target.resolve().parent != inside:  # belt and braces: names are validated already
+                    raise CorruptRemoteCheckpoint(f"step {step} of {project}/{model}: {name!r} would land outside {tmp}")
+                key = self._step_key(project, model, step, name)
+                self._retry(self.s3.download_file, self.config.bucket, key, str(target),
+                            Callback=_SizeGuard(meta["size"], self._url(key), on_bytes))
+
+            self._run_all(download, list(manifest["files"].items()), "s3-pull")
             (tmp / checkpoints.MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-            checkpoints.verify(tmp)  # sizes and sha256: a corrupted object is refused here
+            try:
+                checkpoints.verify(tmp, step=step)  # sizes and sha256: a corrupted object is refused here
+            except checkpoints.CorruptCheckpoint as e:
+                raise CorruptRemoteCheckpoint(f"step {step} of {project}/{model} under {self.config.uri}: {e}") from e
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -323,6 +531,35 @@ class CheckpointStore:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return final
+
+
+class _SizeGuard:
+    """A download progress callback that stops a file once it exceeds its manifest size: an object
+    swapped for a huge one must not fill the disk before the sha256 check refuses it."""
+
+    def __init__(self, size: int, url: str, on_bytes: Callable[[int], None] | None):
+        self.size, self.url, self.on_bytes = size, url, on_bytes
+        self.seen = 0
+        self._lock = threading.Lock()  # parts of one file download on several threads
+
+    def __call__(self, n: int) -> None:
+        with self._lock:
+            self.seen += n
+            if self.seen > self.size:
+                raise CorruptRemoteCheckpoint(f"{self.url} is larger than the {self.size} bytes its manifest says: "
+                                              "not downloading the rest")
+        if self.on_bytes is not None:
+            self.on_bytes(n)
+
+
+def _check_free_space(dest: Path, needed: int, what: str) -> None:
+    existing = dest
+    while not existing.exists() and existing != existing.parent:  # dest itself may not exist yet
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        raise StorageError(f"{what} needs {needed / 1e9:.1f} GB but {dest} has {free / 1e9:.1f} GB free: "
+                           "free some space or pull elsewhere (--to)")
 
 
 def pull_checkpoint(target: str, *, s3: str | None = None, step: int | None = None, to: Path | None = None,

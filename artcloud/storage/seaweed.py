@@ -59,7 +59,12 @@ class SeaweedS3:
             self.port = ports["s3.port"]
             self._args = [weed_binary(), "mini", f"-dir={self.folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                           f"-s3.config={conf}", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                          "-master.telemetry=false", *(f"-{k}={v}" for k, v in ports.items())]
+                          "-master.telemetry=false",
+                          # One volume per bucket, and by default at most (free disk / 1 GB) volumes: ~70
+                          # buckets here, after which every write fails with InternalError. Volumes are
+                          # sparse files (no preallocation), so a high cap costs nothing.
+                          "-volume.max=1000",
+                          *(f"-{k}={v}" for k, v in ports.items())]
         (self.folder / "data").mkdir(exist_ok=True)
         log = open(self.folder / "weed.log", "ab")
         self.proc = subprocess.Popen(self._args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
