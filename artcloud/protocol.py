@@ -1,27 +1,45 @@
 """The HTTP protocol between a client and `artcloud serve`: request bodies, events and errors.
 
-Chat completions follow OpenAI's shape. Two vLLM-style additions carry what training needs:
-the response's `prompt_token_ids` and each choice's `token_ids` (the exact sampled ids), next to the
-standard `logprobs.content[i].logprob` (the sampling policy's logprob of each sampled token).
+Chat completions follow OpenAI's shape. Additions carry what training needs: vLLM-style, the
+response's `prompt_token_ids` and each choice's `token_ids` (the exact sampled ids); and on each choice
+`prompt_sha256` (sha256 of the prompt's token ids, each as 4 bytes unsigned little-endian:
+artcloud.server.chat.prompt_sha256) and `temperature` (the one it was sampled at; 0 = greedy). The
+standard `logprobs.content[i].logprob` is the logprob of each sampled token under the distribution it
+was drawn from: log_softmax(logits / T) before top-p (at T = 1 for greedy), as training computes it.
+A trajectory sent for training keeps its choices as returned: the server re-renders the conversation
+before each one and rejects it (400 `context_mismatch`) if its hash differs from `prompt_sha256`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, field_validator
 
-from artcloud.types import FiniteFloat, LoraConfig, TrainConfig
+from artcloud.types import FiniteFloat, LoraConfig, Seed, TrainConfig
 
 # ---------------------------------------------------------------------------------------------- models
+
+
+# Model and project names become folder names and S3 key parts: one plain path component.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+# A hub id (`org/name` or `name`, each part at most 96 characters, as the Hugging Face hub allows) or a
+# local folder (an absolute or ~ path). Anything else never reaches the loader.
+BASE_MODEL_PATTERN = (
+    r"^(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}(?:/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?"
+    r"|~?/[A-Za-z0-9._/ +-]{0,254})$"
+)
 
 
 class RegisterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    project: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    base_model: str = Field(min_length=1, max_length=512)
+    name: str = Field(min_length=1, max_length=128, pattern=NAME_PATTERN)
+    project: str = Field(min_length=1, max_length=128, pattern=NAME_PATTERN)
+    base_model: str = Field(
+        min_length=1, max_length=256, pattern=BASE_MODEL_PATTERN,
+        description="A Hugging Face hub id (ORG/NAME), artcloud/tiny-random, or an absolute path to a local model folder",
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
 
@@ -44,11 +62,21 @@ class Message(BaseModel):
     name: str | None = None
 
 
+MAX_STOP = 8
+# What `_stop_list` checks, for the schema: as pydantic constraints on the union, a bad list would be
+# told "stop.constrained-str: Input should be a valid string".
+_STOP_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP},
+    {"type": "null"},
+]}
+
+
 class ChatCompletionRequest(BaseModel):
     # OpenAI clients send fields we do not use (user, metadata, ...): accept and ignore them.
     model_config = ConfigDict(extra="ignore")
 
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=300)  # NAME, NAME@STEP or a base model id (at most 256)
     messages: list[Message] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
@@ -57,10 +85,10 @@ class ChatCompletionRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = Field(None, validate_default=True)
+    stop: Annotated[str | list[str] | None, WithJsonSchema(_STOP_SCHEMA)] = Field(None, validate_default=True)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    seed: int | None = None
+    seed: Seed | None = None
     stream: bool = False
     return_token_ids: bool = True
 
@@ -70,8 +98,8 @@ class ChatCompletionRequest(BaseModel):
         if v is None:
             return []
         stops = [v] if isinstance(v, str) else v
-        if len(stops) > 8 or any(not s for s in stops):
-            raise ValueError("stop takes at most 8 non-empty strings")
+        if len(stops) > MAX_STOP or any(not s for s in stops):
+            raise ValueError(f"stop takes at most {MAX_STOP} non-empty strings")
         return stops
 
 
@@ -82,7 +110,8 @@ class TokenLogprob(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     token: str = ""
-    logprob: float
+    # JSON from Python may carry NaN: a NaN logprob would train a NaN adapter.
+    logprob: FiniteFloat
 
 
 class ChoiceLogprobs(BaseModel):
@@ -92,7 +121,8 @@ class ChoiceLogprobs(BaseModel):
 
 
 class Choice(BaseModel):
-    """A turn the policy sampled, as the server returned it (an OpenAI `Choice` plus `token_ids`)."""
+    """A turn the policy sampled, as the server returned it (an OpenAI `Choice` plus `token_ids`,
+    `prompt_sha256` and `temperature`)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -101,6 +131,12 @@ class Choice(BaseModel):
     message: Message
     logprobs: ChoiceLogprobs | None = None
     token_ids: list[int] | None = None
+    # Optional here so that a choice without them gets the training route's own message (what to keep),
+    # not a bare "field required".
+    prompt_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    # allow_inf_nan, not FiniteFloat: bounds after FiniteFloat's validator reach the OpenAPI schema as
+    # unknown `ge` and `le` keys, not as minimum and maximum.
+    temperature: float | None = Field(None, ge=0.0, le=5.0, allow_inf_nan=False)
 
 
 def _item_kind(v: Any) -> str:

@@ -22,6 +22,9 @@ def _finite(v: float) -> float:
 
 # JSON from Python may carry NaN and Infinity; a reward never may.
 FiniteFloat = Annotated[float, AfterValidator(_finite)]
+# A random seed: torch takes 64 bits (a larger one raises inside the engine, failing the whole batch).
+# lt, not le=2**63 - 1: the OpenAPI schema holds its bounds as floats, and only 2**63 is one exactly.
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 
 class LoraConfig(BaseModel):
@@ -34,7 +37,7 @@ class LoraConfig(BaseModel):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1)
     # Seed of the adapter's random init (LoRA A; B starts at 0): the same settings give the same adapter.
-    init_seed: int = 0
+    init_seed: Seed = 0
 
 
 class TrainConfig(BaseModel):

@@ -250,3 +250,34 @@ def test_token_bytes_rebuild_multibyte_text(tok):
 
     # The tiny vocabulary splits the snowman into byte tokens: some tokens are not text on their own.
     assert not all(whole(p) for p in pieces)
+
+
+# ------------------------------------------------------------------------------------------ responses
+
+
+def test_prompt_sha256_is_of_4_byte_little_endian_ids():
+    """The documented encoding, so that any client or sampler can compute the same hash."""
+    import hashlib
+
+    from artcloud.server.chat import prompt_sha256
+
+    assert prompt_sha256([1, 258, 70000]) == hashlib.sha256(
+        bytes([1, 0, 0, 0]) + bytes([2, 1, 0, 0]) + bytes([0x70, 0x11, 0x01, 0x00])
+    ).hexdigest()
+    assert prompt_sha256([]) == hashlib.sha256(b"").hexdigest()
+    assert prompt_sha256([1, 2]) != prompt_sha256([2, 1]) != prompt_sha256([1, 2, 0])
+
+
+def test_each_choice_carries_its_prompt_hash_and_temperature(tok):
+    from artcloud.server.chat import completion_response, prompt_sha256
+    from artcloud.server.engines.base import Completion
+
+    prompt = render_prompt(tok, [{"role": "user", "content": "Hi"}], None)
+    ids = tok("Paris", add_special_tokens=False)["input_ids"]
+    comps = [Completion(token_ids=ids, logprobs=[-0.5] * len(ids), top_logprobs=None, finish_reason="stop",
+                        text="Paris", temperature=t) for t in (0.7, 0.0)]
+    body = completion_response(served_as="m@1", prompt_ids=prompt, completions=comps, tokenizer=tok,
+                               want_logprobs=True, want_token_ids=False, parse_tools=False)
+    assert [c["prompt_sha256"] for c in body["choices"]] == [prompt_sha256(prompt)] * 2
+    assert [c["temperature"] for c in body["choices"]] == [0.7, 0.0]
+    assert "token_ids" not in body["choices"][0]  # the hash comes even without the ids

@@ -33,10 +33,11 @@ def _req(ids, n=1, **params):
     return GenerationRequest(prompt_ids=ids, n=n, params=SamplingParams(**params))
 
 
-def _recompute(engine, slot, prompt_ids, completions):
-    """Logprobs of the completions under a fresh full forward pass of `slot`."""
+def _recompute(engine, slot, prompt_ids, completions, temperature=1.0):
+    """Logprobs of the completions under a fresh full forward pass of `slot`, at `temperature`."""
     samples = [
-        TrainSample(prompt_ids=prompt_ids, completion_ids=c.token_ids, old_logprobs=c.logprobs, advantage=0.0, group=0)
+        TrainSample(prompt_ids=prompt_ids, completion_ids=c.token_ids, old_logprobs=c.logprobs, advantage=0.0, group=0,
+                    temperature=temperature)
         for c in completions
     ]
     batch = packing.pack(samples, engine.pad_id)
@@ -73,7 +74,8 @@ def test_generate_shapes(engine):
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.6, 0.9)])
 def test_logprobs_equal_a_fresh_forward_pass(engine, temperature, top_p):
-    """Sampling logprobs are temperature-1, pre-top-p policy logprobs: the ratio of an unchanged policy is 1.
+    """Sampling logprobs are of the distribution sampled from: log_softmax(logits / T) before top-p, what
+    training computes at the same T, so the ratio of an unchanged policy is 1.
 
     Prompts of different lengths (left padding) and rows that finish early (the cache shrinks mid-batch)."""
     p1 = _prompt(engine, "The quick brown fox jumps over the lazy dog.")
@@ -82,8 +84,13 @@ def test_logprobs_equal_a_fresh_forward_pass(engine, temperature, top_p):
             _req(p2, 3, max_tokens=12, temperature=temperature, top_p=top_p, seed=2)]
     out = engine.generate("gen", reqs)
     for r, comps in zip(reqs, out):
-        for c, lp in zip(comps, _recompute(engine, "gen", r.prompt_ids, comps)):
+        at_t = _recompute(engine, "gen", r.prompt_ids, comps, temperature=temperature)
+        at_1 = _recompute(engine, "gen", r.prompt_ids, comps, temperature=1.0)
+        for c, lp, lp1 in zip(comps, at_t, at_1):
+            assert c.temperature == temperature
             torch.testing.assert_close(torch.tensor(c.logprobs), lp, atol=1e-4, rtol=0)
+            if temperature != 1.0:  # the temperature matters: these are not the T = 1 logprobs
+                assert float((torch.tensor(c.logprobs) - lp1).abs().max()) > 1e-2
 
 
 def test_base_model_generation_is_not_the_adapter(engine):
@@ -355,15 +362,19 @@ def test_saved_adapter_loads_with_peft(engine, tmp_path):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_micro_batching_gives_the_same_update(engine, monkeypatch):
-    """Gradient accumulation over micro-batches (each divided by the step's token count) equals one batch."""
+@pytest.mark.parametrize("cut", ["groups", "split_groups", "samples"])
+def test_micro_batching_gives_the_same_update(engine, monkeypatch, cut):
+    """Gradient accumulation over micro-batches (each divided by the step's token count) equals one batch,
+    whether the micro-batches hold whole groups, chunks of a group too long for the budget (still
+    sharing their prompt), or single samples."""
     samples = _rollout_samples(engine, "gen", seed=30)
-    engine.create_adapter("mb1", LORA)
-    engine.create_adapter("mb2", LORA)
+    one, two = f"mb1{cut}", f"mb2{cut}"
+    engine.create_adapter(one, LORA)
+    engine.create_adapter(two, LORA)
     g = torch.Generator().manual_seed(4)
     with torch.no_grad():
-        for (n1, p1), (n2, p2) in zip(engine._params("mb1"), engine._params("mb2")):
-            assert n1.replace(".mb1.", ".") == n2.replace(".mb2.", ".")
+        for (n1, p1), (n2, p2) in zip(engine._params(one), engine._params(two)):
+            assert n1.replace(f".{one}.", ".") == n2.replace(f".{two}.", ".")
             p1.copy_(torch.randn(p1.shape, generator=g) * 0.05)
             p2.copy_(p1)
     cfg = TrainConfig(learning_rate=1e-3, max_grad_norm=None)
@@ -377,23 +388,34 @@ def test_micro_batching_gives_the_same_update(engine, monkeypatch):
         )
         return seen, handle
 
-    grads1, h1 = grads_at_step("mb1")
-    whole = engine.train_step("mb1", samples, cfg, lambda m: None)[0]
+    grads1, h1 = grads_at_step(one)
+    whole = engine.train_step(one, samples, cfg, lambda m: None)[0]
     h1.remove()
 
+    # Budgets in logit floats: a group of 3 samples fits in 3 * C * V but two groups do not; a group is
+    # too long for 2 * C * V and is cut into chunks of at most 2; nothing fits in 1.
+    C, V = max(len(s.completion_ids) for s in samples), engine.vocab_size
+    budget = {"groups": 3 * C * V, "split_groups": 2 * C * V, "samples": 1}[cut]
     real = packing.micro_batches
-    calls = []
+    cuts = []
 
-    def tiny_budget(samples, vocab_size, max_logit_elems=0):
-        out = real(samples, vocab_size, max_logit_elems=1)  # one prompt group per micro-batch
-        calls.append(len(out))
+    def small_budget(samples, vocab_size, max_logit_elems=0):
+        out = real(samples, vocab_size, max_logit_elems=budget)
+        cuts.append(out)
         return out
 
-    monkeypatch.setattr(packing, "micro_batches", tiny_budget)
-    grads2, h2 = grads_at_step("mb2")
-    split = engine.train_step("mb2", samples, cfg, lambda m: None)[0]
+    monkeypatch.setattr(packing, "micro_batches", small_budget)
+    grads2, h2 = grads_at_step(two)
+    split = engine.train_step(two, samples, cfg, lambda m: None)[0]
     h2.remove()
-    assert calls == [2]
+    assert len(cuts) == 1
+    per_prompt = [[len({tuple(s.prompt_ids) for s in b}), len(b)] for b in cuts[0]]
+    if cut == "groups":
+        assert per_prompt == [[1, 3], [1, 3]]
+    elif cut == "split_groups":  # each group of 3 is cut in two; the chunk of 2 still shares its prompt
+        assert per_prompt == [[1, 2], [1, 1], [1, 2], [1, 1]]
+    else:
+        assert per_prompt == [[1, 1]] * 6
     assert split["loss"] == pytest.approx(whole["loss"], abs=1e-5)
     assert split["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-4)
     assert split["mean_ratio"] == pytest.approx(whole["mean_ratio"], abs=1e-5)
@@ -403,7 +425,7 @@ def test_micro_batching_gives_the_same_update(engine, monkeypatch):
     for a, b in zip(grads1[0], grads2[0]):
         torch.testing.assert_close(a / scale, b / scale, atol=1e-5, rtol=0)
     # Adam's first step is ~lr * sign(g): allow a gradient that is ~0 to flip sign from summation order.
-    for (_, p1), (_, p2) in zip(engine._params("mb1"), engine._params("mb2")):
+    for (_, p1), (_, p2) in zip(engine._params(one), engine._params(two)):
         torch.testing.assert_close(p1, p2, atol=2.5 * cfg.learning_rate, rtol=0)
         assert float((p1 - p2).abs().mean()) < 0.01 * cfg.learning_rate
 

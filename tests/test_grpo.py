@@ -216,6 +216,20 @@ def test_token_logprobs_equals_log_softmax_gather():
     torch.testing.assert_close(got16, ref16, atol=1e-5, rtol=1e-5)
 
 
+def test_token_logprobs_at_each_rows_temperature():
+    torch.manual_seed(2)
+    logits = torch.randn(3, 4, 11) * 3
+    targets = torch.randint(0, 11, (3, 4))
+    temps = torch.tensor([0.7, 1.0, 2.0])
+    got = token_logprobs(logits, targets, temps)
+    for b, t in enumerate(temps.tolist()):
+        expected = torch.log_softmax(logits[b] / t, -1).gather(-1, targets[b].unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(got[b], expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got[0], token_logprobs(logits, targets)[0], atol=1e-2)
+    # all rows at 1: the same as no temperature
+    torch.testing.assert_close(token_logprobs(logits, targets, torch.ones(3)), token_logprobs(logits, targets))
+
+
 # ------------------------------------------------------------------------------------------ packing
 
 
@@ -330,12 +344,42 @@ def test_micro_batches_keep_groups_and_budget():
             assert where.setdefault(tuple(s.prompt_ids), i) == i
     assert len(batches) > 1
 
-    # A big budget: one micro-batch; a tiny one: one group per micro-batch (a group is never split).
+    # A big budget: one micro-batch; a budget below any sample: every sample alone.
     assert len(packing.micro_batches(samples, V, max_logit_elems=10**9)) == 1
     tiny = packing.micro_batches(samples, V, max_logit_elems=1)
-    assert len(tiny) == 4
-    assert all(len({tuple(s.prompt_ids) for s in b}) == 1 for b in tiny)
-    assert [len(b) for b in tiny] == [2, 2, 2, 1]
+    assert [len(b) for b in tiny] == [1] * len(samples)
+
+
+def test_micro_batches_cut_a_group_too_long_for_the_budget():
+    """One long group (8 completions of up to 2048 tokens at a 150 k vocabulary is ~10 GB of logits) is cut
+    into chunks that fit, each still one prompt (so packing shares it); only a sample over the budget on
+    its own gets a micro-batch over the budget."""
+    def sample(prompt, clen):
+        return TrainSample(prompt_ids=prompt, completion_ids=[1] * clen, old_logprobs=[0.0] * clen,
+                           advantage=1.0, group=prompt[0])
+
+    V = 100
+    budget = 2000  # 20 tokens x 1 row, 10 x 2, 5 x 4
+    long_group = [sample([7, 7], c) for c in (5, 5, 5, 5, 10, 10, 3, 30)]
+    other = [sample([8], 4), sample([8], 4)]
+    samples = long_group[:3] + other + long_group[3:]
+    batches = packing.micro_batches(samples, V, max_logit_elems=budget)
+    flat = [s for b in batches for s in b]
+    assert sorted(map(id, flat)) == sorted(map(id, samples))  # nothing lost or duplicated
+    for b in batches:
+        C = max(len(s.completion_ids) for s in b)
+        assert len(b) * C * V <= budget or len(b) == 1
+    # In order: 4 x 5 tokens fit; 10 + 10 fit; 3 then 30 (over the budget alone); the other group whole.
+    shapes = [[(tuple(s.prompt_ids), len(s.completion_ids)) for s in b] for b in batches]
+    assert shapes == [
+        [((7, 7), 5)] * 4,
+        [((7, 7), 10)] * 2,
+        [((7, 7), 3)],
+        [((7, 7), 30)],
+        [((8,), 4)] * 2,
+    ]
+    # The chunks of a long group still pack their shared prompt once.
+    assert packing.pack(batches[0], pad_id=0).shares_prompts
 
 
 def test_loss_through_packed_batch_backpropagates(lora_model):

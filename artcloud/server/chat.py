@@ -1,7 +1,8 @@
 """Chat messages <-> tokens: prompt rendering through the model's chat template, tool calls, responses.
 
 The same `render_prompt` serves inference and training, so the context a trajectory is trained on is
-token-for-token the context its turns were sampled from.
+token-for-token the context its turns were sampled from. Each choice carries `prompt_sha256` (of the
+prompt it was sampled from) so that training can check this, turn by turn, instead of trusting it.
 
 Tool calls use the Hermes format that Qwen2.5 and many open models speak:
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. A chat template that knows nothing of tools
@@ -12,8 +13,10 @@ are never silently dropped.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
+import struct
 import time
 import uuid
 from typing import Any
@@ -99,6 +102,13 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[di
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def prompt_sha256(prompt_ids: list[int]) -> str:
+    """sha256 hex digest of token ids, each written as 4 bytes, unsigned little-endian (vocabularies are
+    far below 2**32). Both sides use this one function: the chat route stamps it on each choice, the
+    training route compares it with the hash of the re-rendered context."""
+    return hashlib.sha256(struct.pack(f"<{len(prompt_ids)}I", *prompt_ids)).hexdigest()
+
+
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """(content without the tool-call blocks, OpenAI tool_calls) from a completion's text."""
     calls = []
@@ -137,7 +147,13 @@ def completion_response(
     want_token_ids: bool,
     parse_tools: bool,
 ) -> dict[str, Any]:
-    """An OpenAI `chat.completion` object, plus vLLM-style `prompt_token_ids` and per-choice `token_ids`."""
+    """An OpenAI `chat.completion` object, plus vLLM-style `prompt_token_ids` and per-choice `token_ids`.
+
+    Each choice also carries what training needs to check it is trained on what was sampled:
+    `prompt_sha256` (see `prompt_sha256`) and `temperature` (the one it was sampled at, 0 = greedy;
+    its logprobs are of that distribution).
+    """
+    prompt_hash = prompt_sha256(prompt_ids)
     choices = []
     for i, c in enumerate(completions):
         content: str | None = c.text
@@ -155,6 +171,8 @@ def completion_response(
         }
         if want_token_ids:
             choice["token_ids"] = c.token_ids
+        choice["prompt_sha256"] = prompt_hash
+        choice["temperature"] = c.temperature
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in completions)
     body: dict[str, Any] = {

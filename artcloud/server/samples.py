@@ -2,30 +2,43 @@
 
 Each policy turn (a Choice) becomes one sample: its context is the conversation before it, rendered
 through the chat template exactly as the inference route rendered it; its tokens are the ones that were
-sampled (`token_ids`), never a re-tokenisation of the text. Bad input is rejected here, before a job
-exists, with the field at fault.
+sampled (`token_ids`), never a re-tokenisation of the text. The choice's `prompt_sha256` proves the
+rendered context is the one it was sampled from (else the gradient would be taken on a context the
+policy never saw); its `temperature` is the one its logprobs, and so training's, are at. Bad input is
+rejected here, before a job exists, with the field at fault.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
-from typing import Any
+from typing import Any, NamedTuple
 
 from artcloud.protocol import Choice, TrainRequest, WireTrajectory
 from artcloud.server import chat
 from artcloud.server.engines.base import TrainSample
 from artcloud.server.errors import ApiError
-from artcloud.train.grpo import group_advantages
+from artcloud.train.grpo import group_advantages, logprob_temperature
+
+# Advantages become float32 tensors: beyond this they are infinite there.
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _bad(field: str, message: str) -> ApiError:
     return ApiError(400, "invalid_trajectory", message, field)
 
 
-def trajectory_turns(
-    tokenizer: Any, vocab_size: int, traj: WireTrajectory, where: str
-) -> list[tuple[list[int], list[int], list[float]]]:
-    """(prompt_ids, completion_ids, sampling_logprobs) for each policy turn of one trajectory."""
+class Turn(NamedTuple):
+    """One policy turn of a trajectory, ready to become a TrainSample."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    temperature: float  # the T its logprobs are at (grpo.logprob_temperature: never 0)
+
+
+def trajectory_turns(tokenizer: Any, vocab_size: int, traj: WireTrajectory, where: str) -> list[Turn]:
+    """The policy turns of one trajectory, each checked against what was sampled."""
     turns = []
     context: list[dict[str, Any]] = []
     for i, item in enumerate(traj.messages_and_choices):
@@ -56,11 +69,28 @@ def trajectory_turns(
                 f"{here}.logprobs.content",
                 f"has {len(content)} entries for {len(ids)} sampled tokens: it must have one per token",
             )
+        for name in ("prompt_sha256", "temperature"):
+            if getattr(item, name) is None:
+                raise _bad(
+                    f"{here}.{name}",
+                    "missing: keep the Choice objects the artcloud server returned (they carry prompt_sha256 "
+                    "and temperature, which training checks) instead of rebuilding them.",
+                )
         try:
             prompt = chat.render_prompt(tokenizer, context, traj.tools)
         except Exception as e:  # a template error is the messages' fault
             raise _bad(f"{where}.messages_and_choices", f"the chat template cannot render these messages: {e}")
-        turns.append((prompt, list(ids), [float(c.logprob) for c in content]))
+        if chat.prompt_sha256(prompt) != item.prompt_sha256:
+            raise ApiError(
+                400, "context_mismatch",
+                f"{where}, turn messages_and_choices[{i}]: the conversation before this turn differs from the "
+                "one it was sampled from, so its logprobs do not belong to this context. Usual causes: a "
+                "message edited, added, removed or reordered after sampling; other `tools` on the trajectory "
+                "than in the request; a system prompt added afterwards. Send the messages exactly as they "
+                "were sent to the chat route.",
+                here,
+            )
+        turns.append(Turn(prompt, list(ids), [float(c.logprob) for c in content], logprob_temperature(item.temperature)))
         context.append(item.message.model_dump(exclude_none=True))
     if not turns:
         raise _bad(
@@ -86,9 +116,14 @@ def build_samples(tokenizer: Any, vocab_size: int, request: TrainRequest) -> tup
         if advantages is None:  # equal rewards: no signal, and said so in the stats
             skipped.append(g)
             continue
+        if not all(math.isfinite(a) and abs(a) < _FLOAT32_MAX for a in advantages):
+            raise _bad(
+                f"groups[{g}].trajectories",
+                "the rewards of this group are so large that their advantages overflow: rescale them",
+            )
         for traj_turns, adv in zip(turns, advantages):
-            for prompt, ids, lps in traj_turns:
-                samples.append(TrainSample(prompt, ids, lps, adv, g))
+            for t in traj_turns:
+                samples.append(TrainSample(t.prompt_ids, t.completion_ids, t.logprobs, adv, g, t.temperature))
     stats = {
         "groups": len(request.groups),
         "groups_skipped_equal_rewards": len(skipped),

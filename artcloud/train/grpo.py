@@ -2,6 +2,16 @@
 
 Shapes: B sequences in a batch, C completion tokens (right-padded), V vocabulary.
 Only the tokens the policy sampled carry loss (`mask`); prompts, tool results and padding do not.
+
+Sampling temperature and the importance ratio. A token sampled at temperature T > 0 was drawn from
+pi_T = softmax(logits / T), so that is the distribution the ratio pi_theta / pi_old is taken against, as
+TRL and verl do: the sampler reports log pi_T(token) (and its top_logprobs) and training divides each
+row's logits by the T its tokens were sampled at. An unchanged policy then has a ratio of 1 at any T,
+where logprobs at T = 1 against tokens drawn at T would start every step off-policy. Greedy (T = 0) has no
+distribution to compare against: its logprobs and its training are at T = 1 (`logprob_temperature`).
+Top-p truncation is ignored in the ratio (as TRL ignores it): the logprobs are of the whole
+temperature-scaled distribution, before the nucleus is cut, so a token kept by top-p carries its
+untruncated probability and the ratio is not inflated by the renormalisation.
 """
 
 from __future__ import annotations
@@ -24,12 +34,23 @@ def group_advantages(rewards: list[float], *, scale: bool = True, eps: float = 1
     return [(r - mean) / (std + eps) for r in rewards]
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) for each position. logits (B, C, V), targets (B, C) -> (B, C).
+def logprob_temperature(sampling_temperature: float) -> float:
+    """The temperature a sampled token's logprob is taken at (by the sampler and by training): the
+    sampling temperature itself, or 1 for greedy decoding (T = 0)."""
+    return sampling_temperature if sampling_temperature > 0.0 else 1.0
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor | None = None
+) -> torch.Tensor:
+    """log softmax(logits / T)[target] for each position. logits (B, C, V), targets (B, C),
+    temperature (B,) or None for T = 1 -> (B, C).
 
     logsumexp + gather instead of a full log_softmax: one (B, C, V) tensor less in memory.
     """
     logits = logits.float()
+    if temperature is not None and bool((temperature != 1.0).any()):  # at T = 1, no (B, C, V) copy
+        logits = logits / temperature.to(logits.device, torch.float32).view(-1, 1, 1)
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 

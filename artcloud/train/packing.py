@@ -9,12 +9,23 @@ through the cache into the prompt's LoRA activations, so the result equals the u
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from artcloud.train.grpo import token_logprobs
+
+
+@functools.cache
+def kv_cache_name() -> str:
+    """What transformers calls the KV cache, as a model's keyword argument and output field: `cache` since
+    5.24 (`past_key_values` is deprecated there), `past_key_values` before it. Python 3.10 stops at
+    transformers 5.20 (5.21 needs 3.11), so both are in use."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 @dataclass
@@ -26,6 +37,7 @@ class PackedBatch:
     completion_mask: torch.Tensor  # (B, C) float: 1 on sampled tokens
     old_logprobs: torch.Tensor  # (B, C)
     advantages: torch.Tensor  # (B,)
+    temperatures: torch.Tensor  # (B,) the temperature each row's logprobs are taken at (grpo.logprob_temperature)
 
     def to(self, device: torch.device) -> "PackedBatch":
         """The same batch on `device` (the engine's: a GPU under `--engine auto`)."""
@@ -43,7 +55,8 @@ class PackedBatch:
 
 
 def pack(samples: Sequence[Any], pad_id: int) -> PackedBatch:
-    """`samples` have prompt_ids, completion_ids, old_logprobs and advantage (see engines.base.TrainSample)."""
+    """`samples` have prompt_ids, completion_ids, old_logprobs, advantage and temperature
+    (see engines.base.TrainSample)."""
     unique: dict[tuple[int, ...], int] = {}
     prompt_of = []
     for s in samples:
@@ -74,11 +87,13 @@ def pack(samples: Sequence[Any], pad_id: int) -> PackedBatch:
         completion_mask=completion_mask,
         old_logprobs=old,
         advantages=torch.tensor([float(s.advantage) for s in samples]),
+        temperatures=torch.tensor([float(s.temperature) for s in samples]),
     )
 
 
 def completion_logprobs(model: Any, batch: PackedBatch, *, shared: bool | None = None) -> torch.Tensor:
-    """log pi(completion token) for every completion position: (B, C). Grad flows if enabled."""
+    """log pi_T(completion token) for every completion position, each row at its own temperature T:
+    (B, C). Grad flows if enabled."""
     if shared is None:
         shared = batch.shares_prompts
     return _shared_prefix(model, batch) if shared else _full_sequences(model, batch)
@@ -91,7 +106,7 @@ def _full_sequences(model: Any, batch: PackedBatch) -> torch.Tensor:
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     # Positions P-1 .. P+C-2 predict the C completion tokens.
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=C + 1).logits
-    return token_logprobs(logits[:, :-1], batch.completions)
+    return token_logprobs(logits[:, :-1], batch.completions, batch.temperatures)
 
 
 def _shared_prefix(model: Any, batch: PackedBatch) -> torch.Tensor:
@@ -104,7 +119,7 @@ def _shared_prefix(model: Any, batch: PackedBatch) -> torch.Tensor:
         use_cache=True,
         logits_to_keep=1,
     )
-    cache = out.cache
+    cache = getattr(out, kv_cache_name())
     cache.batch_select_indices(batch.prompt_of)  # (U, ...) -> (B, ...), differentiable indexing
     first = out.logits[:, -1:, :][batch.prompt_of]  # (B, 1, V): predicts completion token 0
 
@@ -115,27 +130,42 @@ def _shared_prefix(model: Any, batch: PackedBatch) -> torch.Tensor:
         input_ids=batch.completions,
         attention_mask=mask,
         position_ids=positions,
-        cache=cache,
         use_cache=True,
+        **{kv_cache_name(): cache},
     ).logits  # (B, C, V): position j predicts token j + 1
     logits = torch.cat([first, rest[:, :-1]], dim=1)  # (B, C, V)
-    return token_logprobs(logits, batch.completions)
+    return token_logprobs(logits, batch.completions, batch.temperatures)
 
 
 def micro_batches(samples: Sequence[Any], vocab_size: int, max_logit_elems: int = 150_000_000) -> list[list[Any]]:
-    """Split samples so each forward's logits stay under `max_logit_elems` floats, keeping the samples
-    that share a prompt together (so packing still shares it)."""
+    """Split samples so each forward's logits (rows x longest completion x vocabulary) stay under
+    `max_logit_elems` floats.
+
+    Samples that share a prompt stay together where they fit, so packing runs the prompt once. A group
+    too big on its own (8 x 2048 tokens x a 150 k vocabulary is ~10 GB of logits) is cut into chunks
+    that fit, each still sharing its prompt; a sample over the budget alone goes alone. The loss of every
+    micro-batch is divided by the whole step's tokens, so the accumulated gradient is the same however
+    the samples are cut.
+    """
     by_prompt: dict[tuple[int, ...], list[Any]] = {}
     for s in samples:
         by_prompt.setdefault(tuple(s.prompt_ids), []).append(s)
+    chunks = [chunk for group in by_prompt.values() for chunk in _fit(group, vocab_size, max_logit_elems)]
+    return _fit(chunks, vocab_size, max_logit_elems, flatten=True)
+
+
+def _fit(items: Sequence[Any], vocab_size: int, budget: int, *, flatten: bool = False) -> list[list[Any]]:
+    """Greedily fill batches in order, starting a new one when the next item would cross `budget`.
+    Items are samples, or (flatten=True) lists of samples kept whole. An item over the budget on its own
+    gets a batch of its own."""
     batches: list[list[Any]] = []
     current: list[Any] = []
-    for group in by_prompt.values():
-        candidate = current + group
+    for item in items:
+        candidate = current + (list(item) if flatten else [item])
         C = max(len(s.completion_ids) for s in candidate)
-        if current and len(candidate) * C * vocab_size > max_logit_elems:
+        if current and len(candidate) * C * vocab_size > budget:
             batches.append(current)
-            candidate = list(group)
+            candidate = list(item) if flatten else [item]
         current = candidate
     if current:
         batches.append(current)

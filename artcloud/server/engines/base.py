@@ -40,13 +40,15 @@ class GenerationRequest:
 @dataclass
 class Completion:
     token_ids: list[int]
-    # The sampling policy's logprob of each sampled token, at temperature 1 before top-p
-    # (vLLM's "raw logprobs"): the same quantity training computes, so the importance ratio
-    # of an unchanged policy is 1.
+    # The logprob of each sampled token under the distribution it was drawn from: log_softmax(logits / T)
+    # before top-p, T = `temperature` (T = 1 for greedy; see grpo.logprob_temperature). Training
+    # divides its logits by the same T, so the importance ratio of an unchanged policy is 1.
+    # top_logprobs are of the same distribution.
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]] | None
     finish_reason: str  # "stop" | "length"
     text: str  # decoded, stop string removed (as OpenAI does)
+    temperature: float  # the sampling temperature (0 = greedy), returned with the choice for training
 
 
 @dataclass
@@ -58,6 +60,7 @@ class TrainSample:
     old_logprobs: list[float]
     advantage: float
     group: int  # index of the trajectory group, for shared-prompt packing and stats
+    temperature: float = 1.0  # the T old_logprobs are at; training's logprobs take the same (never 0)
 
 
 StepCallback = Callable[[dict[str, Any]], None]

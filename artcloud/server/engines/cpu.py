@@ -2,14 +2,13 @@
 
 Generation is a plain KV-cache decoding loop over a batch: each unique prompt is prefilled once and its
 cache copied for its `n` samples; finished rows leave the batch so later steps cost less.
-Training is GRPO (artcloud.train) on the LoRA parameters of one adapter, with AdamW.
+Training is the GRPO loop of artcloud.train.loop on the LoRA parameters of one adapter, with AdamW.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,8 @@ from artcloud.server.engines.base import (
     StopStrings,
     TrainSample,
 )
-from artcloud.train import grpo, packing
+from artcloud.train import loop, packing
+from artcloud.train.grpo import logprob_temperature
 from artcloud.types import LoraConfig, TrainConfig
 
 log = logging.getLogger("artcloud.engine")
@@ -129,7 +129,7 @@ class CPUEngine(Engine):
             input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
             use_cache=True, logits_to_keep=1,
         )
-        cache = out.cache
+        cache = getattr(out, packing.kv_cache_name())  # `cache`, or `past_key_values` before transformers 5.24
 
         # One row per sample: row b continues request row_req[b].
         row_req = [u for u, r in enumerate(requests) for _ in range(r.n)]
@@ -142,6 +142,9 @@ class CPUEngine(Engine):
         B = len(row_req)
         params = [requests[u].params for u in row_req]
         temps = torch.tensor([max(p.temperature, 1e-6) for p in params], device=dev).unsqueeze(1)
+        # Logprobs are of the distribution each row samples from, before top-p (greedy: T = 1), so
+        # that training, dividing its logits by the same T, gets a ratio of 1 (see artcloud.train.grpo).
+        lp_temps = torch.tensor([logprob_temperature(p.temperature) for p in params], device=dev).unsqueeze(1)
         greedy = torch.tensor([p.temperature == 0.0 for p in params], device=dev)
         top_p = torch.tensor([p.top_p for p in params], device=dev)
         max_tokens = [p.max_tokens for p in params]
@@ -162,10 +165,10 @@ class CPUEngine(Engine):
         eos = self.eos_ids.to(dev)
 
         for _ in range(max(max_tokens)):
-            raw = torch.log_softmax(logits.float(), dim=-1)  # (A, V) temperature-1 logprobs
+            logp = torch.log_softmax(logits.float() / lp_temps[alive], dim=-1)  # (A, V) at each row's T
             chosen = self._sample(logits, temps[alive], top_p[alive], greedy[alive], row_req, alive, generators)
-            chosen_lp = raw.gather(1, chosen.unsqueeze(1)).squeeze(1)
-            top = torch.topk(raw, want_top, dim=-1) if want_top else None
+            chosen_lp = logp.gather(1, chosen.unsqueeze(1)).squeeze(1)
+            top = torch.topk(logp, want_top, dim=-1) if want_top else None
             is_eos = torch.isin(chosen, eos)
 
             keep = []
@@ -190,7 +193,7 @@ class CPUEngine(Engine):
             mask = torch.cat([mask, torch.ones((len(alive), 1), dtype=mask.dtype, device=dev)], dim=1)
             out = model(
                 input_ids=chosen.unsqueeze(1), attention_mask=mask, position_ids=next_pos.unsqueeze(1),
-                cache=cache, use_cache=True,
+                use_cache=True, **{packing.kv_cache_name(): cache},
             )
             logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
@@ -208,6 +211,7 @@ class CPUEngine(Engine):
                     top_logprobs=tops[b] if params[b].top_logprobs else None,
                     finish_reason=finish[b],
                     text=text,
+                    temperature=params[b].temperature,
                 )
             )
         return results
@@ -219,6 +223,7 @@ class CPUEngine(Engine):
             sorted_p, order = probs.sort(dim=-1, descending=True)
             # Drop a token once the mass before it already reaches top_p (the first token always stays).
             drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p.unsqueeze(1)
+            drop[:, 0] = False  # also at a top_p that float32 rounds to 0 (5e-324): else nothing is left to sample
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter(1, order, sorted_p)
         chosen = torch.empty(len(alive), dtype=torch.long, device=logits.device)
@@ -239,67 +244,26 @@ class CPUEngine(Engine):
     def train_step(
         self, slot: str, samples: list[TrainSample], config: TrainConfig, on_step: StepCallback
     ) -> list[dict[str, Any]]:
+        return loop.train_step(self._trainer(slot, config), samples, config, on_step)
+
+    def _trainer(self, slot: str, config: TrainConfig) -> loop.Trainer:
         model = self._activate(slot)
-        opt = self._optimizer(slot, config)
-        params = [p for _, p in self._params(slot)]
-        eps_high = config.clip_epsilon_high if config.clip_epsilon_high is not None else config.clip_epsilon
+        peft = self.peft
 
-        # Split into `gradient_steps` minibatches, keeping each group whole.
-        groups: dict[int, list[TrainSample]] = {}
-        for s in samples:
-            groups.setdefault(s.group, []).append(s)
-        ordered = list(groups.values())
-        n_steps = min(config.gradient_steps, len(ordered))
-        minibatches = [sum(ordered[i::n_steps], []) for i in range(n_steps)]
+        def reference_logprobs(batch: packing.PackedBatch) -> torch.Tensor:
+            with torch.no_grad(), peft.disable_adapter():
+                return packing.completion_logprobs(peft, batch)
 
-        all_metrics = []
-        model.train()
-        try:
-            for i, minibatch in enumerate(minibatches):
-                t0 = time.perf_counter()
-                tokens = float(sum(len(s.completion_ids) for s in minibatch))
-                opt.zero_grad(set_to_none=True)
-                loss_sum = clip_sum = ratio_sum = kl_sum = 0.0
-                for micro in packing.micro_batches(minibatch, self.vocab_size):
-                    batch = packing.pack(micro, self.pad_id).to(self.device)
-                    new_lp = packing.completion_logprobs(model, batch)
-                    ref_lp = None
-                    if config.kl_coef > 0:
-                        with torch.no_grad(), self.peft.disable_adapter():
-                            ref_lp = packing.completion_logprobs(self.peft, batch)
-                    out = grpo.policy_loss(
-                        new_lp, batch.old_logprobs, batch.advantages, batch.completion_mask,
-                        kind=config.loss, eps_low=config.clip_epsilon, eps_high=eps_high,
-                        kl_coef=config.kl_coef, ref_lp=ref_lp, denominator=tokens,
-                    )
-                    out.loss.backward()
-                    share = float(batch.completion_mask.sum()) / tokens
-                    loss_sum += out.loss.item()
-                    clip_sum += out.clip_fraction * share
-                    ratio_sum += out.mean_ratio * share
-                    kl_sum += (out.kl or 0.0) * share
-                max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-                opt.step()
-                metrics = {
-                    "gradient_step": i + 1,
-                    "gradient_steps": n_steps,
-                    "loss": loss_sum,
-                    "grad_norm": grad_norm,
-                    "clip_fraction": clip_sum,
-                    "mean_ratio": ratio_sum,
-                    "tokens": int(tokens),
-                    "samples": len(minibatch),
-                    "seconds": time.perf_counter() - t0,
-                }
-                if config.kl_coef > 0:
-                    metrics["kl"] = kl_sum
-                all_metrics.append(metrics)
-                on_step(metrics)
-        finally:
-            model.eval()
-            opt.zero_grad(set_to_none=True)
-        return all_metrics
+        return loop.Trainer(
+            params=[p for _, p in self._params(slot)],
+            optimizer=self._optimizer(slot, config),
+            policy_logprobs=lambda batch: packing.completion_logprobs(model, batch),
+            reference_logprobs=reference_logprobs,
+            set_training=model.train,
+            pad_id=self.pad_id,
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
 
     # ------------------------------------------------------------------------------------- state
 

@@ -1,0 +1,150 @@
+"""The GRPO step loop, written once for every trainer.
+
+One call is one training step of a model (NAME@STEP -> NAME@STEP+1): `config.gradient_steps` optimizer
+steps, each over a minibatch of whole trajectory groups. A minibatch is cut into micro-batches whose
+logits fit in memory (packing.micro_batches); their gradients accumulate, each loss divided by the
+minibatch's token count, so the update does not depend on how the samples were cut.
+
+What differs between trainers (torch + peft on the CPU, Unsloth on a GPU) comes in as a `Trainer`: the
+LoRA parameters and their optimizer, how to compute logprobs with and without the adapter, and where
+tensors live. The GRPO math (artcloud.train.grpo), batching and metrics are the same for all.
+
+Logprobs on both sides are at the sampling temperature: see the module docstring of artcloud.train.grpo.
+
+Nothing non-finite is ever applied: a non-finite loss or gradient norm raises `NonFiniteError` before
+the optimizer steps, and a non-finite LoRA parameter after a step raises it too. The caller then throws
+the whole training step away (the server reloads the last committed adapter and optimizer).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from artcloud.train import grpo, packing
+from artcloud.train.packing import PackedBatch
+
+if TYPE_CHECKING:
+    from artcloud.types import TrainConfig
+
+
+class NonFiniteError(Exception):
+    """The loss, the gradient norm or (after an optimizer step) a LoRA parameter is NaN or infinite."""
+
+    _WHAT = {
+        "loss": "the loss",
+        "grad_norm": "the gradient norm",
+        "parameters": "a LoRA parameter (after the optimizer step)",
+    }
+
+    def __init__(self, cause: str, gradient_step: int, value: float | None = None):
+        self.cause = cause  # "loss" | "grad_norm" | "parameters"
+        self.gradient_step = gradient_step  # 1-based
+        shown = f" ({value})" if value is not None else ""
+        super().__init__(
+            f"{self._WHAT[cause]} is not finite{shown} at gradient step {gradient_step} (check the rewards and "
+            "logprobs sent, the learning rate and the weight decay): this training step is skipped and nothing "
+            "is committed"
+        )
+
+
+@dataclass
+class Trainer:
+    """What the loop needs from a trainer."""
+
+    params: list[torch.nn.Parameter]  # the LoRA parameters of the adapter being trained
+    optimizer: torch.optim.Optimizer  # over `params`, learning rate and weight decay already set
+    # (B, C) log pi_theta(completion token) at each row's temperature, with grad.
+    policy_logprobs: Callable[[PackedBatch], torch.Tensor]
+    # (B, C) the same with the adapter disabled (the base model), for the KL term.
+    reference_logprobs: Callable[[PackedBatch], torch.Tensor]
+    set_training: Callable[[bool], None]  # train mode (dropout) on or off
+    pad_id: int
+    vocab_size: int
+    device: torch.device
+
+
+StepCallback = Callable[[dict[str, Any]], None]
+
+
+def minibatches(samples: Sequence[Any], gradient_steps: int) -> list[list[Any]]:
+    """`gradient_steps` minibatches (fewer if there are fewer groups), each holding whole groups."""
+    groups: dict[int, list[Any]] = {}
+    for s in samples:
+        groups.setdefault(s.group, []).append(s)
+    ordered = list(groups.values())
+    n_steps = min(gradient_steps, len(ordered))
+    return [sum(ordered[i::n_steps], []) for i in range(n_steps)]
+
+
+def train_step(
+    trainer: Trainer, samples: Sequence[Any], config: TrainConfig, on_step: StepCallback
+) -> list[dict[str, Any]]:
+    """Run the optimizer steps of one training step over `samples` (engines.base.TrainSample);
+    `on_step(metrics)` after each. Returns the metrics of every gradient step."""
+    opt = trainer.optimizer
+    eps_high = config.clip_epsilon_high if config.clip_epsilon_high is not None else config.clip_epsilon
+    max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
+    batches = minibatches(samples, config.gradient_steps)
+
+    all_metrics = []
+    trainer.set_training(True)
+    try:
+        for i, minibatch in enumerate(batches):
+            step = i + 1
+            t0 = time.perf_counter()
+            tokens = float(sum(len(s.completion_ids) for s in minibatch))
+            opt.zero_grad(set_to_none=True)
+            loss_sum = clip_sum = ratio_sum = kl_sum = 0.0
+            for micro in packing.micro_batches(minibatch, trainer.vocab_size):
+                batch = packing.pack(micro, trainer.pad_id).to(trainer.device)
+                new_lp = trainer.policy_logprobs(batch)  # (B, C)
+                ref_lp = None
+                if config.kl_coef > 0:
+                    with torch.no_grad():
+                        ref_lp = trainer.reference_logprobs(batch)  # (B, C)
+                out = grpo.policy_loss(
+                    new_lp, batch.old_logprobs, batch.advantages, batch.completion_mask,
+                    kind=config.loss, eps_low=config.clip_epsilon, eps_high=eps_high,
+                    kl_coef=config.kl_coef, ref_lp=ref_lp, denominator=tokens,
+                )
+                loss = out.loss.item()
+                if not math.isfinite(loss):
+                    raise NonFiniteError("loss", step, loss)
+                out.loss.backward()
+                share = float(batch.completion_mask.sum()) / tokens
+                loss_sum += loss
+                clip_sum += out.clip_fraction * share
+                ratio_sum += out.mean_ratio * share
+                kl_sum += (out.kl or 0.0) * share
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainer.params, max_norm))
+            if not math.isfinite(grad_norm):
+                raise NonFiniteError("grad_norm", step, grad_norm)
+            opt.step()
+            # Finite gradients can still step into inf (a huge weight decay, Adam on an overflowing
+            # moment): the adapter is now broken, and the caller must reload it.
+            if not all(bool(torch.isfinite(p).all()) for p in trainer.params):
+                raise NonFiniteError("parameters", step)
+            metrics = {
+                "gradient_step": step,
+                "gradient_steps": len(batches),
+                "loss": loss_sum,
+                "grad_norm": grad_norm,
+                "clip_fraction": clip_sum,
+                "mean_ratio": ratio_sum,
+                "tokens": int(tokens),
+                "samples": len(minibatch),
+                "seconds": time.perf_counter() - t0,
+            }
+            if config.kl_coef > 0:
+                metrics["kl"] = kl_sum
+            all_metrics.append(metrics)
+            on_step(metrics)
+    finally:
+        trainer.set_training(False)
+        opt.zero_grad(set_to_none=True)
+    return all_metrics
