@@ -16,6 +16,8 @@ from typing import Optional
 
 import typer
 
+from artcloud.server.limits import Limits
+
 app = typer.Typer(
     name="artcloud",
     help="Train LLM agents with GRPO on LoRA adapters, on GPUs that live only as long as the job.",
@@ -51,12 +53,21 @@ def serve(
     lease: Optional[str] = typer.Option(None, "--lease", help="Exit (after a final checkpoint push) when no authenticated request or heartbeat came for this long: 90s, 15m, 8h; a bare number is minutes. Default: never."),
     behind_https_proxy: bool = typer.Option(False, "--behind-https-proxy", help="Serve plain HTTP to an HTTPS-terminating proxy in front (Modal's encrypted tunnel); the token is still required (from $ARTCLOUD_TOKEN or --token-file). Never on an open port."),
     max_duration: Optional[str] = typer.Option(None, "--max-duration", help="Exit (after a final checkpoint push) this long after start, clients or not: 8h, 1d. Default: never."),
+    s3_claim_timeout: str = typer.Option("15m", "--s3-claim-timeout", help="A model's S3 claim (one server trains it) is renewed every third of this; another server may take the model over after this long without renewal."),
+    max_body_mb: float = typer.Option(Limits.max_body_mb, "--max-body-mb", min=0.001, help="Largest request body, in MiB (413 above it).", rich_help_panel="Limits"),
+    max_request_tokens: int = typer.Option(Limits.max_request_tokens, "--max-request-tokens", min=1, help="Most tokens one chat request may ask for: n x max_tokens (400 above it).", rich_help_panel="Limits"),
+    max_queued_jobs: int = typer.Option(Limits.max_queued_jobs, "--max-queued-jobs", min=1, help="Training jobs that may wait per model (429 above it).", rich_help_panel="Limits"),
+    max_kept_jobs: int = typer.Option(Limits.max_kept_jobs, "--max-kept-jobs", min=1, help="Finished jobs (and their event logs) kept per model; the oldest are forgotten.", rich_help_panel="Limits"),
+    max_base_models: int = typer.Option(Limits.max_base_models, "--max-base-models", min=1, help="Base models loaded at once (409 above it): each is a whole engine.", rich_help_panel="Limits"),
+    max_models: int = typer.Option(Limits.max_models, "--max-models", min=1, help="Models (LoRA adapters) registered at once (409 above it).", rich_help_panel="Limits"),
 ) -> None:
     """Serve OpenAI-compatible inference and GRPO training over HTTPS.
 
-    Every route but GET /health needs 'Authorization: Bearer TOKEN'. Models registered here keep
-    their checkpoints under PATH/PROJECT/MODEL/checkpoints/STEP; a restarted server resumes them.
-    On a cloud GPU, --lease and --max-duration make sure it does not outlive its client.
+    Every route but GET /health needs 'Authorization: Bearer TOKEN'; /health says only status,
+    version and readiness, GET /artcloud/status (with the token) the rest: models, steps, S3, lease,
+    limits. Models registered here keep their checkpoints under PATH/PROJECT/MODEL/checkpoints/STEP;
+    a restarted server resumes them. On a cloud GPU, --lease and --max-duration make sure it does not
+    outlive its client; the Limits bound what one client may ask for.
 
     Example: artcloud serve --path ./runs --port 8443 --lease 15m --max-duration 8h
     """
@@ -68,8 +79,11 @@ def serve(
     try:
         lease_s = parse_duration(lease, what="--lease") if lease is not None else None
         max_duration_s = parse_duration(max_duration, what="--max-duration") if max_duration is not None else None
+        claim_timeout_s = parse_duration(s3_claim_timeout, what="--s3-claim-timeout")
     except ValueError as e:
         raise CLIError(str(e)) from e
+    limits = Limits(max_body_mb=max_body_mb, max_request_tokens=max_request_tokens, max_queued_jobs=max_queued_jobs,
+                    max_kept_jobs=max_kept_jobs, max_base_models=max_base_models, max_models=max_models)
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
@@ -77,7 +91,8 @@ def serve(
     try:
         run(host=host, port=port, path=path, tls_cert=tls_cert, tls_key=tls_key, token_file=token_file,
             engine=engine, log_level=log_level, parent_pid=parent_pid, s3=s3, keep_last=keep_last, keep_best=keep_best,
-            lease_s=lease_s, max_duration_s=max_duration_s, behind_https_proxy=behind_https_proxy)
+            lease_s=lease_s, max_duration_s=max_duration_s, behind_https_proxy=behind_https_proxy, limits=limits,
+            claim_timeout_s=claim_timeout_s)
     except ServeError as e:
         raise CLIError(str(e)) from e
     except ssl.SSLError as e:

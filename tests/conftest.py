@@ -24,7 +24,7 @@ class Server(ServerProcess):
     """`artcloud serve` as a child process, with test-friendly timeouts."""
 
     def client(self, token: str | None = None, **kw) -> httpx.Client:
-        return super().client(token, timeout=120, **kw)
+        return super().client(token, **{"timeout": 120, **kw})
 
 
 @pytest.fixture

@@ -62,6 +62,7 @@ class TCPProxy:
         self.cuts = 0
         self._writers: set = set()
         self._loop = asyncio.new_event_loop()
+        self._flowing: asyncio.Event | None = None  # cleared by blackhole()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -73,6 +74,7 @@ class TCPProxy:
         async def pipe(reader, writer):
             try:
                 while data := await reader.read(65536):
+                    await self._flowing.wait()  # blackholed: hold everything, close nothing
                     writer.write(data)
                     await writer.drain()
             except (ConnectionError, OSError):
@@ -81,13 +83,19 @@ class TCPProxy:
                 writer.close()
 
         async def handle(client_reader, client_writer):
-            server_reader, server_writer = await asyncio.open_connection(*self.target)
+            try:
+                server_reader, server_writer = await asyncio.open_connection(*self.target)
+            except OSError:  # the server is gone: so is this connection
+                client_writer.close()
+                return
             self._writers.update({client_writer, server_writer})
             await asyncio.gather(pipe(client_reader, server_writer), pipe(server_reader, client_writer))
             self._writers.discard(client_writer)
             self._writers.discard(server_writer)
 
         async def main():
+            self._flowing = asyncio.Event()
+            self._flowing.set()
             server = await asyncio.start_server(handle, "127.0.0.1", 0)
             self.port = server.sockets[0].getsockname()[1]
             self._ready.set()
@@ -105,3 +113,8 @@ class TCPProxy:
             self.cuts += 1
 
         self._loop.call_soon_threadsafe(close_all)
+
+    def blackhole(self) -> None:
+        """Stop forwarding both ways without closing anything: a partition, or a laptop that went to
+        sleep. Each side's kernel still accepts what fits in its buffers, so neither side sees an error."""
+        self._loop.call_soon_threadsafe(self._flowing.clear)

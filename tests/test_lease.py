@@ -54,15 +54,15 @@ class Heartbeats:
 
 
 def wait_exit(server, timeout: float, every_s: float = 0.5) -> tuple[int, list[dict]]:
-    """Poll the (unauthenticated) /health until the process exits; returns its status and the lease
-    sections /health reported on the way."""
+    """Poll GET /artcloud/status (with the token: it never renews the lease) until the process exits;
+    returns its status and the lease sections it reported on the way."""
     seen = []
     deadline = time.monotonic() + timeout
-    with httpx.Client(base_url=server.url, verify=server.ssl_context(), timeout=2) as c:
+    with server.client(timeout=2) as c:
         while server.proc.poll() is None:
             assert time.monotonic() < deadline, f"the server is still up after {timeout:.0f} s:\n{server.tail()}"
             try:
-                seen.append(c.get("/health").json()["lease"])
+                seen.append(c.get("/artcloud/status").json()["lease"])
             except (httpx.TransportError, ValueError, KeyError):
                 pass
             time.sleep(every_s)
@@ -70,21 +70,21 @@ def wait_exit(server, timeout: float, every_s: float = 0.5) -> tuple[int, list[d
 
 
 @pytest.mark.slow
-def test_heartbeats_hold_the_lease_and_health_does_not(start_server):
+def test_heartbeats_hold_the_lease_and_status_does_not(start_server):
     s = start_server(None, "--lease", "4s")
     with s.client() as c:
-        lease = c.get("/health").json()["lease"]
+        lease = c.get("/artcloud/status").json()["lease"]
         assert lease["lease_s"] == 4 and lease["max_duration_s"] is None and lease["uptime_s"] >= 0
     with Heartbeats(s) as beats:
         time.sleep(8)  # twice the lease
         assert s.proc.poll() is None, s.tail()
     assert beats.sent >= 6
-    # The client has gone; only /health is polled now, and it must not keep the server alive.
+    # The client has gone; only /artcloud/status is polled now, and it must not keep the server alive.
     status, seen = wait_exit(s, timeout=4 + 10)
     gone_for = time.monotonic() - beats.last_ok
     assert status == 0, s.tail()
     assert 4 - 0.5 <= gone_for <= 4 + 10
-    assert max(h["idle_s"] for h in seen) >= 3  # /health calls did not renew it
+    assert max(h["idle_s"] for h in seen) >= 3  # status calls did not renew it
     log = s.log.read_text()
     assert "lease: exits after 4s without a client request or heartbeat" in log
     assert "no client request or heartbeat for 4s: pushing checkpoints and shutting down" in log
@@ -114,7 +114,7 @@ def test_the_lease_pushes_the_last_checkpoint_to_s3_and_exits_0(seaweed, start_s
     with Heartbeats(s), s.client() as c:  # a client at work: it heartbeats while it waits on training
         assert c.post("/artcloud/models", json={"name": "agent", "project": "lease", "base_model": TINY}).status_code == 200
         groups = rollout_groups(c, "agent", ["x", "y"], n=4)
-        assert c.get("/health").json()["engines"][0]["kind"] == "auto"
+        assert c.get("/artcloud/status").json()["engines"][0]["kind"] == "auto"
         # S3 hangs (the process is stopped, its connections stay open): step 1's background push cannot
         # finish before the lease ends, so only the final push on the way out can bring it to S3.
         os.killpg(seaweed.proc.pid, signal.SIGSTOP)

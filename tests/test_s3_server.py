@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -44,8 +45,8 @@ def test_checkpoints_reach_s3_and_a_new_server_resumes_from_them(seaweed, start_
         assert end["data"]["s3"]["uri"] == uri
         status = wait_pushed(c, 1)
         assert status["errors"] == 0 and status["pushed_bytes"] > 0
-        health = c.get("/health").json()
-        assert health["models"][0]["s3"]["pushed_step"] == 1
+        status_all = c.get("/artcloud/status").json()  # /health without details since issue 14
+        assert status_all["models"][0]["s3"]["pushed_step"] == 1
     store = CheckpointStore(S3Config(bucket=bucket, prefix="team", endpoint_url=seaweed.endpoint,
                                      access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY))
     assert store.committed_steps("s3", "agent") == [0, 1] and store.latest("s3", "agent") == 1
@@ -127,3 +128,39 @@ def test_retention_keeps_the_latest_k_and_the_best_here_and_on_s3(seaweed, start
                                      access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY))
     assert store.committed_steps("s3", "agent") == expected and store.latest("s3", "agent") == 4
     assert "retention: deleted" in s.log.read_text()
+
+
+def _push_hostile_manifest(seaweed, tmp_path, bucket: str, project: str, model: str) -> None:
+    """Step 1 of PROJECT/MODEL committed on S3 with a manifest naming a file two folders up."""
+    from test_s3 import commit
+
+    store = CheckpointStore(S3Config(bucket=bucket, prefix="team", endpoint_url=seaweed.endpoint,
+                                     access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY))
+    store.push(project, model, commit(tmp_path / "seed", 1, {"adapter_model.safetensors": 100}))
+    key = f"team/{project}/{model}/checkpoints/1/manifest.json"
+    manifest = json.loads(seaweed.client().get_object(Bucket=bucket, Key=key)["Body"].read())
+    manifest["files"]["../../planted"] = {"size": 1, "sha256": "0" * 64}
+    seaweed.client().put_object(Bucket=bucket, Key=key, Body=json.dumps(manifest).encode())
+
+
+def test_artcloud_pull_refuses_a_hostile_manifest_in_one_line(seaweed, tmp_path):
+    bucket = f"hostile-{uuid.uuid4().hex[:10]}"
+    seaweed.client().create_bucket(Bucket=bucket)
+    _push_hostile_manifest(seaweed, tmp_path, bucket, "p", "m")
+    dest = tmp_path / "a" / "b" / "pulled"
+    result = serve_pull("p/m", f"s3://{bucket}/team", seaweed, "--to", str(dest))
+    one_line_error(result, "'../../planted'", f"s3://{bucket}/team/p/m/checkpoints/1/manifest.json", "(step 1)")
+    assert not dest.exists() and not (tmp_path / "a").exists()  # not a byte written, not even the folder
+
+
+def test_server_resume_refuses_a_hostile_manifest(seaweed, start_server, tmp_path):
+    bucket = f"hostile-{uuid.uuid4().hex[:10]}"
+    seaweed.client().create_bucket(Bucket=bucket)
+    _push_hostile_manifest(seaweed, tmp_path, bucket, SPEC["project"], SPEC["name"])
+    s = start_server(tmp_path / "srv" / "data", "--s3", f"s3://{bucket}/team", env=s3_env(seaweed))
+    with s.client() as c:
+        refused = c.post("/artcloud/models", json=SPEC)
+    assert 400 <= refused.status_code < 500, refused.text
+    assert "'../../planted'" in refused.json()["error"]["message"]
+    assert not list(tmp_path.rglob("planted")) and not list(tmp_path.rglob(".pull-*"))
+    assert not list((s.path / "s3" / "agent").rglob("manifest.json"))  # nothing pulled, nothing to resume from

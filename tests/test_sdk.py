@@ -262,7 +262,8 @@ def test_ctrl_c_during_training_stops_the_server(tmp_path):
                 groups = await artcloud.gather_trajectory_groups(
                     [artcloud.TrajectoryGroup(rollout(client, model, f"p{{i}}") for _ in range(4)) for i in range(16)], progress=False)
                 print(backend._proc.pid, flush=True)
-                await model.train(groups * 8, config=artcloud.TrainConfig(gradient_steps=64), progress=False)
+                for _ in range(50):  # far longer than the test waits: Ctrl-C lands mid-training
+                    await model.train(groups * 8, config=artcloud.TrainConfig(gradient_steps=64), progress=False)
         asyncio.run(main())
     """)
     client = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

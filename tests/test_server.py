@@ -14,14 +14,18 @@ from helpers import chat, events, group_from, rollout_groups, train
 TINY = "artcloud/tiny-random"
 
 
-def test_health_is_public_and_says_version(tiny_server):
+def test_health_is_public_and_says_nothing_private(tiny_server):
     import artcloud
 
     with httpx.Client(verify=tiny_server.ssl_context()) as c:
         body = c.get(tiny_server.url + "/health").json()
-    assert body["version"] == artcloud.__version__
-    assert body["ready"] is True
-    assert [m["name"] for m in body["models"]] == ["agent"]
+        # Models, base models, steps, S3 locations and errors, the lease: all behind the token now.
+        assert body == {"status": "ok", "version": artcloud.__version__, "ready": True}
+        assert c.get(tiny_server.url + "/artcloud/status").status_code == 401
+    with tiny_server.client() as c:
+        status = c.get("/artcloud/status").json()
+    assert [m["name"] for m in status["models"]] == ["agent"]
+    assert status["engines"][0]["base_model"] == "artcloud/tiny-random" and status["lease"]["in_flight"] == 0
 
 
 @pytest.mark.parametrize("path", ["/v1/models", "/artcloud/models/agent", "/no/such/route"])
@@ -124,10 +128,10 @@ def test_concurrent_requests_are_batched(tiny_server):
     async def main():
         async with httpx.AsyncClient(base_url=tiny_server.url, verify=tiny_server.ssl_context(),
                                      headers={"Authorization": f"Bearer {tiny_server.token}"}, timeout=60) as c:
-            before = (await c.get("/health")).json()["engines"][0]["batches"]
+            before = (await c.get("/artcloud/status")).json()["engines"][0]["batches"]
             body = {"model": "agent", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
             rs = await asyncio.gather(*[c.post("/v1/chat/completions", json=body) for _ in range(n)])
-            after = (await c.get("/health")).json()["engines"][0]["batches"]
+            after = (await c.get("/artcloud/status")).json()["engines"][0]["batches"]
             return rs, after - before
 
     responses, batches = asyncio.run(main())
@@ -253,5 +257,75 @@ def test_bad_requests_get_clear_errors(tiny_server):
         assert r.status_code == 400 and r.json()["error"]["field"] == "stream"
         r = c.post("/artcloud/models/nobody/train", json={"groups": []})
         assert r.status_code in (400, 404)
-        r = c.get("/artcloud/jobs/job-nope/events")
+        r = c.get("/artcloud/jobs/job-nope/events")  # not a job id at all: the pattern says so
+        assert r.status_code == 400 and r.json()["error"]["field"] == "job_id"
+        r = c.get("/artcloud/jobs/job-0123456789abcdef0123/events")
         assert r.status_code == 404 and r.json()["error"]["code"] == "job_not_found"
+
+
+# Regressions found by tests/test_fuzz.py -----------------------------------------------------------
+
+
+def test_a_top_p_that_float32_rounds_to_zero_keeps_the_most_likely_token(tiny_server):
+    # 5e-324 is > 0 as JSON says, and 0 in float32: the top-p filter dropped every token, and sampling
+    # from nothing was a 500.
+    with tiny_server.client() as c:
+        tiny = chat(c, "agent", "Go", temperature=1.0, top_p=5e-324, max_tokens=6)
+        greedy = chat(c, "agent", "Go", temperature=0, max_tokens=6)
+    assert tiny["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
+
+
+def test_seeds_are_64_bit_and_a_larger_one_is_a_400_naming_the_field(tiny_server):
+    # torch takes 64-bit seeds: a larger one raised inside the engine (a 500 for the whole batch).
+    body = {"model": "agent", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    with tiny_server.client() as c:
+        assert c.post("/v1/chat/completions", json={**body, "seed": 2**63 - 1}).status_code == 200
+        for seed in (2**64, -(2**63) - 1):
+            r = c.post("/v1/chat/completions", json={**body, "seed": seed})
+            assert r.status_code == 400 and r.json()["error"]["field"] == "seed", r.text
+        r = c.post("/artcloud/models", json={"name": "seeded", "project": "tests", "base_model": "artcloud/tiny-random",
+                                             "lora": {"init_seed": 2**64}})
+        assert r.status_code == 400 and r.json()["error"]["field"] == "lora.init_seed", r.text
+        schema = c.get("/openapi.json").json()["components"]["schemas"]
+    assert schema["LoraConfig"]["properties"]["init_seed"]["exclusiveMaximum"] == 2**63
+    assert schema["ChatCompletionRequest"]["properties"]["seed"]["anyOf"][0]["minimum"] == -(2**63)
+
+
+def test_the_events_route_declares_its_errors_as_json(tiny_server):
+    # Its 200 is NDJSON; FastAPI declared its 400, 401, 404 and 413 (JSON error bodies) as NDJSON too.
+    with tiny_server.client() as c:
+        responses = c.get("/openapi.json").json()["paths"]["/artcloud/jobs/{job_id}/events"]["get"]["responses"]
+        r = c.get("/artcloud/jobs/job-0123456789abcdef0123/events")
+    assert list(responses["200"]["content"]) == ["application/x-ndjson"]
+    for status in ("400", "401", "404", "413"):
+        assert list(responses[status]["content"]) == ["application/json"], status
+    assert r.status_code == 404 and r.headers["content-type"] == "application/json"
+
+
+def test_the_schema_states_the_bounds_the_server_checks(tiny_server):
+    with tiny_server.client() as c:
+        schema = c.get("/openapi.json").json()
+        body = {"model": "agent", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        r = c.post("/v1/chat/completions", json={**body, "stop": ["s"] * 9})
+        assert r.status_code == 400 and r.json()["error"]["field"] == "stop", r.text
+        r = c.post("/v1/chat/completions", json={**body, "model": "m" * 301})
+        assert r.status_code == 400 and r.json()["error"]["field"] == "model", r.text
+
+    # pydantic's own names (a choice's temperature had `ge` and `le`) are no JSON Schema: clients and
+    # fuzzers read no bound from them.
+    def keys(node):
+        if isinstance(node, dict):
+            yield from node
+            for value in node.values():
+                yield from keys(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from keys(value)
+
+    assert not {"ge", "le", "gt", "lt"} & set(keys(schema["components"]["schemas"]))
+    temperature = schema["components"]["schemas"]["Choice"]["properties"]["temperature"]["anyOf"][0]
+    assert (temperature["minimum"], temperature["maximum"]) == (0.0, 5.0)
+    # What the stop validator checks, the schema says.
+    text, strings, _ = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["stop"]["anyOf"]
+    assert text["minLength"] == 1 and strings["maxItems"] == 8 and strings["items"]["minLength"] == 1
+    assert schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]["maxLength"] == 300

@@ -102,7 +102,7 @@ def test_shutdown_waits_for_training_then_refuses_new_jobs(tmp_path, one_torch_t
     token = "t" * 32
     registry = Registry(tmp_path / "data", engine="cpu")
     exits: list[float] = []
-    registry.request_exit = lambda: exits.append(time.monotonic())
+    registry.shutdown.request_exit = lambda: exits.append(time.monotonic())
     with TestClient(create_app(registry, token), headers={"Authorization": f"Bearer {token}"}) as c:
         assert c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY}).status_code == 200
         groups = rollout_groups(c, "agent", ["x", "y"], n=4)

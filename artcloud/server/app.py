@@ -1,8 +1,11 @@
 """The HTTP routes of `artcloud serve` (FastAPI). Every route but `GET /health` needs the bearer token.
 
-    GET  /health                                   version, readiness, models, lease (no token)
+    GET  /health                                   status, version, readiness (no token; nothing private)
+    GET  /artcloud/status                          models, engines, lease, limits (never renews the lease)
+    GET  /openapi.json                             this API's schema, with its limits and links
     GET  /v1/models, /v1/models/{id}               OpenAI-compatible listing
     POST /v1/chat/completions                      OpenAI-compatible; + prompt_token_ids, choices[].token_ids
+    POST /artcloud/heartbeat                       a client's sign of life (the lease)
     POST /artcloud/models                          register (idempotent; resumes from the latest checkpoint)
     GET  /artcloud/models/{name}                   step, temperature, checkpoints, history
     PUT  /artcloud/models/{name}/temperature       default sampling temperature (a request's own wins)
@@ -16,78 +19,57 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import time
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Header, Query, Request
+from fastapi import FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from artcloud._version import __version__
-from artcloud.protocol import ChatCompletionRequest, RegisterRequest, TemperatureRequest, TrainRequest
-from artcloud.server import chat
+from artcloud.protocol import NAME_PATTERN, ChatCompletionRequest, RegisterRequest, TemperatureRequest, TrainRequest
+from artcloud.server import chat, schemas
 from artcloud.server.engines.base import GenerationRequest, SamplingParams
 from artcloud.server.errors import ApiError, field_path
 from artcloud.server.jobs import Job, request_hash
+from artcloud.server.middleware import BodyLimit, TokenAuth
 from artcloud.server.samples import build_samples
+from artcloud.server.schemas import errors
 from artcloud.server.state import Registry
 
 log = logging.getLogger("artcloud.server")
 
 DEFAULT_MAX_TOKENS = 256
-PUBLIC_PATHS = {"/health"}
-EXIT_DELAY_S = 0.2  # after the shutdown answer is sent, before uvicorn is asked to stop
+JOB_ID_PATTERN = r"^job-[0-9a-f]{20}$"
+
+# Path parameters, with the same rules as the bodies that create them (so the schema says what exists).
+ModelName = Path(pattern=NAME_PATTERN, max_length=128, description="the model's name, as registered")
+JobId = Path(pattern=JOB_ID_PATTERN, description="a job id, as POST /artcloud/models/{name}/train answered")
+
+# OpenAPI links: what a register or a training POST answers feeds the routes that take its name or job.
+_MODEL_LINKS = {
+    op: {"operationId": op, "parameters": {"name": "$response.body#/name"}}
+    for op in ("get_model_info", "set_temperature", "train")
+}
+_JOB_LINKS = {
+    op: {"operationId": op, "parameters": {"job_id": "$response.body#/job_id"}}
+    for op in ("get_job", "get_job_events")
+}
 
 
 class ShutdownRequest(BaseModel):
     # Here rather than in artcloud.protocol: only the server and RemoteBackend.shutdown use it.
     model_config = ConfigDict(extra="forbid")
 
-    wait_for_training_s: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    wait_for_training_s: float = Field(0.0, ge=0.0, le=86_400.0, allow_inf_nan=False)
 
 
-class TokenAuth:
-    """ASGI middleware: `Authorization: Bearer TOKEN` on every path but /health, compared in constant time.
-    It sits in front of routing, so even a 404 is only answered to someone holding the token.
-    Each authenticated request holds the server's lease while it runs and renews it when it ends. A dead
-    client's event stream ends at the next keep-alive write, so it holds nothing for long."""
-
-    def __init__(self, app: Any, token: str, registry: Registry):
-        self.app = app
-        self.expected = f"Bearer {token}".encode()
-        self.registry = registry
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
-            return await self.app(scope, receive, send)
-        given = b""
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                given = value
-                break
-        if not hmac.compare_digest(given, self.expected):
-            code, message = (
-                ("missing_token", "this server needs 'Authorization: Bearer TOKEN' (the launch's token)")
-                if not given
-                else ("invalid_token", "the bearer token is wrong: use the token of this launch")
-            )
-            response = JSONResponse(
-                ApiError(401, code, message).body(), status_code=401, headers={"WWW-Authenticate": "Bearer"}
-            )
-            return await response(scope, receive, send)
-        self.registry.last_request_at = time.time()
-        self.registry.in_flight += 1  # the lease does not run out under a request (registering a big model)
-        try:
-            return await self.app(scope, receive, send)
-        finally:
-            self.registry.in_flight -= 1
-            self.registry.last_request_at = time.time()
+class NDJSONResponse(StreamingResponse):
+    media_type = "application/x-ndjson"
 
 
 def create_app(registry: Registry, token: str) -> FastAPI:
@@ -105,14 +87,24 @@ def create_app(registry: Registry, token: str) -> FastAPI:
         docs_url=None,
         redoc_url=None,
         openapi_url=None,  # served below, behind the token
+        responses=errors(401, 413),
     )
-    app.add_middleware(TokenAuth, token=token, registry=registry)
+    # The last added runs first: the token is checked before a byte of the body is read.
+    app.add_middleware(BodyLimit, max_bytes=registry.limits.max_body_bytes)
+    app.add_middleware(TokenAuth, token=token, lease=registry.lease)
     _error_handlers(app)
 
-    @app.get("/health")
+    @app.get("/health", operation_id="health", response_model=schemas.Health)
     async def health() -> dict[str, Any]:
-        # Unauthenticated, so it never renews the lease: a dashboard polling it keeps no GPU alive.
-        return {"status": "ok", "version": __version__, "ready": registry.ready, **registry.health(), "lease": registry.lease()}
+        """Anyone may ask (load balancers, launchers waiting for the port): it says nothing private, and
+        never renews the lease."""
+        return {"status": "ok", "version": __version__, "ready": registry.ready}
+
+    @app.get("/artcloud/status", operation_id="status", response_model=schemas.Status)
+    async def status() -> dict[str, Any]:
+        """Models, engines, the lease and the limits. Reading it does not renew the lease: a dashboard
+        that polls keeps no GPU alive."""
+        return registry.status()
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> dict[str, Any]:
@@ -120,7 +112,7 @@ def create_app(registry: Registry, token: str) -> FastAPI:
 
     # ------------------------------------------------------------------------------------- OpenAI
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", operation_id="list_models", response_model=schemas.ModelList)
     async def list_models() -> dict[str, Any]:
         data = []
         for m in registry.models.values():
@@ -129,7 +121,8 @@ def create_app(registry: Registry, token: str) -> FastAPI:
             data.append({"id": base, "object": "model", "owned_by": "artcloud", "root": base})
         return {"object": "list", "data": data}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", operation_id="get_model", response_model=schemas.ModelCard,
+             responses=errors(400, 404, 503))
     async def get_model(model_id: str) -> dict[str, Any]:
         target = registry.resolve(model_id)
         if target.model is None:
@@ -137,7 +130,8 @@ def create_app(registry: Registry, token: str) -> FastAPI:
         m = target.model
         return {"id": model_id, "object": "model", "owned_by": m.spec.project, "root": m.spec.base_model, "step": m.step}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", operation_id="chat_completions", response_model=schemas.ChatCompletion,
+              responses=errors(400, 404, 503))
     async def chat_completions(req: ChatCompletionRequest) -> dict[str, Any]:
         if req.stream:
             raise ApiError(400, "unsupported", "streaming responses are not supported: set stream=false", "stream")
@@ -155,6 +149,12 @@ def create_app(registry: Registry, token: str) -> FastAPI:
         if len(prompt) >= limit:
             raise ApiError(400, "context_too_long", f"the prompt has {len(prompt)} tokens; this model takes at most {limit}", "messages")
         max_tokens = min(max_tokens, limit - len(prompt))
+        budget = registry.limits.max_request_tokens
+        if req.n * max_tokens > budget:
+            raise ApiError(400, "too_many_tokens",
+                           f"n={req.n} x max_tokens={max_tokens} asks for {req.n * max_tokens} tokens; this server "
+                           f"generates at most {budget} per request (artcloud serve --max-request-tokens): "
+                           "lower n or max_tokens, or send several requests", "max_tokens")
         temperature = req.temperature
         if temperature is None:
             temperature = target.model.temperature if target.model is not None else 1.0
@@ -177,97 +177,101 @@ def create_app(registry: Registry, token: str) -> FastAPI:
             parse_tools=bool(req.tools),
         )
 
-    @app.post("/artcloud/heartbeat")
+    @app.post("/artcloud/heartbeat", operation_id="heartbeat", response_model=schemas.Heartbeat)
     async def heartbeat() -> dict[str, Any]:
         """A client's sign of life (any authenticated request counts too): the server's lease."""
-        return {"ok": True, "version": __version__, "last_request_at": registry.last_request_at}
+        return {"ok": True, "version": __version__, "last_request_at": registry.lease.last_request_at}
 
     # ------------------------------------------------------------------------------------- models
 
-    @app.post("/artcloud/models")
+    @app.post("/artcloud/models", operation_id="register_model", response_model=schemas.Registered,
+              responses={200: {"links": _MODEL_LINKS}, **errors(400, 409, 503)})
     async def register(spec: RegisterRequest) -> dict[str, Any]:
         return await registry.register(spec)
 
-    @app.get("/artcloud/models/{name}")
-    async def model_info(name: str) -> dict[str, Any]:
+    @app.get("/artcloud/models/{name}", operation_id="get_model_info", response_model=schemas.ModelInfo,
+             responses=errors(400, 404, 503))
+    async def model_info(name: str = ModelName) -> dict[str, Any]:
         return registry.get(name).info()
 
-    @app.put("/artcloud/models/{name}/temperature")
-    async def set_temperature(name: str, body: TemperatureRequest) -> dict[str, Any]:
+    @app.put("/artcloud/models/{name}/temperature", operation_id="set_temperature", response_model=schemas.Temperature,
+             responses=errors(400, 404, 503))
+    async def set_temperature(body: TemperatureRequest, name: str = ModelName) -> dict[str, Any]:
         model = registry.get(name)
         model.temperature = body.temperature
         return {"name": name, "temperature": model.temperature}
 
     # ------------------------------------------------------------------------------------- training
 
-    @app.post("/artcloud/models/{name}/train", status_code=202)
+    @app.post("/artcloud/models/{name}/train", status_code=202, operation_id="train", response_model=schemas.JobSummary,
+              responses={202: {"links": _JOB_LINKS}, 200: {"model": schemas.JobSummary, "links": _JOB_LINKS,
+                                                            "description": "a retried POST: the job its key started"},
+                         **errors(400, 404, 409, 429, 503)})
     async def train(
-        name: str, req: TrainRequest, idempotency_key: str | None = Header(None, alias="Idempotency-Key")
+        req: TrainRequest, name: str = ModelName,
+        idempotency_key: str | None = Header(None, alias="Idempotency-Key", min_length=1, max_length=200),
     ) -> JSONResponse:
         model = registry.get(name)
+        trainer = model.trainer
         key = req.idempotency_key or idempotency_key
         body_hash = request_hash(req.model_dump(mode="json", exclude={"idempotency_key"}))
         if key:
-            existing = model.jobs.find_by_key(key)
+            existing = trainer.jobs.find_by_key(key)
             if existing is not None and existing.status != "failed":
                 return _job_response(_check_same(existing, body_hash), 200)
-        _check_not_stopping(registry)  # a retried POST above still gets its job; nothing new starts
+        registry.shutdown.check_open()  # a retried POST above still gets its job; nothing new starts
+        trainer.check_can_train()
         engine = model.engine
         samples, stats = await asyncio.to_thread(build_samples, engine.tokenizer, engine.vocab_size, req)
-        async with model.submit_lock:  # a concurrent retry with the same key must not start a second job
+        async with trainer.submit_lock:  # a concurrent retry with the same key must not start a second job
             if key:
-                existing = model.jobs.find_by_key(key)
+                existing = trainer.jobs.find_by_key(key)
                 if existing is not None and existing.status != "failed":
                     return _job_response(_check_same(existing, body_hash), 200)
-            _check_not_stopping(registry)  # shutdown may have begun while the samples were built
-            job = model.jobs.create(idempotency_key=key, body_hash=body_hash)
-            model.submit(job, samples, stats, req.config)
+            registry.shutdown.check_open()  # shutdown may have begun while the samples were built
+            trainer.check_can_train()
+            job = trainer.jobs.create(idempotency_key=key, body_hash=body_hash)
+            trainer.submit(job, samples, stats, req.config)
         return _job_response(job, 202)
 
-    @app.get("/artcloud/jobs/{job_id}")
-    async def job_status(job_id: str) -> dict[str, Any]:
-        return _find_job(registry, job_id).summary()
+    @app.get("/artcloud/jobs/{job_id}", operation_id="get_job", response_model=schemas.JobSummary,
+             responses=errors(400, 404))
+    async def job_status(job_id: str = JobId) -> dict[str, Any]:
+        return registry.find_job(job_id).summary()
 
-    @app.get("/artcloud/jobs/{job_id}/events")
+    # response_class=Response (no media type of its own), not NDJSONResponse: FastAPI would declare
+    # every response of the route, its JSON errors included, as application/x-ndjson.
+    @app.get("/artcloud/jobs/{job_id}/events", operation_id="get_job_events", response_class=Response,
+             responses={200: {"description": "one JSON event per line (Event); a blank line is a keep-alive",
+                              "content": {"application/x-ndjson": {"schema": {"type": "string"}}}},
+                        **errors(400, 404)})
     async def job_events(
-        job_id: str, after: int = Query(0, ge=0), follow: bool = Query(True)
-    ) -> StreamingResponse:
-        job = _find_job(registry, job_id)
+        job_id: str = JobId, after: int = Query(0, ge=0), follow: bool = Query(True)
+    ) -> NDJSONResponse:
+        job = registry.find_job(job_id)
         if after > len(job.events) and job.done:
             raise ApiError(400, "invalid_cursor", f"job {job_id} has {len(job.events)} events; after={after} is past its end", "after")
 
         async def lines():
-            async for event in job.follow(after, follow=follow):
+            async for event in job.follow(after, follow=follow, stop=lambda: registry.shutdown.draining):
                 yield "\n" if event is None else event.model_dump_json() + "\n"
 
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+        return NDJSONResponse(lines())
 
     # ------------------------------------------------------------------------------------- shutdown
 
-    @app.post("/artcloud/shutdown")
+    @app.post("/artcloud/shutdown", operation_id="shutdown", response_model=schemas.ShutdownAnswer,
+              responses=errors(400))
     async def shutdown(body: ShutdownRequest | None = None) -> JSONResponse:
         """From now on training POSTs get 409 shutting_down. Waits up to wait_for_training_s for queued and
         running jobs, pushes every model's newest committed checkpoint to S3, answers, and only then asks
         the process to exit (the lifespan exit releases the S3 claims). Calling it again is harmless."""
         wait = body.wait_for_training_s if body is not None else 0.0
         log.warning("shutdown requested (waiting up to %.0f s for training): pushing checkpoints, then exiting", wait)
-        models = await registry.shutdown(wait)
-        exit_after = BackgroundTask(_exit_soon, registry) if registry.request_exit is not None else None
-        return JSONResponse({"ok": True, "models": models}, background=exit_after)
+        models = await registry.shutdown.run(wait)
+        return JSONResponse({"ok": True, "models": models}, background=BackgroundTask(registry.shutdown.exit_soon))
 
     return app
-
-
-async def _exit_soon(registry: Registry) -> None:
-    # Runs once the answer is sent; the short delay lets it leave the socket before uvicorn stops.
-    if registry.request_exit is not None:
-        asyncio.get_running_loop().call_later(EXIT_DELAY_S, registry.request_exit)
-
-
-def _check_not_stopping(registry: Registry) -> None:
-    if registry.stopping:
-        raise ApiError(409, "shutting_down", "the server is shutting down (POST /artcloud/shutdown): it takes no new "
-                       "training jobs; start a new server to train more")
 
 
 def _check_same(job: Job, body_hash: str) -> Job:
@@ -283,14 +287,6 @@ def _check_same(job: Job, body_hash: str) -> Job:
 def _job_response(job: Job, status: int) -> JSONResponse:
     body = {**job.summary(), "events_url": f"/artcloud/jobs/{job.id}/events"}
     return JSONResponse(body, status_code=status)
-
-
-def _find_job(registry: Registry, job_id: str) -> Job:
-    for model in registry.models.values():
-        job = model.jobs.jobs.get(job_id)
-        if job is not None:
-            return job
-    raise ApiError(404, "job_not_found", f"no job {job_id!r} on this server", "job_id")
 
 
 def _error_handlers(app: FastAPI) -> None:

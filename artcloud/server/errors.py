@@ -8,14 +8,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.exceptions import HTTPException
 
-class ApiError(Exception):
+
+class ApiError(HTTPException):
+    """An HTTPException, so that FastAPI passes it through untouched even from inside its body reader
+    (the body size limit raises it there); the app's handler renders `body()`."""
+
     def __init__(self, status: int, code: str, message: str, field: str | None = None):
-        super().__init__(message)
+        super().__init__(status, message)
         self.status = status
         self.code = code
         self.message = message
         self.field = field
+
+    def __str__(self) -> str:
+        return self.message
 
     def body(self) -> dict[str, Any]:
         error: dict[str, Any] = {"code": self.code, "message": self.message, "type": _TYPES.get(self.status, "error")}
@@ -31,6 +39,7 @@ _TYPES = {
     404: "not_found_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
     422: "invalid_request_error",
     503: "unavailable_error",
 }

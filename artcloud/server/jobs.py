@@ -2,9 +2,12 @@
 
 Every job's events are appended to `jobs/JOB_ID.events.jsonl` under the model's folder as they happen
 and kept in memory; readers follow them with a cursor (`after=seq`), so a dropped connection
-reconnects and loses nothing. A job whose server died under it is marked `interrupted` when the model
-is next loaded; its step was never committed, and a retried POST with the same idempotency key trains
-again instead of returning the dead job.
+reconnects and loses nothing. An event is written to the file (the kernel's page cache: it survives
+the server process dying) before any reader can see it; the fsync that makes it survive a machine
+crash runs on a background thread within `SYNC_EVERY_S`, never on the event loop. A job whose server
+died under it is marked `interrupted` when the model is next loaded; its step was never committed,
+and a retried POST with the same idempotency key trains again instead of returning the dead job.
+Finished jobs beyond `max_kept` per model are forgotten, oldest first, files included.
 """
 
 from __future__ import annotations
@@ -14,16 +17,57 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from artcloud.protocol import Event
 
 log = logging.getLogger("artcloud.server")
 
 FINAL = ("end", "error")
+SYNC_EVERY_S = 0.5
+
+
+class _Syncer:
+    """fsyncs the event logs written since its last round, on its own thread."""
+
+    def __init__(self, every_s: float = SYNC_EVERY_S):
+        self.every_s = every_s
+        self._dirty: set[Path] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def mark(self, path: Path) -> None:
+        with self._lock:
+            self._dirty.add(path)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="artcloud-event-fsync", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.every_s)
+            self.sync()
+
+    def sync(self) -> None:
+        """fsync every file marked so far (the server's exit calls it too)."""
+        with self._lock:
+            paths, self._dirty = self._dirty, set()
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:  # pruned meanwhile
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+SYNCER = _Syncer()
 
 
 class Job:
@@ -50,30 +94,35 @@ class Job:
         if self.done:
             raise RuntimeError(f"job {self.id} already ended")
         event = Event(seq=len(self.events) + 1, type=type_, job_id=self.id, time=time.time(), data=data)
-        with open(self._path, "a") as f:  # on disk before any reader can see it
+        with open(self._path, "a") as f:  # in the file before any reader can see it
             f.write(event.model_dump_json() + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        SYNCER.mark(self._path)
         self.events.append(event)
         self._changed.set()
         self._changed = asyncio.Event()
         return event
 
-    async def follow(self, after: int, *, follow: bool, heartbeat_s: float = 15.0) -> AsyncIterator[Event | None]:
-        """Events with seq > after; with `follow`, waits for more until the job ends. Yields None as a
-        keep-alive when nothing happened for `heartbeat_s` (the route turns it into a blank line)."""
+    async def follow(self, after: int, *, follow: bool, heartbeat_s: float = 15.0,
+                     stop: Callable[[], bool] = lambda: False, poll_s: float = 1.0) -> AsyncIterator[Event | None]:
+        """Events with seq > after; with `follow`, waits for more until the job ends, or until `stop()`
+        (the server is going away: the follower reconnects and learns it). Yields None as a keep-alive
+        when nothing happened for `heartbeat_s` (the route turns it into a blank line)."""
         cursor = after
+        quiet_since = time.monotonic()
         while True:
             while cursor < len(self.events):
                 cursor += 1
+                quiet_since = time.monotonic()
                 yield self.events[cursor - 1]
-            if self.done or not follow:
+            if self.done or not follow or stop():
                 return
             changed = self._changed
             try:
-                await asyncio.wait_for(changed.wait(), heartbeat_s)
+                await asyncio.wait_for(changed.wait(), min(poll_s, heartbeat_s))
             except asyncio.TimeoutError:
-                yield None
+                if time.monotonic() - quiet_since >= heartbeat_s:
+                    quiet_since = time.monotonic()
+                    yield None
 
     def summary(self) -> dict[str, Any]:
         last = self.events[-1] if self.events else None
@@ -94,10 +143,11 @@ def request_hash(body: dict[str, Any]) -> str:
 class JobStore:
     """The jobs of one model: created, looked up by id or idempotency key, reloaded from disk."""
 
-    def __init__(self, model: str, folder: Path):
+    def __init__(self, model: str, folder: Path, max_kept: int = 100):
         self.model = model
         self.folder = folder
-        self.jobs: dict[str, Job] = {}
+        self.max_kept = max_kept
+        self.jobs: dict[str, Job] = {}  # oldest first
         self.by_key: dict[str, str] = {}
 
     def load(self) -> None:
@@ -129,6 +179,20 @@ class JobStore:
             self.jobs[job.id] = job
             if meta.get("idempotency_key"):
                 self.by_key[meta["idempotency_key"]] = job.id
+        self._prune()
+
+    def _prune(self) -> None:
+        """Forget the oldest finished jobs beyond `max_kept` (a retry with a forgotten idempotency key
+        trains again: keys are meant for retries within minutes, not days)."""
+        finished = [j for j in self.jobs.values() if j.done]
+        excess = len(self.jobs) - self.max_kept
+        for job in finished[:max(excess, 0)]:
+            del self.jobs[job.id]
+            key = job.meta.get("idempotency_key")
+            if key and self.by_key.get(key) == job.id:
+                del self.by_key[key]
+            for path in (self.folder / f"{job.id}.json", job._path):
+                path.unlink(missing_ok=True)
 
     def find_by_key(self, key: str) -> Job | None:
         job_id = self.by_key.get(key)
@@ -149,4 +213,5 @@ class JobStore:
         self.jobs[job_id] = job
         if idempotency_key:
             self.by_key[idempotency_key] = job_id
+        self._prune()
         return job

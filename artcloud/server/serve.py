@@ -1,8 +1,7 @@
 """Run the server: check the path and port, set up TLS and the token, hand over to uvicorn.
 
-Teardown layers 2 and 4 live here: with `--lease`, no authenticated request or heartbeat for that long
-ends the server; `--max-duration` ends it after that long, clients or not. Both, and a launcher's POST
-/artcloud/shutdown, take uvicorn's graceful path, whose lifespan exit pushes the final checkpoints to
+Teardown layers 2 and 4 (`--lease`, `--max-duration`; see lease.py) and a launcher's POST
+/artcloud/shutdown take uvicorn's graceful path, whose lifespan exit pushes the final checkpoints to
 S3, and the process exits with status 0.
 
 Every failure a user can cause (a taken port, an unwritable path, a missing certificate) raises
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from artcloud._version import __version__
 from artcloud.durations import format_duration
+from artcloud.server.lease import FORCE_EXIT_AFTER_S
 from artcloud.tls import LaunchSecrets, make_launch_secrets
 
 log = logging.getLogger("artcloud.server")
@@ -32,9 +32,13 @@ ENV_TOKEN = "ARTCLOUD_TOKEN"
 ENV_CERT = "ARTCLOUD_TLS_CERT"
 ENV_KEY = "ARTCLOUD_TLS_KEY"
 ENV_S3 = "ARTCLOUD_S3"
-# After the lease or --max-duration ends the server, the graceful path (final pushes: up to 600 s per
-# model) gets this long; then the process leaves anyway. A hung shutdown must not keep a GPU running.
-FORCE_EXIT_AFTER_S = 1800.0
+# A peer that stops acknowledging (a laptop that slept, a cut network) is dropped after this long
+# instead of TCP's ~15 minutes of retransmissions; idle connections are probed by keep-alives.
+TCP_USER_TIMEOUT_MS = 60_000
+TCP_KEEPALIVE = (30, 10, 3)  # idle seconds before the first probe, seconds between probes, probes
+# How long uvicorn's graceful exit waits for open connections. A TLS connection whose peer vanished
+# never answers the close_notify, so it holds the exit this long (then the final pushes run).
+GRACEFUL_SHUTDOWN_S = 10
 
 
 class ServeError(Exception):
@@ -84,6 +88,7 @@ def bind(host: str, port: int) -> socket.socket:
     # number says TCP; with 0, every response body waited ~40 ms for a delayed ACK.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    _dead_peer_detection(sock)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -97,6 +102,17 @@ def bind(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def _dead_peer_detection(sock: socket.socket) -> None:
+    """Set on the listening socket; Linux copies these options to every accepted connection."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle, interval, count = TCP_KEEPALIVE
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count),
+                        ("TCP_USER_TIMEOUT", TCP_USER_TIMEOUT_MS)):
+        option = getattr(socket, name, None)
+        if option is not None:  # Linux has them all; elsewhere the OS defaults stay
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 def _pem_or_path(value: str, what: str, tls_dir: Path, name: str) -> Path:
@@ -195,14 +211,23 @@ def run(
     lease_s: float | None = None,
     max_duration_s: float | None = None,
     behind_https_proxy: bool = False,
+    limits=None,
+    claim_timeout_s: float | None = None,
     announce=print,
 ) -> None:
     started = time.time()  # --max-duration counts from here: loading a model is paid-for time too
     import uvicorn
 
     from artcloud.server.app import create_app
-    from artcloud.server.state import Registry, Retention
+    from artcloud.server.lease import Lease
+    from artcloud.server.limits import Limits
+    from artcloud.server.pusher import CLAIM_TIMEOUT_S
+    from artcloud.server.state import Registry
     from artcloud.server.tls_only import server_context, wrap_uvicorn_protocol
+    from artcloud.server.training import Retention
+
+    limits = limits or Limits()
+    limits.check()
 
     path = check_path(path)
     store = s3_store(s3 or os.environ.get(ENV_S3))
@@ -216,8 +241,9 @@ def run(
     else:
         tls = tls_setup(path, host, tls_cert, tls_key, token, token_file)
     # Before binding: an unknown --engine fails here, with nothing printed and nothing listening.
-    registry = Registry(path, engine=engine, store=store, retention=Retention(keep_last=keep_last, metric=keep_best))
-    registry.lease_s, registry.max_duration_s, registry.started_at = lease_s, max_duration_s, started
+    lease = Lease(lease_s, max_duration_s, started_at=started)
+    registry = Registry(path, engine=engine, store=store, retention=Retention(keep_last=keep_last, metric=keep_best),
+                        limits=limits, lease=lease, claim_timeout_s=claim_timeout_s or CLAIM_TIMEOUT_S)
     sock = bind(host, port)
     actual_port = sock.getsockname()[1]
     shown_host = "localhost" if host in ("127.0.0.1", "0.0.0.0", "::", "::1") else host
@@ -236,7 +262,7 @@ def run(
     if store is not None:
         announce(f"  checkpoints are pushed to {store.config.uri}")
     if lease_s is not None or max_duration_s is not None:
-        announce(f"  lease: {lease_line(lease_s, max_duration_s)}")
+        announce(f"  lease: {lease.line()}")
     app = create_app(registry, tls.token if tls is not None else token)
     # A bad cert/key pair fails here, before serving.
     context = server_context(str(tls.cert), str(tls.key)) if tls is not None else None
@@ -245,19 +271,19 @@ def run(
         app,
         loop="asyncio",
         log_level=log_level,
-        timeout_graceful_shutdown=10,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=30,
     )
     config.load()
     if context is not None:
         wrap_uvicorn_protocol(config, context, hint=url)
-    server = uvicorn.Server(config)
-    registry.request_exit = partial(_request_exit, server)  # POST /artcloud/shutdown, once it has answered
+    server = _draining_server(config, registry.shutdown.drain)
+    registry.shutdown.request_exit = partial(_request_exit, server)  # POST /artcloud/shutdown, once it has answered
     if parent_pid is not None:
         _exit_with_parent(server, parent_pid)
     if lease_s is not None or max_duration_s is not None:
-        registry.last_request_at = time.time()  # the lease starts when we serve, not when we began
-        _exit_on_lease(server, registry)
+        lease.touch()  # the lease starts when we serve, not when we began
+        lease.watch(server, is_ready=lambda: registry.ready)
     server.run(sockets=[sock])
     # An engine thread may still be inside a training step that will never be committed; the interpreter
     # would wait for it at exit (minutes, on a big model). Leave now: nothing on disk is half-written.
@@ -265,6 +291,26 @@ def run(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _draining_server(config, on_exit):
+    """A uvicorn.Server that tells the app the moment it starts to exit, however that was asked for (the
+    lease, --max-duration, a signal, the parent's death, a shutdown request), so open event streams end
+    at once instead of holding uvicorn's graceful wait."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        @property
+        def should_exit(self) -> bool:
+            return self._should_exit
+
+        @should_exit.setter
+        def should_exit(self, value: bool) -> None:
+            self._should_exit = value
+            if value:
+                on_exit()
+
+    return DrainingServer(config)
 
 
 def _request_exit(server, force_after_s: float = FORCE_EXIT_AFTER_S) -> None:
@@ -301,53 +347,3 @@ def _exit_with_parent(server, parent_pid: int, every_s: float = 0.5) -> None:
             time.sleep(every_s)
 
     threading.Thread(target=watch, name="artcloud-parent-watch", daemon=True).start()
-
-
-def lease_line(lease_s: float | None, max_duration_s: float | None) -> str:
-    parts = []
-    if lease_s is not None:
-        parts.append(f"exits after {format_duration(lease_s)} without a client request or heartbeat")
-    if max_duration_s is not None:
-        parts.append(f"at most {format_duration(max_duration_s)}" if parts else f"exits after {format_duration(max_duration_s)}, clients or not")
-    return "; ".join(parts)
-
-
-def _exit_on_lease(server, registry, every_s: float = 0.5, force_after_s: float = FORCE_EXIT_AFTER_S) -> None:
-    """Shut down (gracefully: the lifespan exit pushes the final checkpoints) once no client has made an
-    authenticated request for `registry.lease_s`, or `registry.max_duration_s` after start, whichever
-    comes first. A GPU whose client has gone away must not keep running."""
-    import threading
-
-    def watch() -> None:
-        if _wait_for_end(server, registry, every_s):
-            time.sleep(force_after_s)
-            log.error("the server did not shut down %s after its lease ended: exiting now", format_duration(force_after_s))
-            logging.shutdown()
-            os._exit(1)
-
-    threading.Thread(target=watch, name="artcloud-lease-watch", daemon=True).start()
-
-
-def _wait_for_end(server, registry, every_s: float) -> bool:
-    """Sleep until the lease or --max-duration is over (then ask uvicorn to stop and return True), or
-    until the server stops for another reason (False)."""
-    renewed_at_ready = False
-    while not server.should_exit:
-        now = time.time()
-        if not renewed_at_ready and registry.ready:
-            # Loading the models an earlier server left may take minutes: the lease starts again when
-            # clients can use the server. It still counts while loading, so a stuck load ends too.
-            registry.last_request_at = max(registry.last_request_at, now)
-            renewed_at_ready = True
-        if registry.max_duration_s is not None and now - registry.started_at > registry.max_duration_s:
-            log.warning("reached --max-duration %s: pushing checkpoints and shutting down",
-                        format_duration(registry.max_duration_s))
-            server.should_exit = True
-            return True
-        if registry.lease_s is not None and registry.in_flight == 0 and now - registry.last_request_at > registry.lease_s:
-            log.warning("no client request or heartbeat for %s: pushing checkpoints and shutting down",
-                        format_duration(registry.lease_s))
-            server.should_exit = True
-            return True
-        time.sleep(every_s)
-    return False

@@ -1,0 +1,36 @@
+"""What one token holder (or a bug in the user's loop) may ask of the server, with sane defaults.
+
+The server sits on a public port with a paid GPU behind it. Every limit is a flag of `artcloud serve`,
+and every refusal is a 4xx whose message names the flag, so a user who needs more knows what to raise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limits:
+    # Request bodies. A training request of 64 groups x 8 trajectories x 1,000 sampled tokens with
+    # logprobs is ~40 MB of JSON; parsing takes several times that in memory.
+    max_body_mb: float = 128.0
+    # n x max_tokens of one chat request: the tokens one request may make the engine generate.
+    max_request_tokens: int = 131_072
+    # Training jobs waiting per model (the one running not counted): a loop that posts without
+    # waiting gets 429 instead of queueing hours of GPU work.
+    max_queued_jobs: int = 8
+    # Finished jobs (and their event logs) kept per model, in memory and on disk; the oldest go first.
+    max_kept_jobs: int = 100
+    # Base models resident at once: each is a whole engine (a 7B model is ~15 GB of GPU memory).
+    max_base_models: int = 1
+    # Models (LoRA adapters with their optimizer state) registered at once.
+    max_models: int = 32
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 1024 * 1024)
+
+    def check(self) -> None:
+        for name in ("max_body_mb", "max_request_tokens", "max_queued_jobs", "max_kept_jobs", "max_base_models", "max_models"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")

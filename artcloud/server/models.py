@@ -1,0 +1,135 @@
+"""What the server serves: engines (one per base model, on one thread each) and the adapters on them.
+
+An engine runs on its own single worker thread, so generation, training and checkpoint writes for a
+base model never overlap; the asyncio side only queues work and answers HTTP. A model's RWLock makes
+inference wait while its adapter updates, then NAME@STEP+1 is what `NAME` means. How a model trains,
+commits and keeps its checkpoints is training.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from artcloud.protocol import RegisterRequest
+from artcloud.server.batching import Batcher, RWLock
+from artcloud.server.engines.base import Engine
+from artcloud.server.errors import ApiError
+from artcloud.storage import checkpoints
+
+if TYPE_CHECKING:
+    from artcloud.server.training import Trainer
+
+log = logging.getLogger("artcloud.server")
+
+OLD_STEPS_KEPT = 4  # adapters of older steps kept loaded for NAME@STEP requests
+
+
+class EngineHost:
+    """One engine and the one thread that may touch it."""
+
+    def __init__(self, base_model: str, factory: Callable[[str], Engine]):
+        self.base_model = base_model
+        self.factory = factory
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="artcloud-engine")
+        self.engine: Engine | None = None
+        self.batcher: Batcher | None = None
+
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args, **kwargs))
+
+    async def load(self) -> None:
+        """Load the engine; a base model that cannot be loaded is the request's fault (400 naming
+        `base_model`), and the thread made for it goes away with it."""
+        from artcloud.server.engines.loading import ModelNotFound
+
+        try:
+            self.engine = await self.call(self.factory, self.base_model)
+        except ModelNotFound as e:
+            self.close()
+            raise ApiError(400, "base_model_not_found", str(e), "base_model") from e
+        except (OSError, ValueError) as e:  # e.g. a name too long for the filesystem, a broken config.json
+            self.close()
+            raise ApiError(400, "base_model_not_found",
+                           f"cannot load base model {self.base_model!r} ({type(e).__name__}: {e})", "base_model") from e
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        # Do not wait for a running generation or training step: whatever it was doing is not committed
+        # (checkpoints are renamed into place only when complete), and a server asked to stop must stop.
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class ServedModel:
+    """A registered model: a LoRA adapter on a host's engine, at a step, servable as NAME@STEP.
+    Its `trainer` (training.py) moves it from step to step."""
+
+    def __init__(self, spec: RegisterRequest, folder: Path, host: EngineHost, slot: str):
+        self.spec = spec
+        self.name = spec.name
+        self.folder = folder
+        self.host = host
+        self.slot = slot
+        self.step = 0
+        self.temperature = 1.0
+        self.history: list[dict[str, Any]] = []
+        self.lock = RWLock()
+        self._old: OrderedDict[int, str] = OrderedDict()
+        self.trainer: Trainer  # set by the registry right after
+
+    @property
+    def engine(self) -> Engine:
+        assert self.host.engine is not None
+        return self.host.engine
+
+    @property
+    def served_as(self) -> str:
+        return f"{self.name}@{self.step}"
+
+    async def slot_for(self, step: int | None) -> tuple[str, int]:
+        """The engine slot serving `step` (None: the latest). Older steps load from their checkpoint."""
+        if step is None or step == self.step:
+            return self.slot, self.step
+        if step > self.step:
+            raise ApiError(404, "step_not_found", f"{self.name} is at step {self.step}; {self.name}@{step} does not exist yet", "model")
+        if step in self._old:
+            self._old.move_to_end(step)
+            return self._old[step], step
+        folder = checkpoints.step_folder(self.folder, step)
+        if folder is None:
+            raise ApiError(404, "step_not_found", f"no checkpoint of {self.name} at step {step}", "model")
+        slot = f"{self.slot}s{step}"
+        await self.host.call(self.engine.load_adapter, slot, self.spec.lora, folder, optimizer=False)
+        self._old[step] = slot
+        while len(self._old) > OLD_STEPS_KEPT:
+            _, evicted = self._old.popitem(last=False)
+            await self.host.call(self.engine.delete_adapter, evicted)
+        return slot, step
+
+    async def forget(self, step: int) -> None:
+        """Unload the adapter of a step whose checkpoint was deleted."""
+        slot = self._old.pop(step, None)
+        if slot is not None:
+            await self.host.call(self.engine.delete_adapter, slot)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "project": self.spec.project,
+            "base_model": self.spec.base_model,
+            "lora": self.spec.lora.model_dump(),
+            "step": self.step,
+            "served_as": self.served_as,
+            "temperature": self.temperature,
+            "training": self.lock.writing,
+            "checkpoints": checkpoints.committed_steps(self.folder),
+            "s3": self.trainer.s3_status(),
+            "history": self.history,
+        }

@@ -1,0 +1,191 @@
+"""The shapes of the server's answers, for its OpenAPI schema.
+
+The routes build plain dicts; FastAPI checks each against its model here (response_model), and the
+schema promises it, so a client (or a fuzzer: tests/test_fuzz.py) can hold the server to it. Every
+model allows extra keys: the protocol may grow (OpenAI objects, metrics), and a key the model does not
+name is passed through, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from artcloud.protocol import Event
+from artcloud.types import LoraConfig
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorDetail(_Open):
+    code: str = Field(description="stable machine-readable code, e.g. invalid_request, model_not_found")
+    message: str = Field(description="what went wrong and what to do")
+    type: str
+    field: str | None = Field(None, description="the part of the request at fault, e.g. groups[0].trajectories[1].reward")
+    param: str | None = None
+
+
+class ErrorBody(_Open):
+    error: ErrorDetail
+
+
+_ERRORS = {
+    400: "the request is invalid: `field` names the part at fault",
+    401: "no bearer token, or the wrong one",
+    404: "no such model, step, job or route",
+    409: "conflicts with the server's state (a model registered differently, a server shutting down, a limit)",
+    413: "the request body is over artcloud serve --max-body-mb",
+    429: "too many training jobs waiting for this model (artcloud serve --max-queued-jobs)",
+    503: "the server is still loading its models (GET /health says ready)",
+}
+
+
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries for these error statuses, all shaped as ErrorBody."""
+    return {code: {"model": ErrorBody, "description": _ERRORS[code]} for code in codes}
+
+
+# ---------------------------------------------------------------------------------------------- server
+
+
+class Health(_Open):
+    status: Literal["ok"]
+    version: str
+    ready: bool = Field(description="true once the models an earlier server left are loaded again")
+
+
+class S3Status(_Open):
+    uri: str
+    pushed_step: int | None
+    pushed_bytes: int
+    pending: bool
+    errors: int
+    last_error: str | None
+    claim_lost: str | None = Field(None, description="set when another server took the model over on S3")
+
+
+class ModelSummary(_Open):
+    name: str
+    project: str
+    base_model: str
+    step: int
+    training: bool
+    s3: S3Status | None
+
+
+class EngineSummary(_Open):
+    base_model: str
+    kind: str
+    batches: int = Field(description="engine calls made for chat completions (each may serve many requests)")
+
+
+class LeaseInfo(_Open):
+    lease_s: float | None
+    idle_s: float
+    in_flight: int
+    max_duration_s: float | None
+    uptime_s: float
+
+
+class Status(_Open):
+    version: str
+    ready: bool
+    models: list[ModelSummary]
+    engines: list[EngineSummary]
+    lease: LeaseInfo
+    limits: dict[str, float | int]
+
+
+class Heartbeat(_Open):
+    ok: bool
+    version: str
+    last_request_at: float
+
+
+class ModelInfo(_Open):
+    name: str
+    project: str
+    base_model: str
+    lora: LoraConfig
+    step: int
+    served_as: str = Field(description="NAME@STEP: what a chat request for NAME is answered by")
+    temperature: float
+    training: bool
+    checkpoints: list[int]
+    s3: S3Status | None
+    history: list[dict[str, Any]]
+
+
+class Registered(ModelInfo):
+    resumed: bool = Field(description="true when the model came back from a checkpoint (on disk or S3)")
+
+
+class Temperature(_Open):
+    name: str
+    temperature: float
+
+
+class JobSummary(_Open):
+    job_id: str
+    model: str
+    status: Literal["queued", "running", "succeeded", "failed"]
+    events: int
+    last_event: Event | None
+    created_at: float | None
+    events_url: str | None = None
+
+
+class ShutdownModel(ModelInfo):
+    error: str | None = Field(None, description="why the final push did not finish")
+
+
+class ShutdownAnswer(_Open):
+    ok: bool
+    models: list[ShutdownModel]
+
+
+# ---------------------------------------------------------------------------------------------- OpenAI
+
+
+class ModelCard(_Open):
+    id: str
+    object: Literal["model"]
+    owned_by: str
+    root: str
+
+
+class ModelList(_Open):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ChatMessage(_Open):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(_Open):
+    index: int
+    message: ChatMessage
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    logprobs: dict[str, Any] | None
+    token_ids: list[int] | None = Field(None, description="the sampled token ids (what training needs)")
+
+
+class Usage(_Open):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(_Open):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str = Field(description="NAME@STEP that answered")
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_token_ids: list[int] | None = None

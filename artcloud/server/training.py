@@ -1,0 +1,311 @@
+"""How one model moves from step to step: its job queue, the training step, the commit, and retention.
+
+    resume      newest valid local checkpoint (S3's first, when newer), else a fresh adapter at step 0
+    submit      a job joins the model's queue (at most --max-queued-jobs wait)
+    _run        one step: inference waits (write lock), the engine trains, the step is committed to disk,
+                NAME@STEP+1 is served; on any failure the adapter and optimizer go back to the last
+                committed step, so a half-applied or non-finite update is never served or trained on
+    _commit     checkpoints.commit (manifest last, renamed into place), then a background S3 push
+    _retain     --keep-last on disk; with S3, only steps already on S3 may go (a push still reading a
+                folder never loses it); S3's own retention runs in the pusher
+    freeze      shutdown: no step commits after this, so what the server answers is what S3 holds
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from artcloud.server.engines.base import TrainSample
+from artcloud.server.errors import ApiError
+from artcloud.server.jobs import Job, JobStore
+from artcloud.server.limits import Limits
+from artcloud.server.models import ServedModel
+from artcloud.server.pusher import CLAIM_TIMEOUT_S, Pusher
+from artcloud.storage import checkpoints
+from artcloud.storage.s3 import CheckpointStore, StorageError
+from artcloud.types import TrainConfig
+
+log = logging.getLogger("artcloud.server")
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Keep the newest `keep_last` checkpoints and the best by `metric` (a history key); 0 keeps all.
+    The latest committed checkpoint is never deleted."""
+
+    keep_last: int = 0
+    metric: str = "reward_mean"
+
+
+class Abandoned(Exception):
+    """A training step finished after shutdown froze its model: it is dropped, not committed."""
+
+    def __init__(self, step: int):
+        super().__init__(f"step {step} abandoned at shutdown")
+        self.step = step
+
+
+class Trainer:
+    def __init__(self, model: ServedModel, *, store: CheckpointStore | None = None, owner: str = "",
+                 retention: Retention | None = None, limits: Limits | None = None,
+                 claim_timeout_s: float = CLAIM_TIMEOUT_S):
+        self.model = model
+        self.retention = retention or Retention()
+        self.limits = limits or Limits()
+        self.pusher = (Pusher(store, model.spec.project, model.name, owner, retention=self._to_delete,
+                              on_pushed=self._pushed, claim_timeout_s=claim_timeout_s)
+                       if store is not None else None)
+        self.jobs = JobStore(model.name, model.folder / "jobs", max_kept=self.limits.max_kept_jobs)
+        self.submit_lock = asyncio.Lock()  # a concurrent retry with the same key must not start a second job
+        self._queue: asyncio.Queue[tuple[Job, list[TrainSample], dict[str, Any], TrainConfig]] = asyncio.Queue()
+        self._worker: asyncio.Task | None = None
+        # Shutdown freezes the model: from then on no step commits, so what it answers is what S3 holds.
+        self.commit_lock = asyncio.Lock()
+        self.frozen = False
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    # ------------------------------------------------------------------------------------- resume
+
+    async def resume(self) -> bool:
+        """Resume from the newest complete checkpoint, or start at step 0. Returns True if it resumed."""
+        model = self.model
+        checkpoints.clean_partial(model.folder)
+        remote = None
+        if self.pusher is not None:
+            try:
+                await self.pusher.claim()  # one writer per model and S3 location
+            except StorageError as e:
+                raise ApiError(409, "model_locked", str(e), "name") from e
+            remote = await self._pull_if_newer()
+        found = await model.host.call(checkpoints.latest_valid, model.folder)
+        checkpoints.set_aside_after(model.folder, found[0] if found else -1)
+        if found is None:
+            try:
+                await model.host.call(model.engine.create_adapter, model.slot, model.spec.lora)
+            except ValueError as e:  # peft: "Target modules {...} not found in the base model", a bad rank
+                raise ApiError(400, "invalid_lora", f"this LoRA cannot be made on {model.spec.base_model}: {e}", "lora") from e
+            await self._commit(0)
+            resumed = False
+        else:
+            step, folder = found
+            await model.host.call(model.engine.load_adapter, model.slot, model.spec.lora, folder, optimizer=True)
+            state = checkpoints.read_trainer_state(folder)
+            model.step = step
+            model.history = state.get("history", [])
+            model.temperature = state.get("temperature", 1.0)
+            if "rng" in state:
+                model.engine.set_rng_state(state["rng"])
+            if self.pusher is not None and (remote is None or step > remote):
+                self.pusher.schedule(folder)  # this machine got further than S3 (its last push failed)
+            resumed = True
+        self.jobs.load()
+        self._worker = asyncio.get_running_loop().create_task(self._loop(), name=f"train-{self.name}")
+        return resumed
+
+    async def _pull_if_newer(self) -> int | None:
+        """A fresh machine (or one behind) first fetches the newest checkpoint committed on S3. Returns
+        S3's newest step. What S3 holds is untrusted: an invalid checkpoint there refuses the register."""
+        assert self.pusher is not None
+        store, model = self.pusher.store, self.model
+        loop = asyncio.get_running_loop()
+        try:
+            remote = await loop.run_in_executor(None, store.latest, model.spec.project, self.name)
+            local = checkpoints.committed_steps(model.folder)
+            if remote is not None and (not local or remote > local[-1]):
+                log.info("pulling %s step %d from %s", self.name, remote, store.config.uri)
+                await loop.run_in_executor(None, store.pull, model.spec.project, self.name, remote,
+                                           checkpoints.checkpoints_dir(model.folder))
+        except (StorageError, checkpoints.CorruptCheckpoint) as e:
+            raise ApiError(409, "checkpoint_invalid", f"cannot resume {model.spec.project}/{self.name} from "
+                           f"{store.config.uri}: {e}. Delete that checkpoint from S3, or use another --s3 prefix",
+                           "name") from e
+        return remote
+
+    # ------------------------------------------------------------------------------------- jobs
+
+    def check_can_train(self) -> None:
+        if self.pusher is not None and self.pusher.lost is not None:
+            raise ApiError(409, "model_locked", f"{self.name} is now trained by another server on "
+                           f"{self.pusher.store.config.uri}; this server stopped training it: {self.pusher.lost}", "name")
+        waiting = self._queue.qsize()
+        if waiting >= self.limits.max_queued_jobs:
+            raise ApiError(429, "too_many_jobs", f"{self.name} already has {waiting} training jobs waiting (the limit, "
+                           "artcloud serve --max-queued-jobs): wait for one to end before posting more")
+
+    def submit(self, job: Job, samples: list[TrainSample], stats: dict[str, Any], config: TrainConfig) -> None:
+        job.emit("queued", position=self._queue.qsize())
+        self._queue.put_nowait((job, samples, stats, config))
+
+    async def _loop(self) -> None:
+        from artcloud.train.loop import NonFiniteError
+
+        while True:
+            job, samples, stats, config = await self._queue.get()
+            try:
+                await self._run(job, samples, stats, config)
+            except Abandoned as e:
+                log.warning("%s: step %d computed during shutdown, not committed", self.name, e.step)
+                job.emit("error", code="shutting_down", step=self.model.step,
+                         message=f"the server is shutting down: step {e.step} was not committed, {self.name} stays "
+                                 f"at step {self.model.step} (on S3 too); train it again on a new server")
+            except NonFiniteError as e:
+                log.error("%s: %s", self.name, e)
+                job.emit("error", code="non_finite", step=self.model.step, cause=e.cause, gradient_step=e.gradient_step,
+                         message=f"{e}; {self.name} stays at step {self.model.step}")
+            except Exception as e:
+                log.exception("training job %s failed", job.id)
+                if not job.done:
+                    job.emit("error", code="internal_error", message=f"training failed: {e}", step=self.model.step)
+
+    async def _run(self, job: Job, samples: list[TrainSample], stats: dict[str, Any], config: TrainConfig) -> None:
+        model = self.model
+        job.emit("start", step=model.step, **stats)
+        if not samples:
+            job.emit(
+                "end", step=model.step, served_as=model.served_as, trained=False, metrics=stats,
+                message="every group had equal rewards, so there was nothing to learn: the adapter and step are unchanged",
+            )
+            return
+        loop = asyncio.get_running_loop()
+        next_step = model.step + 1
+
+        def on_step(metrics: dict[str, Any]) -> None:  # called on the engine thread
+            loop.call_soon_threadsafe(partial(job.emit, "step", step=next_step, **metrics))
+
+        async with model.lock.write():  # inference waits from here until NAME@next_step is served
+            t0 = time.time()
+            try:
+                steps = await model.host.call(model.engine.train_step, model.slot, samples, config, on_step)
+                record = _history_record(next_step, job.id, stats, steps, time.time() - t0)
+                async with self.commit_lock:
+                    if self.frozen:
+                        raise Abandoned(next_step)
+                    model.history.append(record)
+                    folder = await self._commit(next_step)
+            except BaseException:
+                # Put the adapter and optimizer back to the last committed step: a half-applied update
+                # is never served and never trained on.
+                if model.history and model.history[-1].get("step") == next_step:
+                    model.history.pop()
+                await self._rollback()
+                raise
+            model.step = next_step
+        await self._retain()
+        job.emit("end", step=next_step, served_as=model.served_as, trained=True, metrics=record, checkpoint=str(folder),
+                 s3=self.s3_status())
+
+    # ------------------------------------------------------------------------------------- commits
+
+    async def _commit(self, step: int) -> Any:
+        model = self.model
+        state = {
+            "history": model.history,
+            "rng": model.engine.rng_state(),
+            "base_model": model.spec.base_model,
+            "lora": model.spec.lora.model_dump(),
+            "temperature": model.temperature,
+        }
+        write = partial(model.engine.save_adapter, model.slot, optimizer=True)
+        folder = await model.host.call(checkpoints.commit, model.folder, step, write, state)
+        if self.pusher is not None:
+            self.pusher.schedule(folder)  # in the background: training goes on
+        return folder
+
+    async def _rollback(self) -> None:
+        model = self.model
+        folder = checkpoints.step_folder(model.folder, model.step)
+        if folder is not None:
+            await model.host.call(model.engine.load_adapter, model.slot, model.spec.lora, folder, optimizer=True)
+
+    # ------------------------------------------------------------------------------------- retention
+
+    def _to_delete(self, steps: list[int]) -> list[int]:
+        metric = {r["step"]: r[self.retention.metric] for r in self.model.history if self.retention.metric in r}
+        return checkpoints.plan_retention(steps, keep_last=self.retention.keep_last, metric=metric)
+
+    async def _retain(self) -> None:
+        """Local retention. With S3, a step may go only once it (or a newer step) is on S3: the pusher
+        may still be reading an unpushed folder, and deleting it would lose the step."""
+        model = self.model
+        doomed = self._to_delete(checkpoints.committed_steps(model.folder))
+        if self.pusher is not None:
+            pushed = self.pusher.pushed_step
+            doomed = [s for s in doomed if pushed is not None and s <= pushed]
+        for step in doomed:
+            await model.host.call(checkpoints.delete, model.folder, step)
+            await model.forget(step)
+
+    def _pushed(self, step: int) -> None:
+        asyncio.get_running_loop().create_task(self._retain(), name=f"retain-{self.name}")
+
+    # ------------------------------------------------------------------------------------- state
+
+    @property
+    def busy(self) -> bool:
+        """A training job is queued or running (a job reloaded from disk is always closed)."""
+        return self.model.lock.writing or not self._queue.empty() or any(not j.done for j in self.jobs.jobs.values())
+
+    def s3_status(self) -> dict[str, Any] | None:
+        return self.pusher.status() if self.pusher is not None else None
+
+    async def freeze(self) -> None:
+        async with self.commit_lock:  # a commit under way ends first; none starts after
+            self.frozen = True
+
+    async def final_push(self) -> str | None:
+        """Push the newest committed step now; None when done (or nothing to push), else why not."""
+        if self.pusher is None:
+            return None
+        try:
+            await self.pusher.flush()
+        except Exception as e:  # reported; the lifespan exit tries once more
+            log.error("push of %s before shutdown failed: %s", self.name, e)
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    async def abandon(self) -> None:
+        """Undo a resume that failed half-way: the adapter leaves the engine, the S3 claim is released
+        (nothing was pushed for it), so a corrected register starts clean."""
+        if self._worker is not None:
+            self._worker.cancel()
+        try:
+            await self.model.host.call(self.model.engine.delete_adapter, self.model.slot)
+        except Exception as e:  # the engine may be what failed
+            log.debug("could not delete the adapter of %s: %s", self.name, e)
+        if self.pusher is not None:
+            try:
+                await self.pusher.release()
+            except Exception as e:
+                log.warning("could not release the S3 claim on %s: %s", self.name, e)
+            self.pusher.close()
+
+    async def close(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+        if self.pusher is not None:
+            error = await self.final_push()  # the final push before the server exits
+            if error is not None:
+                log.error("final push of %s failed: %s", self.name, error)
+            try:
+                await self.pusher.release()
+            except Exception as e:
+                log.warning("could not release the S3 claim on %s: %s", self.name, e)
+            self.pusher.close()
+
+
+def _history_record(step: int, job_id: str, stats: dict[str, Any], steps: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    record = {k: v for k, v in stats.items() if k != "skipped_groups"}
+    record.update(step=step, job_id=job_id, time=time.time(), seconds=seconds, gradient_steps=len(steps))
+    for key in ("loss", "grad_norm", "clip_fraction", "mean_ratio", "kl"):
+        values = [s[key] for s in steps if key in s]
+        if values:
+            record[key] = sum(values) / len(values)
+    return record

@@ -1,0 +1,204 @@
+"""The server's limits (artcloud serve --max-*): each refusal is a 4xx that names the flag, and nothing
+grows without bound. A real server process over HTTPS, tiny-random."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import TINY
+from helpers import chat, rollout_groups
+
+LIMITED = ("--max-body-mb", "0.2", "--max-request-tokens", "64", "--max-queued-jobs", "1", "--max-kept-jobs", "2",
+           "--max-models", "2")
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    from conftest import Server
+
+    server = Server(tmp_path_factory.mktemp("limits") / "data", *LIMITED)
+    try:
+        server.start()
+        with server.client() as c:
+            r = c.post("/artcloud/models", json={"name": "agent", "project": "limits", "base_model": TINY})
+            assert r.status_code == 200, r.text
+        yield server
+    finally:
+        server.stop()
+
+
+def _error(r: httpx.Response, status: int, code: str) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == code, err
+    return err
+
+
+def test_status_reports_the_limits(limited):
+    with limited.client() as c:
+        limits = c.get("/artcloud/status").json()["limits"]
+    assert limits["max_body_mb"] == 0.2 and limits["max_request_tokens"] == 64 and limits["max_queued_jobs"] == 1
+
+
+def test_a_body_over_the_limit_is_refused_whether_its_length_is_declared_or_not(limited):
+    big = {"model": "agent", "messages": [{"role": "user", "content": "x" * 300_000}], "max_tokens": 2}
+    with limited.client() as c:
+        err = _error(c.post("/v1/chat/completions", json=big), 413, "body_too_large")
+        assert "--max-body-mb" in err["message"] and err["field"] == "body"
+
+        def chunks():  # no Content-Length: the server must count what it reads, and stop
+            yield b'{"model": "agent", "messages": [{"role": "user", "content": "'
+            for _ in range(300):
+                yield b"y" * 1000
+            yield b'"}]}'
+
+        r = c.post("/v1/chat/completions", content=chunks(), headers={"Content-Type": "application/json"})
+        err = _error(r, 413, "body_too_large")
+        assert "--max-body-mb" in err["message"]
+        # Under the limit, the same route answers.
+        assert chat(c, "agent", "hi", max_tokens=2)["choices"]
+
+
+def test_a_body_is_never_read_before_the_token_is_checked(limited):
+    big = {"model": "agent", "messages": [{"role": "user", "content": "x" * 300_000}]}
+    with httpx.Client(base_url=limited.url, verify=limited.ssl_context()) as c:
+        _error(c.post("/v1/chat/completions", json=big), 401, "missing_token")
+
+
+def test_n_times_max_tokens_is_bounded(limited):
+    with limited.client() as c:
+        body = {"model": "agent", "messages": [{"role": "user", "content": "hi"}], "n": 8, "max_tokens": 16}
+        err = _error(c.post("/v1/chat/completions", json=body), 400, "too_many_tokens")
+        assert err["field"] == "max_tokens" and "--max-request-tokens" in err["message"] and "128" in err["message"]
+        # n alone with the default max_tokens (256) is over it too
+        err = _error(c.post("/v1/chat/completions", json={**body, "n": 1, "max_tokens": None}), 400, "too_many_tokens")
+        assert chat(c, "agent", "hi", n=4, max_tokens=16)["choices"]
+
+
+def test_training_jobs_beyond_the_queue_limit_get_429(limited):
+    with limited.client() as c:
+        groups = rollout_groups(c, "agent", [f"prompt {i}" for i in range(8)], n=4, max_tokens=16)
+
+    async def post_many(k: int) -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=limited.url, verify=limited.ssl_context(), timeout=120,
+                                     headers={"Authorization": f"Bearer {limited.token}"}) as c:
+            body = {"groups": groups, "config": {"gradient_steps": 8}}
+            return await asyncio.gather(*(c.post("/artcloud/models/agent/train", json=body) for _ in range(k)))
+
+    responses = asyncio.run(post_many(8))
+    codes = sorted(r.status_code for r in responses)
+    # One job runs, one waits (--max-queued-jobs 1): at most two of eight that arrive together get in.
+    assert 1 <= codes.count(202) <= 2 and codes.count(429) >= 6, codes
+    err = next(r for r in responses if r.status_code == 429).json()["error"]
+    assert err["code"] == "too_many_jobs" and "--max-queued-jobs" in err["message"]
+    with limited.client() as c:  # the accepted ones all finish
+        for r in responses:
+            if r.status_code == 202:
+                from helpers import events
+
+                assert events(c, r.json()["job_id"])[-1]["type"] == "end"
+
+
+def test_finished_jobs_beyond_the_kept_limit_are_forgotten_with_their_files(limited):
+    jobs_dir = Path(limited.path) / "limits" / "agent" / "jobs"
+    with limited.client() as c:
+        ids = []
+        for i in range(4):
+            groups = rollout_groups(c, "agent", [f"q{i}"], n=4)
+            r = c.post("/artcloud/models/agent/train", json={"groups": groups})
+            assert r.status_code == 202, r.text
+            ids.append(r.json()["job_id"])
+            from helpers import events
+
+            assert events(c, ids[-1])[-1]["type"] == "end"
+        assert c.get(f"/artcloud/jobs/{ids[0]}").status_code == 404
+        assert c.get(f"/artcloud/jobs/{ids[-1]}").json()["status"] == "succeeded"
+    kept = sorted(p.name.split(".")[0] for p in jobs_dir.glob("job-*.json"))
+    assert len(kept) <= 2 + 1 and ids[-1] in kept and ids[0] not in kept  # + the job being created
+    assert not (jobs_dir / f"{ids[0]}.events.jsonl").exists()
+
+
+def test_models_and_base_models_are_bounded(limited):
+    with limited.client() as c:
+        r = c.post("/artcloud/models", json={"name": "second", "project": "limits", "base_model": TINY})
+        assert r.status_code == 200, r.text
+        err = _error(c.post("/artcloud/models", json={"name": "third", "project": "limits", "base_model": TINY}),
+                     409, "too_many_models")
+        assert "--max-models" in err["message"] and err["field"] == "name"
+
+
+def test_a_second_base_model_is_refused_and_failed_loads_leak_no_thread(start_server, tmp_path):
+    s = start_server(None)
+    with s.client() as c:
+        assert c.post("/artcloud/models", json={"name": "a", "project": "p", "base_model": TINY}).status_code == 200
+        err = _error(c.post("/artcloud/models", json={"name": "b", "project": "p", "base_model": "org/other-model"}),
+                     409, "too_many_base_models")
+        assert err["field"] == "base_model" and "--max-base-models" in err["message"]
+
+    s2 = start_server(tmp_path / "two", "--max-base-models", "2")
+    with s2.client() as c:
+        assert c.post("/artcloud/models", json={"name": "a", "project": "p", "base_model": TINY}).status_code == 200
+        threads = _threads(s2.proc.pid)
+        for i in range(5):
+            # A hub id that cannot be fetched here (offline), and one too long for the file system's names
+            for base in (f"nobody-{i}/no-such-model", f"{'a' * 95}/{'b' * 95}"):
+                err = _error(c.post("/artcloud/models", json={"name": f"x{i}", "project": "p", "base_model": base}),
+                             400, "base_model_not_found")
+                assert err["field"] == "base_model"
+        assert _threads(s2.proc.pid) <= threads + 3, "each failed load left its engine thread behind"
+        # and the failures did not count against --max-base-models
+        assert c.post("/artcloud/models", json={"name": "b", "project": "p", "base_model": TINY}).status_code == 200
+
+
+def test_a_base_model_name_that_breaks_the_file_system_is_a_400(tiny_server):
+    with tiny_server.client() as c:
+        for base in ("a" * 500, "/" + "d" * 300, "org/" + "n" * 120, "../../etc", "org/name/extra", "with space"):
+            r = c.post("/artcloud/models", json={"name": "x", "project": "p", "base_model": base})
+            err = _error(r, 400, "invalid_request")
+            assert err["field"] == "base_model", (base, err)
+
+
+def _threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no Threads line")
+
+
+@pytest.mark.parametrize("failure", [OSError(36, "File name too long"), ValueError("broken config.json")])
+def test_a_failed_load_ends_its_engine_thread_at_once(failure):
+    """In-process, with the cyclic garbage collector off: the failed load's exception (kept here, as a
+    log handler or an error page may keep it) holds the host, so only an explicit shutdown ends its
+    thread. Without it, each failed register left a thread until the next full collection."""
+    import gc
+    import threading
+    import time
+
+    from artcloud.server.errors import ApiError
+    from artcloud.server.models import EngineHost
+
+    def factory(base_model: str):
+        raise failure
+
+    async def fail_five() -> list[ApiError]:
+        errors = []
+        for i in range(5):
+            with pytest.raises(ApiError) as caught:
+                await EngineHost(f"org/model-{i}", factory).load()
+            errors.append(caught.value)
+        return errors
+
+    before = threading.active_count()
+    gc.disable()
+    try:
+        errors = asyncio.run(fail_five())
+        assert all(e.status_code == 400 and e.code == "base_model_not_found" and e.field == "base_model" for e in errors)
+        deadline = time.monotonic() + 10
+        while threading.active_count() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
+    finally:
+        gc.enable()
