@@ -14,7 +14,9 @@ from artcloud.cli_sandbox import _env_pairs
 
 EXIT_CODES = """Exit codes: 0 the script finished; the script's own status when it failed; 2 bad options;
 3 the sandbox could not be started; 4 --budget-usd reached; 5 the sandbox could not be confirmed gone
-(run `artcloud down NAME`); 124 --max-duration reached; 130 / 143 stopped by SIGINT / SIGTERM."""
+(run `artcloud down NAME`); 6 the final checkpoint push to S3 was not confirmed (S3 lacks a model's newest
+step; the summary says which step it has; every code but 5 gives way to it); 124 --max-duration reached;
+130 / 143 stopped by SIGINT / SIGTERM."""
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, epilog=EXIT_CODES)

@@ -314,11 +314,15 @@ def down(
 ) -> None:
     """Tear sandboxes down now. A sandbox already gone counts as done (exit 0).
 
-    A server that still answers is first asked to push its last checkpoint and exit (a minute at
-    most); the sandbox goes either way. Example: artcloud down mail-agent
+    A server that still answers is first asked to push its last checkpoint to S3 and exit (artcloud
+    waits up to 11 minutes for it); one line per model then says whether S3 holds its newest step. The sandbox goes
+    either way: a GPU left running is worse than a lost step. Exit 6 when a push was not confirmed (the
+    lines say which step is on S3), 2 when a sandbox could not be torn down.
+    Example: artcloud down mail-agent
     """
     from artcloud.backends.providers import sandboxes
     from artcloud.backends.state import StateDir
+    from artcloud.run import EXIT_PUSH_UNCONFIRMED
 
     state = StateDir()
     if all_ and names:
@@ -334,11 +338,12 @@ def down(
             typer.confirm(f"tear down {', '.join(r.name for r in records)}?", abort=True)
     else:
         records = [_known(name) for name in names]
-    failed, asked = [], {}
+    failed, unconfirmed, asked = [], [], {}
     for record in records:
-        stopped, note = _final_push(state, record)
-        if note:
-            print(f"{record.name}: {note}")
+        stopped, lines, not_pushed = _final_push(state, record)
+        for line in lines:
+            print(f"{record.name}: {line}", flush=True)
+        unconfirmed += [f"{record.name}/{label}" for label in not_pushed]
         try:
             existed = asked.setdefault(record.provider, sandboxes(record.provider)).down(record)
         except Exception as e:
@@ -347,33 +352,43 @@ def down(
         state.mark_down(record.name)
         # A Modal sandbox ends with its server's exit, which the final push asked for: still our teardown.
         print(f"{record.name}: {'torn down' if existed or stopped else 'already gone'}")
+    also = f"; and the final push was not confirmed for {', '.join(unconfirmed)}" if unconfirmed else ""
     if failed:
         raise CLIError(f"could not tear down {', '.join(failed)}: run `artcloud down` again, or use the "
-                       "provider's own tool (`sky down NAME`, `modal sandbox list`)")
+                       f"provider's own tool (`sky down NAME`, `modal sandbox list`){also}")
+    if unconfirmed:
+        print(f"artcloud: error: the final push was not confirmed for {', '.join(unconfirmed)} (torn down anyway): "
+              "S3 holds only the older steps named above; train again from there", file=sys.stderr)
+        raise typer.Exit(EXIT_PUSH_UNCONFIRMED)
 
 
-def _final_push(state, record, timeout: float = 60.0) -> tuple[bool, str | None]:
+def _final_push(state, record) -> tuple[bool, list[str], list[str]]:
     """Ask a live sandbox's server (with the credentials in the registry) to push its last checkpoint and
-    exit. Returns (whether the server answered and is exiting, a note on what happened or None when
-    there was no server to ask)."""
-    from artcloud.backends.remote import ArtcloudError, RemoteBackend
+    exit. Returns whether the server answered (and is exiting), one line per model (or a note on why
+    there was no push; none when there was no server to ask), and NAME@STEP of each model whose push the
+    answer does not confirm."""
+    from artcloud.backends.remote import FINAL_PUSH_WAIT_S, ArtcloudError, RemoteBackend, push_verdicts
 
     creds = state.credentials(record.name)
     if record.state != "up" or not record.url or creds is None or record.extra.get("run"):
-        return False, None  # a detached run's loop pushes its own checkpoints
+        return False, [], []  # a detached run's loop pushes its own checkpoints
     ca, token = creds
     # SkyPilot: the launch CA alone (a bare IP, so no host name check). Modal: the public CAs of its edge.
     backend = RemoteBackend(record.url, token=token, ca_cert=ca or None, check_hostname=not ca)
 
-    async def push() -> str:
+    async def push() -> dict:
         try:
-            answer = await backend.shutdown(timeout=timeout)
+            # The server may spend FINAL_PUSH_TIMEOUT_S on the push: wait for its verdict, not less.
+            return await backend.shutdown(timeout=FINAL_PUSH_WAIT_S)
         finally:
             await backend.close()
-        steps = [f"{m['name']}@{m['step']}" for m in answer.get("models", [])]
-        return f"last checkpoint pushed ({', '.join(steps)})" if steps else "server stopped (no models)"
 
     try:
-        return True, asyncio.run(push())
+        answer = asyncio.run(push())
     except ArtcloudError as e:
-        return False, f"no final push ({str(e).splitlines()[0]}); tearing down anyway"
+        # Most often the server already left by itself (its lease ran out, after its own final push).
+        return False, [f"no final push ({str(e).splitlines()[0]}); tearing down anyway"], []
+    verdicts = push_verdicts(answer)
+    if not verdicts:
+        return True, ["server stopped (no models)"], []
+    return True, [v.line(on_sandbox=True) for v in verdicts], [f"{v.name}@{v.step}" for v in verdicts if v.status == "not_pushed"]

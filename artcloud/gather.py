@@ -41,6 +41,8 @@ async def gather_trajectory_groups(
     dropped (GRPO needs something to compare). More failures than `max_exceptions` (a count, or a
     fraction of all rollouts when < 1) raise GatherError. `after_each(group)` runs on each finished
     group (e.g. to score it with a judge) and may return a replacement, or None to drop it.
+    Whatever ends the call early (GatherError, an error in `after_each`, a cancellation) first cancels
+    every rollout still running and waits for it to end: none goes on calling the server unobserved.
     """
     groups = list(groups)
     total = sum(g.pending + len(g.trajectories) for g in groups)
@@ -50,9 +52,9 @@ async def gather_trajectory_groups(
 
     bar = _Bar(description, total, enabled=progress)
 
-    async def one(pending: Awaitable[Trajectory]) -> Trajectory | None:
+    async def one(rollout: "asyncio.Future[Trajectory]") -> Trajectory | None:
         try:
-            traj = await pending
+            traj = await rollout
         except Exception as e:  # collected, counted against max_exceptions
             errors.append(e)
             bar.advance(state, errors)
@@ -67,9 +69,8 @@ async def gather_trajectory_groups(
         bar.advance(state, errors)
         return traj
 
-    async def run_group(group: TrajectoryGroup) -> TrajectoryGroup | None:
-        pending, group._pending = group._pending, []
-        results = await asyncio.gather(*(one(p) for p in pending))
+    async def run_group(group: TrajectoryGroup, rollouts: list[asyncio.Future]) -> TrajectoryGroup | None:
+        results = await asyncio.gather(*(one(r) for r in rollouts))
         group.trajectories.extend(t for t in results if t is not None)
         if len(group.trajectories) < 2:
             return None
@@ -78,16 +79,46 @@ async def gather_trajectory_groups(
             group = await out if inspect.isawaitable(out) else out
         return group
 
+    # Every rollout is a task of its own, started here, so that whatever ends this call early can cancel
+    # the ones still running: otherwise they would go on calling the server, unobserved.
+    tasks: list[asyncio.Future] = []
+    group_tasks = []
+    for group in groups:
+        pending, group._pending = group._pending, []
+        rollouts = [asyncio.ensure_future(p) for p in pending]
+        tasks += rollouts
+        group_tasks.append(asyncio.ensure_future(run_group(group, rollouts)))
+    tasks += group_tasks
+
     with bar:
         try:
-            finished = await asyncio.gather(*(run_group(g) for g in groups))
-        except Exception as e:
-            if len(errors) > limit:
+            finished = await asyncio.gather(*group_tasks)
+        except BaseException as e:  # a failure, an after_each error, or our own cancellation
+            await _cancel_and_wait(tasks)
+            if isinstance(e, Exception) and len(errors) > limit:
                 raise GatherError(
                     f"{len(errors)} of {total} rollouts failed (max_exceptions={max_exceptions}); the first: "
                     f"{type(errors[0]).__name__}: {errors[0]}", errors) from e
             raise
     return [g for g in finished if g is not None]
+
+
+async def _cancel_and_wait(tasks: list[asyncio.Future]) -> None:
+    """Cancel every task and wait until each has ended (Python 3.10 has no TaskGroup to do it)."""
+    for task in tasks:
+        task.cancel()
+    pending = {t for t in tasks if not t.done()}
+    cancelled_again = False
+    while pending:
+        try:
+            _, pending = await asyncio.wait(pending)
+        except asyncio.CancelledError:  # cancelled while cleaning up: finish the clean-up first
+            cancelled_again = True
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()  # retrieved: no "exception was never retrieved" warnings for the siblings
+    if cancelled_again:
+        raise asyncio.CancelledError
 
 
 class _Bar:

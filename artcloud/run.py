@@ -42,6 +42,7 @@ EXIT_USAGE = 2
 EXIT_LAUNCH = 3  # the sandbox could not be started
 EXIT_BUDGET = 4  # --budget-usd reached: stopped cleanly
 EXIT_TEARDOWN = 5  # the sandbox could not be confirmed gone: run `artcloud down NAME`
+EXIT_PUSH_UNCONFIRMED = 6  # S3 does not hold each model's newest step (also `artcloud down`'s code for it)
 EXIT_TIMEOUT = 124  # --max-duration reached (as timeout(1))
 SERVER_MARGIN_S = 600.0  # the server's own --max-duration is the run's plus this: the runner stops it first
 SNAPSHOT_EVERY_S = 5.0
@@ -187,6 +188,11 @@ class Runner:
                 loop.remove_signal_handler(sig)
         if not teardown["ok"]:
             ending = Ending("teardown_failed", EXIT_TEARDOWN, teardown["detail"])
+        elif teardown.get("unpushed"):
+            # Checkpoints are what a run is for: one that did not reach S3 outweighs how the run ended
+            # (which stays in the reason); only a sandbox left running (exit 5) is worse.
+            ending = Ending("push_unconfirmed", EXIT_PUSH_UNCONFIRMED,
+                            f"the final push was not confirmed for {', '.join(teardown['unpushed'])}; {ending.reason}")
         summary = await asyncio.to_thread(self._summary, ending, teardown)
         self._report(summary)
         return ending.exit_code
@@ -286,8 +292,9 @@ class Runner:
         self._snapshot_at = time.monotonic()
         backend = self.backend
         try:
-            health = await asyncio.wait_for(backend._call("GET", "/health", retry=False), 15.0)
-            for model in health.get("models", []):
+            # The authenticated status: /health says only status, version and readiness to the world.
+            status = await asyncio.wait_for(backend._call("GET", "/artcloud/status", retry=False), 15.0)
+            for model in status.get("models", []):
                 info = await asyncio.wait_for(backend._call("GET", f"/artcloud/models/{model['name']}", retry=False), 15.0)
                 self.models[model["name"]] = info
         except Exception as e:  # the server may be busy or going: the last snapshot stands
@@ -296,26 +303,34 @@ class Runner:
     # ------------------------------------------------------------------------------------- teardown
 
     async def _teardown(self, ending: Ending | None) -> dict[str, Any]:
+        """Final push, then teardown. `ok` is whether the sandbox is confirmed gone; `unpushed` names
+        each model (NAME@STEP) whose newest step S3 is not confirmed to hold, when the run has S3."""
+        from artcloud.backends.remote import push_verdicts
+
         backend = self.backend
         if backend is None:
             return {"ok": True, "detail": "nothing was started"}
-        notes = []
+        notes, unpushed = [], []
         try:
             answer = await backend.final_push()  # None: the server never answered (nothing to push)
         except Exception as e:
             answer = None
             notes.append(f"the final push was not confirmed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            if self.opts.s3:
+                # Unknown is not safe: the steps since the last snapshot's push may be on the server only.
+                unpushed = [f"{name}@{info['step']}" for name, info in self.models.items()]
         if answer is not None:
-            failed = []
+            verdicts = push_verdicts(answer)
             for info in answer.get("models", []):  # the last word on each model: after the final push
                 self.models[info["name"]] = info
-                s3 = info.get("s3") or {}
-                if info.get("error") or s3.get("pending") or s3.get("last_error"):
-                    failed.append(f"{info['name']} ({info.get('error') or s3.get('last_error') or 'still pending'})")
-            if failed:
-                notes.append(f"the final push failed for {', '.join(failed)}: earlier steps are on S3")
+            bad = [v for v in verdicts if v.status == "not_pushed"]
+            unpushed = [f"{v.name}@{v.step}" for v in bad]
+            if bad:
+                notes.append("; ".join(v.line() for v in bad))
+            elif self.opts.s3:
+                notes.append("final checkpoint pushed")
             else:
-                notes.append("final checkpoint pushed" if self.opts.s3 else "server stopped")
+                notes.append("server stopped")
         what = getattr(backend, "sandbox_name", "the local server")
         try:
             await asyncio.wait_for(asyncio.shield(backend.down()), 900.0)
@@ -325,7 +340,7 @@ class Runner:
         if not gone:
             return {"ok": False, "detail": f"{what} still runs after teardown: run `artcloud down {what}`"}
         notes.append(f"{what} torn down")
-        return {"ok": True, "detail": "; ".join(notes)}
+        return {"ok": True, "detail": "; ".join(notes), **({"unpushed": unpushed} if unpushed else {})}
 
     # ------------------------------------------------------------------------------------- summary
 

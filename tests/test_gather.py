@@ -11,8 +11,11 @@ from artcloud.gather import GatherError
 
 
 def choice(text: str, ids: list[int]) -> dict:
+    """A choice as the server returns it: the sampled ids and their logprobs, the hash of the prompt it was
+    sampled from (here of prompt ids [1, 2]) and the temperature it was sampled at."""
     return {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}, "token_ids": ids,
-            "logprobs": {"content": [{"token": "x", "logprob": -1.0}] * len(ids)}}
+            "logprobs": {"content": [{"token": "x", "logprob": -1.0}] * len(ids)},
+            "prompt_sha256": "34fb5c825de7ca4aea6e712f19d439c1da0c92c37b423936c5f618545ca4fa1f", "temperature": 1.0}
 
 
 async def ok(reward: float, delay: float = 0.0) -> artcloud.Trajectory:
@@ -85,3 +88,75 @@ def test_unresolved_group_cannot_be_sent():
 def test_nan_reward_is_refused():
     with pytest.raises(ValueError, match="finite"):
         artcloud.Trajectory(messages_and_choices=[{"role": "user", "content": "q"}], reward=float("nan"))
+
+
+# ----------------------------------------------------------------------------------------- early ends (issue 14, point 12)
+
+
+class Watched:
+    """Rollouts that sleep, then record that they finished; a cancelled one records that it saw CancelledError."""
+
+    def __init__(self) -> None:
+        self.finished: list[int] = []
+        self.cancelled: list[int] = []
+
+    async def slow(self, i: int, delay: float = 0.3) -> artcloud.Trajectory:
+        try:
+            await asyncio.sleep(delay)
+        except asyncio.CancelledError:
+            self.cancelled.append(i)
+            raise
+        self.finished.append(i)
+        return await ok(float(i))
+
+
+async def fails_soon() -> artcloud.Trajectory:
+    await asyncio.sleep(0.05)
+    raise RuntimeError("rollout failed")
+
+
+def test_gather_error_cancels_and_awaits_every_other_rollout():
+    watched = Watched()
+
+    async def main():
+        groups = [artcloud.TrajectoryGroup([watched.slow(0), watched.slow(1), fails_soon()]),
+                  artcloud.TrajectoryGroup([watched.slow(2), watched.slow(3)])]
+        with pytest.raises(GatherError, match="1 of 5 rollouts failed"):
+            await artcloud.gather_trajectory_groups(groups, progress=False)
+        # Already cancelled and ended when the error arrives, not merely asked to stop.
+        assert sorted(watched.cancelled) == [0, 1, 2, 3]
+        await asyncio.sleep(0.5)  # past their sleep: none of them finishes later
+        assert watched.finished == []
+
+    asyncio.run(main())
+
+
+def test_an_after_each_error_cancels_the_other_groups_rollouts():
+    watched = Watched()
+
+    def judge(group):
+        raise ValueError("the judge is down")
+
+    async def main():
+        groups = [artcloud.TrajectoryGroup([ok(0.0), ok(1.0)]), artcloud.TrajectoryGroup([watched.slow(0), watched.slow(1)])]
+        with pytest.raises(ValueError, match="the judge is down"):
+            await artcloud.gather_trajectory_groups(groups, after_each=judge, progress=False)
+        assert sorted(watched.cancelled) == [0, 1]
+        await asyncio.sleep(0.5)
+        assert watched.finished == []
+
+    asyncio.run(main())
+
+
+def test_a_timeout_around_gather_cancels_every_rollout():
+    watched = Watched()
+
+    async def main():
+        groups = [artcloud.TrajectoryGroup([watched.slow(2 * g), watched.slow(2 * g + 1)]) for g in range(2)]
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(artcloud.gather_trajectory_groups(groups, progress=False), 0.1)
+        assert sorted(watched.cancelled) == [0, 1, 2, 3]
+        await asyncio.sleep(0.5)
+        assert watched.finished == []
+
+    asyncio.run(main())

@@ -241,5 +241,89 @@ def test_run_help_teaches_flags_and_exit_codes():
                             env={**os.environ, "COLUMNS": "200"}, timeout=60)
     assert result.returncode == 0
     for text in ("--backend", "--budget-usd", "--price-per-hour", "--detach", "--summary", "--max-duration",
-                 "124", "backend_from_env"):
+                 "124", "6 the final checkpoint push to S3 was not confirmed", "backend_from_env"):
         assert text in result.stdout, text
+
+
+# Registers, waits until step 0 is on S3, then trains one step once the test says so (after it has
+# stopped the S3 server): that step can never reach S3.
+UNSAFE = textwrap.dedent("""
+    import asyncio, os, sys
+    import artcloud
+
+    async def main():
+        async with artcloud.backend_from_env() as backend:
+            model = artcloud.TrainableModel(name="unsafe", project="ci", base_model="artcloud/tiny-random")
+            await model.register(backend)
+            while ((await backend.model_info("unsafe")).get("s3") or {}).get("pushed_step") != 0:
+                await asyncio.sleep(0.2)
+            print("step 0 on S3", flush=True)
+            while not os.path.exists(sys.argv[1]):
+                await asyncio.sleep(0.2)
+            client = model.openai_client()
+            messages = [{"role": "user", "content": "Say something."}]
+            trajectories = []
+            for seed in range(4):
+                r = await client.chat.completions.create(model="unsafe", messages=messages, max_tokens=4, logprobs=True, seed=seed)
+                trajectories.append(artcloud.Trajectory(messages_and_choices=[*messages, r.choices[0]], reward=seed / 4))
+            result = await model.train([artcloud.TrajectoryGroup(trajectories)], progress=False)
+            print(f"trained step {result.step}", flush=True)
+
+    asyncio.run(main())
+""")
+
+
+@pytest.mark.slow
+def test_final_push_that_fails_is_exit_6_not_success(tmp_path, run_env):
+    """The script succeeds, but S3 went away before its step could be pushed: the run says so (exit 6),
+    tears down anyway, and the summary names the step that is on S3."""
+    from artcloud.storage.seaweed import SeaweedS3
+
+    env, _ = run_env
+    own = SeaweedS3(tmp_path / "own-s3").start()  # stopped mid-run: no other test's S3
+    try:
+        own.client().create_bucket(Bucket="unsafe")
+        env = {**env, "ARTCLOUD_S3_ENDPOINT_URL": own.endpoint}
+        script, go = tmp_path / "unsafe.py", tmp_path / "go"
+        script.write_text(UNSAFE)
+        data = tmp_path / "server-data"
+        proc = start_run(tmp_path, env, str(script), "--s3", "s3://unsafe/runs", "--path", str(data), "--", str(go))
+        wait_for_line(proc, "step 0 on S3")
+        own.stop()
+        go.touch()
+        out = finish(proc, timeout=600)
+    finally:
+        own.stop()
+    assert proc.returncode == 6, out
+    assert "trained step 1" in out
+    summary = json.loads((tmp_path / "artcloud-run.json").read_text())
+    assert summary["outcome"] == "push_unconfirmed" and summary["exit_code"] == 6 and summary["script_exit_code"] == 0
+    assert summary["reason"] == "the final push was not confirmed for unsafe@1; the script finished"
+    assert summary["teardown"]["ok"] and summary["teardown"]["unpushed"] == ["unsafe@1"]
+    assert "last checkpoint NOT pushed (unsafe@1): " in summary["teardown"]["detail"]
+    assert "the newest step on S3 is 0" in summary["teardown"]["detail"]
+    assert summary["teardown"]["detail"].endswith("the local server torn down")
+    assert "exit 6" in out
+    assert leftovers(str(data), str(script)) == []
+
+
+def test_progress_snapshots_read_the_models_from_the_authenticated_status(tmp_path):
+    """/health tells the world only status, version and readiness: the runner's snapshots (what the summary
+    reports when the final answer never comes) read the models from GET /artcloud/status."""
+    import asyncio
+
+    import artcloud
+    from artcloud.run import Runner, RunOptions
+
+    async def main():
+        async with artcloud.LocalBackend(path=tmp_path / "local") as backend:
+            model = artcloud.TrainableModel(name="watched", project="ci", base_model="artcloud/tiny-random")
+            await model.register(backend)
+            runner = Runner(RunOptions(script=TRAIN), say=lambda line: None)
+            runner.backend = backend
+            await runner._snapshot()
+            return runner.models
+
+    models = asyncio.run(main())
+    assert list(models) == ["watched"]
+    assert (models["watched"]["project"], models["watched"]["step"]) == ("ci", 0)

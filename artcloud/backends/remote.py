@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +26,16 @@ from artcloud.tls import client_ssl_context
 log = logging.getLogger("artcloud.client")
 
 EventCallback = Callable[[dict[str, Any]], None]
+
+KEEPALIVE_S = 15.0  # the server writes a blank line on a quiet event stream this often (server/jobs.py heartbeat_s)
+EVENT_READ_TIMEOUT_S = 3 * KEEPALIVE_S  # three missed keep-alives: ask /health whether the server is still there
+HEALTH_PROBE_TIMEOUT_S = 10.0
+
+# How long a server may spend on its final push before it answers POST /artcloud/shutdown. The server's
+# pusher flush (server/pusher.py, Registry.shutdown) is bounded by this same constant; a client waits a
+# minute more, so that it hears the server's verdict instead of giving up just before it.
+FINAL_PUSH_TIMEOUT_S = 600.0
+FINAL_PUSH_WAIT_S = FINAL_PUSH_TIMEOUT_S + 60.0
 
 
 class ArtcloudError(Exception):
@@ -62,6 +73,69 @@ def _raise_for(response: httpx.Response) -> None:
     raise ArtcloudError(f"{response.status_code} {code}: {message}", code=code, field=field, status=response.status_code)
 
 
+@dataclass(frozen=True)
+class PushVerdict:
+    """What a shutdown answer says about one model's final push to S3 (see `push_verdicts`)."""
+
+    name: str
+    step: int  # the newest committed step, on the server's disk
+    status: str  # "pushed" (S3 has `step`), "not_pushed", or "no_s3" (the server had no S3 to push to)
+    on_s3: int | None = None  # the newest step that IS on S3 (None: none yet, or no S3)
+    reason: str | None = None  # why a push is not confirmed
+    dropped_training: bool = False  # a step still computing at shutdown was dropped (never committed)
+
+    @property
+    def confirmed(self) -> bool:
+        return self.status == "pushed"
+
+    def line(self, on_sandbox: bool = False) -> str:
+        """One line for a person: what is safe where."""
+        label = f"{self.name}@{self.step}"
+        if self.status == "pushed":
+            text = f"last checkpoint pushed ({label})"
+        elif self.status == "no_s3":
+            text = f"no S3 for {label}: its checkpoints stayed on the server's disk" + (
+                " and go with the sandbox" if on_sandbox else "")
+        else:
+            newest = f"the newest step on S3 is {self.on_s3}" if self.on_s3 is not None else "nothing of it is on S3"
+            text = f"last checkpoint NOT pushed ({label}): {self.reason}; {newest}"
+        return text + ("; a training step in flight was dropped" if self.dropped_training else "")
+
+
+def push_verdicts(answer: dict[str, Any]) -> list[PushVerdict]:
+    """Judge each model of a POST /artcloud/shutdown answer. A push is confirmed only when S3 holds the
+    newest committed step (`pushed_step == step`), no push is pending and neither the pusher
+    (`last_error`) nor the shutdown (`error`) reported a failure. Anything else is not confirmed, with
+    the reason and the newest step that is on S3."""
+    verdicts = []
+    for model in answer.get("models", []):
+        name, step, s3 = model["name"], model["step"], model.get("s3")
+        dropped = bool(model.get("training"))
+        if s3 is None:
+            verdicts.append(PushVerdict(name, step, "no_s3", dropped_training=dropped))
+            continue
+        pushed = s3.get("pushed_step")
+        # The first reason that applies, most telling first (a failed push also leaves it pending).
+        if model.get("error"):
+            reason = f"the final push failed: {_first_line(model['error'])}"
+        elif s3.get("last_error"):
+            reason = f"S3 error: {_first_line(s3['last_error'])}"
+        elif s3.get("pending"):
+            reason = "a push was still running"
+        elif pushed != step:
+            reason = f"S3 has step {pushed}, not {step}" if pushed is not None else "no step of it reached S3"
+        else:
+            reason = None
+        verdicts.append(PushVerdict(name, step, "pushed" if reason is None else "not_pushed", on_s3=pushed,
+                                    reason=reason, dropped_training=dropped))
+    return verdicts
+
+
+def _first_line(text: str, limit: int = 200) -> str:
+    line = str(text).strip().splitlines()[0] if str(text).strip() else ""
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
 class RemoteBackend:
     """A running `artcloud serve`, reached at `base_url` over HTTPS with the launch's token and CA."""
 
@@ -77,6 +151,8 @@ class RemoteBackend:
         retries: int = 6,
         heartbeat_every_s: float = 60.0,
         check_hostname: bool = True,
+        event_read_timeout_s: float = EVENT_READ_TIMEOUT_S,
+        health_probe_timeout_s: float = HEALTH_PROBE_TIMEOUT_S,
     ):
         if not base_url.startswith("https://"):
             raise ValueError(f"artcloud servers speak HTTPS only: use https://..., not {base_url!r}")
@@ -86,6 +162,10 @@ class RemoteBackend:
         self.timeout = timeout
         self.retries = retries
         self.heartbeat_every_s = heartbeat_every_s
+        # A followed job's stream carries an event or a keep-alive at least every KEEPALIVE_S: silence
+        # for longer means the server or the path to it is gone (a half-open connection never errors).
+        self.event_read_timeout_s = event_read_timeout_s
+        self.health_probe_timeout_s = health_probe_timeout_s
         # False only for a launch CA: it signed this one server certificate and its key is gone, so the
         # CA alone identifies the server, whatever address the provider gave it.
         self.check_hostname = check_hostname
@@ -168,7 +248,7 @@ class RemoteBackend:
         """A RemoteBackend does not own its server: this only closes the connection."""
         await self.close()
 
-    async def shutdown(self, wait_for_training_s: float = 0.0, timeout: float = 600.0) -> dict[str, Any]:
+    async def shutdown(self, wait_for_training_s: float = 0.0, timeout: float = FINAL_PUSH_WAIT_S) -> dict[str, Any]:
         """Ask the server to end itself gracefully: POST /artcloud/shutdown.
 
         Once this returns, the server takes no new training jobs (409 shutting_down), has waited up to
@@ -176,10 +256,11 @@ class RemoteBackend:
         checkpoint to S3 (or tried to): each entry of the answer's `models` gives its `step`, its `s3`
         status (None without S3; the push is safe when `pushed_step == step`, `pending` is false and
         `last_error` is None; `error` says why a push did not finish), and `training: true` where a job
-        was still at work (its step is not committed and is lost). The process then exits with status 0
-        shortly after answering, so the machine may be torn down once this returns. Sent once,
-        never retried (a lost answer may mean the server already left); a server that does not answer
-        raises ServerGone. `timeout` bounds the whole call, waiting and pushes included.
+        was still at work (its step is not committed and is lost); `push_verdicts(answer)` judges them.
+        The process then exits with status 0 shortly after answering, so the machine may be torn down
+        once this returns. Sent once, never retried (a lost answer may mean the server already left); a
+        server that does not answer raises ServerGone. `timeout` bounds the whole call, waiting and
+        pushes included: the default covers the server's own bound on its final push.
         """
         async def post() -> dict[str, Any]:
             # Its own timeout: the server may wait for training and pushes far longer than self.timeout.
@@ -193,10 +274,12 @@ class RemoteBackend:
             self._shut_down = True
             return answer
         except (httpx.TransportError, asyncio.TimeoutError) as e:
+            if isinstance(e, (httpx.TimeoutException, asyncio.TimeoutError)):
+                self._shut_down = True  # a server silent for the whole wait: final_push asks it no second time
             raise ServerGone(f"the artcloud server at {self.base_url} did not answer the shutdown request "
                              f"({type(e).__name__}: {e})", code="server_unreachable") from e
 
-    async def final_push(self, timeout: float = 600.0) -> dict[str, Any] | None:
+    async def final_push(self, timeout: float = FINAL_PUSH_WAIT_S) -> dict[str, Any] | None:
         """`shutdown()` once, for a server that has answered: its answer, or None when there was nothing to
         ask (never reached, or already asked). Launchers call it before a machine is torn down."""
         if self._shut_down or not self._version_checked:
@@ -271,7 +354,11 @@ class RemoteBackend:
 
     async def follow_job(self, job_id: str, on_event: EventCallback | None = None,
                          reconnect_for_s: float = 300.0) -> list[dict[str, Any]]:
-        """Every event of a job, in order, until it ends. A dropped stream reconnects from its cursor."""
+        """Every event of a job, in order, until it ends. A dropped stream reconnects from its cursor.
+
+        A stream silent for `event_read_timeout_s` (no event, no keep-alive) asks GET /health once: a
+        server that does not answer within `health_probe_timeout_s` is gone (a preempted VM, a partition,
+        a stopped process) and raises ServerGone at once; one that answers gets the stream reopened."""
         events: list[dict[str, Any]] = []
         loop = asyncio.get_running_loop()
         failing_since: float | None = None
@@ -280,7 +367,8 @@ class RemoteBackend:
             try:
                 async with self._client().stream("GET", f"/artcloud/jobs/{job_id}/events",
                                                  params={"after": len(events), "follow": "true"},
-                                                 timeout=httpx.Timeout(self.timeout, read=None)) as response:
+                                                 timeout=httpx.Timeout(self.timeout, connect=30.0,
+                                                                       read=self.event_read_timeout_s)) as response:
                     if response.status_code >= 400:
                         await response.aread()
                         _raise_for(response)
@@ -300,6 +388,8 @@ class RemoteBackend:
                 if isinstance(e, ArtcloudError) and not _retryable(e):
                     raise
                 await self._check_alive()
+                if isinstance(e, httpx.TimeoutException):
+                    await self._probe_after_silence(job_id, e)
                 now = loop.time()
                 failing_since = failing_since or now
                 if now - failing_since > reconnect_for_s:
@@ -308,6 +398,21 @@ class RemoteBackend:
                 log.info("event stream of %s dropped (%s); reconnecting after seq %d", job_id, e, len(events))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
+
+    async def _probe_after_silence(self, job_id: str, cause: Exception) -> None:
+        """One quick GET /health, no retries: return if the server answers, else raise ServerGone."""
+        probe = self.health_probe_timeout_s
+        try:
+            # wait_for as well: a stopped peer may accept TCP and then never finish the TLS handshake.
+            response = await asyncio.wait_for(self._client().get("/health", timeout=httpx.Timeout(probe)), probe + 1.0)
+        except (httpx.TransportError, asyncio.TimeoutError) as e:
+            raise ServerGone(
+                f"the artcloud server at {self.base_url} went silent while training job {job_id}: no event nor "
+                f"keep-alive for {self.event_read_timeout_s:.0f} s, and GET /health did not answer within {probe:.0f} s "
+                f"({type(e).__name__}). It was stopped, preempted or cut off; the model's last committed checkpoint "
+                "is what a new server resumes from", code="server_unreachable") from cause
+        log.info("event stream of %s silent for %.0f s (%s) but /health answers %d: reconnecting",
+                 job_id, self.event_read_timeout_s, type(cause).__name__, response.status_code)
 
 
 class SandboxBackend(RemoteBackend):
@@ -325,9 +430,13 @@ class SandboxBackend(RemoteBackend):
         """Have the server push its last checkpoint and exit (best effort: a server already gone has
         nothing left to push), then tear the machine down (idempotent) and mark it down."""
         try:
-            await self.final_push(timeout=300.0)
+            answer = await self.final_push()
         except ArtcloudError as e:
-            log.warning("the server at %s did not confirm its final push: %s", self.base_url, e)
+            log.warning("%s: no final push (the server at %s did not answer: %s); tearing down anyway",
+                        self.sandbox_name, self.base_url, e)
+        else:
+            for verdict in push_verdicts(answer or {}):
+                (log.info if verdict.confirmed else log.warning)("%s: %s", self.sandbox_name, verdict.line(on_sandbox=True))
         await self._teardown()
 
     async def __aexit__(self, *exc: Any) -> None:

@@ -1,0 +1,106 @@
+"""The client against servers that vanish for real: a SIGSTOPped server process mid-train (issue 14, point 11).
+
+A stopped process keeps its sockets open: the kernel still acks TCP, so the client sees no error, only
+silence. Without a read timeout on the event stream, `model.train()` would wait for ever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+
+import pytest
+
+import artcloud
+from artcloud.backends.remote import ServerGone
+
+TINY = "artcloud/tiny-random"
+READ_TIMEOUT_S = 3.0
+PROBE_TIMEOUT_S = 2.0
+
+
+async def rollout(client, name: str, prompt: str) -> artcloud.Trajectory:
+    messages = [{"role": "user", "content": prompt}]
+    r = await client.chat.completions.create(model=name, messages=messages, max_tokens=8, logprobs=True)
+    choice = r.choices[0]
+    return artcloud.Trajectory(messages_and_choices=[*messages, choice], reward=len(choice.message.content or "") / 20)
+
+
+async def registered_with_groups(backend, name: str, prompts: int = 2):
+    model = artcloud.TrainableModel(name=name, project="faults", base_model=TINY)
+    await model.register(backend)
+    client = model.openai_client()
+    groups = await artcloud.gather_trajectory_groups(
+        [artcloud.TrajectoryGroup(rollout(client, name, f"p{i}") for _ in range(4)) for i in range(prompts)], progress=False)
+    for g in groups:
+        g.trajectories[0].reward += 1.0  # rewards never all equal: every group trains
+    return model, groups
+
+
+def train_body(groups, key: str, gradient_steps: int) -> dict:
+    return {"groups": [g.to_wire() for g in groups], "config": artcloud.TrainConfig(gradient_steps=gradient_steps).model_dump(),
+            "idempotency_key": key}
+
+
+def test_server_stopped_mid_train_raises_server_gone_within_the_read_timeout(tmp_path):
+    """SIGSTOP the server right after a job is posted: following it raises ServerGone within read timeout
+    + /health probe timeout (+ a margin), naming the job; once resumed, the job's events are all there."""
+
+    async def main():
+        backend = artcloud.LocalBackend(path=tmp_path / "local", event_read_timeout_s=READ_TIMEOUT_S,
+                                        health_probe_timeout_s=PROBE_TIMEOUT_S)
+        async with backend:
+            _, groups = await registered_with_groups(backend, "stopped")
+            job = await backend.start_train("stopped", train_body(groups, "stop-1", gradient_steps=4))
+            pid = backend._proc.pid
+            os.kill(pid, signal.SIGSTOP)  # as a preempted VM or a partition looks from here: silence
+            try:
+                started = time.monotonic()
+                bound = READ_TIMEOUT_S + PROBE_TIMEOUT_S + 1.0
+                with pytest.raises(ServerGone) as gone:
+                    # wait_for turns a hang (no read timeout) into a failure of this test, not of the suite.
+                    await asyncio.wait_for(backend.follow_job(job["job_id"]), bound + 20.0)
+                elapsed = time.monotonic() - started
+                assert elapsed < bound + 3.0, elapsed
+                message = str(gone.value)
+                assert job["job_id"] in message and gone.value.code == "server_unreachable"
+                assert f"no event nor keep-alive for {READ_TIMEOUT_S:.0f} s" in message
+                assert f"GET /health did not answer within {PROBE_TIMEOUT_S:.0f} s" in message
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            # The server was only paused: the same job, followed again from the start, ends normally.
+            events = await asyncio.wait_for(backend.follow_job(job["job_id"]), 120)
+            assert [e["seq"] for e in events] == list(range(1, len(events) + 1)) and events[-1]["type"] == "end"
+            return pid
+
+    pid = asyncio.run(main())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_a_quiet_stream_from_a_live_server_reconnects_and_loses_nothing(tmp_path, caplog):
+    """A job queued behind a long one is silent for longer than the read timeout while /health answers:
+    the client reconnects from its cursor instead of giving up."""
+
+    async def main():
+        backend = artcloud.LocalBackend(path=tmp_path / "local", event_read_timeout_s=1.0, health_probe_timeout_s=10.0)
+        async with backend:
+            _, groups = await registered_with_groups(backend, "queued")
+            # Three jobs of 64 gradient steps (64 groups) ahead: seconds of silence on the last one's stream.
+            ahead = [await backend.start_train("queued", train_body(groups * 32, f"long-{i}", gradient_steps=64))
+                     for i in range(3)]
+            second = await backend.start_train("queued", train_body(groups, "after-1", gradient_steps=1))
+            with caplog.at_level(logging.INFO, logger="artcloud.client"):
+                events = await asyncio.wait_for(backend.follow_job(second["job_id"]), 300)
+            first_events = await backend.follow_job(ahead[0]["job_id"])
+            return events, first_events
+
+    events, first_events = asyncio.run(main())
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    assert [e["type"] for e in events] == ["queued", "start", "step", "end"]
+    assert first_events[-1]["type"] == "end"
+    assert any("/health answers 200: reconnecting" in r.getMessage() for r in caplog.records), \
+        "the queued job's stream was never silent for 1 s: make the first job longer"
