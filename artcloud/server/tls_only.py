@@ -66,13 +66,25 @@ class TLSOnlyProtocol(asyncio.Protocol):
         tls = sslproto.SSLProtocol(loop, self.make_inner(), self.context, None, server_side=True)
         self.transport.set_protocol(tls)
         tls.connection_made(self.transport)
-        view = memoryview(data)
-        while view:
-            buf = tls.get_buffer(len(view))
-            n = min(len(buf), len(view))
-            buf[:n] = view[:n]
-            tls.buffer_updated(n)
-            view = view[n:]
+        replay(tls, data)
+
+
+def replay(protocol: asyncio.BaseProtocol, data: bytes) -> None:
+    """Feed `data` to `protocol` as its transport would have.
+
+    asyncio's SSLProtocol is a BufferedProtocol (get_buffer/buffer_updated) since Python 3.11; on 3.10
+    it is a plain Protocol that only has data_received. `requires-python` admits 3.10, the python3 of
+    Ubuntu 22.04 GPU images, so both kinds are fed."""
+    if not isinstance(protocol, asyncio.BufferedProtocol):
+        protocol.data_received(data)  # type: ignore[attr-defined]
+        return
+    view = memoryview(data)
+    while view:
+        buf = protocol.get_buffer(len(view))
+        n = min(len(buf), len(view))
+        buf[:n] = view[:n]
+        protocol.buffer_updated(n)
+        view = view[n:]
 
 
 def server_context(certfile: str, keyfile: str) -> ssl.SSLContext:
