@@ -132,7 +132,7 @@ async def through_server(server: Server, texts: list[str], args: argparse.Namesp
 
     def batches() -> int:
         with server.client() as c:
-            return sum(e["batches"] for e in c.get("/health").json()["engines"])
+            return sum(e["batches"] for e in c.get("/artcloud/status").json()["engines"])
 
     try:
         await one(texts[0])  # warm-up
