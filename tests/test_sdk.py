@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
@@ -247,6 +248,13 @@ def test_the_demo_loop_at_a_small_scale(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _terminal_like_sigint() -> None:
+    """The child gets SIGINT as a shell's child would: unblocked and at its default. A test worker's own
+    state (a library that blocked or ignored SIGINT around a spawn of its own) is inherited otherwise."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_training_stops_the_server(tmp_path):
     script = textwrap.dedent(f"""
         import asyncio, artcloud
@@ -266,11 +274,18 @@ def test_ctrl_c_during_training_stops_the_server(tmp_path):
                     await model.train(groups * 8, config=artcloud.TrainConfig(gradient_steps=64), progress=False)
         asyncio.run(main())
     """)
-    client = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    client = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=_terminal_like_sigint)
     server_pid = int(client.stdout.readline())
     time.sleep(1.0)  # training has started
     client.send_signal(signal.SIGINT)
-    _, err = client.communicate(timeout=60)
+    try:
+        _, err = client.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        masks = [line for line in Path(f"/proc/{client.pid}/status").read_text().splitlines() if line.startswith("Sig")]
+        client.kill()
+        os.kill(server_pid, signal.SIGKILL)
+        raise AssertionError(f"the client went on for 60 s after Ctrl-C; its signal masks: {masks}") from None
     assert client.returncode != 0 and "KeyboardInterrupt" in err
     with pytest.raises(ProcessLookupError):
         os.kill(server_pid, 0)
