@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
@@ -41,18 +43,25 @@ def start_server(tmp_path):
         s.stop()
 
 
-@pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory):
-    """One server per test module, with `agent` registered on artcloud/tiny-random."""
-    server = Server(tmp_path_factory.mktemp("tiny") / "data")
+@contextmanager
+def serving_agent(folder: Path, *args: str, project: str = "tests") -> Iterator[Server]:
+    """A server (with `args`) that has `agent` registered on artcloud/tiny-random, stopped on exit."""
+    server = Server(folder, *args)
     try:
         server.start()
         with server.client() as c:
-            r = c.post("/artcloud/models", json={"name": "agent", "project": "tests", "base_model": TINY})
+            r = c.post("/artcloud/models", json={"name": "agent", "project": project, "base_model": TINY})
             assert r.status_code == 200, r.text
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    """One server per test module, with `agent` registered on artcloud/tiny-random."""
+    with serving_agent(tmp_path_factory.mktemp("tiny") / "data") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
+
+
+def wait_for(what: str, check, timeout: float = 60.0, every: float = 0.1):
+    """check()'s first truthy value, polled every `every` s; an AssertionError naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def chat(client: httpx.Client, model: str, content: str = "Say something.", **kw: Any) -> dict[str, Any]:

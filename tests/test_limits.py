@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import TINY
+from conftest import TINY, serving_agent
 from helpers import chat, rollout_groups
 
 LIMITED = ("--max-body-mb", "0.2", "--max-request-tokens", "64", "--max-queued-jobs", "1", "--max-kept-jobs", "2",
@@ -17,17 +17,8 @@ LIMITED = ("--max-body-mb", "0.2", "--max-request-tokens", "64", "--max-queued-j
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
-    from conftest import Server
-
-    server = Server(tmp_path_factory.mktemp("limits") / "data", *LIMITED)
-    try:
-        server.start()
-        with server.client() as c:
-            r = c.post("/artcloud/models", json={"name": "agent", "project": "limits", "base_model": TINY})
-            assert r.status_code == 200, r.text
+    with serving_agent(tmp_path_factory.mktemp("limits") / "data", *LIMITED, project="limits") as server:
         yield server
-    finally:
-        server.stop()
 
 
 def _error(r: httpx.Response, status: int, code: str) -> dict:

@@ -11,7 +11,7 @@ import uuid
 
 import httpx
 import pytest
-from helpers import TCPProxy, events, rollout_groups, train
+from helpers import TCPProxy, events, rollout_groups, train, wait_for
 from test_s3_server import s3_env
 
 from artcloud.server.serve import GRACEFUL_SHUTDOWN_S
@@ -33,16 +33,6 @@ def _store(seaweed, bucket: str) -> CheckpointStore:
     return CheckpointStore(S3Config.from_uri(f"s3://{bucket}/runs", endpoint_url=seaweed.endpoint, region="us-east-1",
                                              access_key_id=env["AWS_ACCESS_KEY_ID"],
                                              secret_access_key=env["AWS_SECRET_ACCESS_KEY"]))
-
-
-def _wait(what: str, check, timeout: float, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 # ------------------------------------------------------------------------------------------ the lease
@@ -94,13 +84,13 @@ def test_a_vanished_followers_event_stream_does_not_hold_the_lease(start_server)
 
     threading.Thread(target=heartbeat, daemon=True).start()
     threading.Thread(target=follow, daemon=True).start()
-    _wait("the stream to open", lambda: any(e["type"] == "queued" for e in seen), 60)
+    wait_for("the stream to open", lambda: any(e["type"] == "queued" for e in seen), 60)
     time.sleep(2 * lease_s)  # heartbeats hold the server meanwhile
     assert s.proc.poll() is None, s.tail()
 
     cut = time.monotonic()
     proxy.blackhole()
-    _wait("the server to exit", lambda: s.proc.poll() is not None, lease_s + 30)
+    wait_for("the server to exit", lambda: s.proc.poll() is not None, lease_s + 30)
     exited_after = time.monotonic() - cut
     stop.set()
     on_disk = [json.loads(line) for line in (s.path / "p" / "agent" / "jobs" / f"{job_id}.events.jsonl").read_text().splitlines()]
@@ -199,7 +189,7 @@ def test_a_local_step_newer_than_s3_is_pushed_when_the_model_resumes(seaweed, st
     again = start_server(path, "--s3", f"s3://{bucket}/runs", env=s3_env(seaweed))
     with again.client() as c:
         assert c.get("/artcloud/models/agent").json()["step"] == 2
-    assert _wait("step 2 on S3", lambda: store.latest("p", "agent") == 2, 30)
+    assert wait_for("step 2 on S3", lambda: store.latest("p", "agent") == 2, 30)
 
 
 @pytest.mark.slow
@@ -220,11 +210,11 @@ def test_the_claim_is_renewed_while_idle_and_a_lost_claim_stops_training_and_pus
     with a.client() as c:
         train(c, "agent", rollout_groups(c, "agent", ["x"], n=4))
         store = _store(seaweed, bucket)
-        assert _wait("step 1 on S3", lambda: store.latest("p", "agent") == 1, 30)
+        assert wait_for("step 1 on S3", lambda: store.latest("p", "agent") == 1, 30)
         # Another server takes the model over (as one would after a partition longer than the timeout).
         intruder = {"owner": "intruder", "host": "elsewhere", "pid": 1, "renewed_at": time.time(), "nonce": "n"}
         seaweed.client().put_object(Bucket=bucket, Key=f"runs/p/agent/{OWNER}", Body=json.dumps(intruder).encode())
-        s3 = _wait("the claim to be lost", lambda: (c.get("/artcloud/models/agent").json()["s3"] or {}).get("claim_lost")
+        s3 = wait_for("the claim to be lost", lambda: (c.get("/artcloud/models/agent").json()["s3"] or {}).get("claim_lost")
                    and c.get("/artcloud/models/agent").json()["s3"], 10)
         assert "another server" in s3["claim_lost"]
         r = c.post("/artcloud/models/agent/train", json={"groups": rollout_groups(c, "agent", ["y"], n=4)})

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import wait_for
 
 from artcloud._version import __version__
 from artcloud.backends.sky_api import ClusterInfo, sky_api
@@ -70,16 +71,6 @@ def launch_secrets():
     made = make_launch_secrets()
     return made, {"ARTCLOUD_TOKEN": made.token, "ARTCLOUD_TLS_CERT": made.server_cert,
                   "ARTCLOUD_TLS_KEY": made.server_key}
-
-
-def wait_for(what: str, check, timeout: float = 60.0, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def small_task(run: str, setup: str = "echo setting up in $PWD", **envs: str) -> dict:
