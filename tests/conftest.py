@@ -88,7 +88,7 @@ def tiny_engine_with_adapter(slot: str, scale: float):
     engine.create_adapter(slot, LoraConfig(rank=4, alpha=8.0))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for _, p in engine._params(slot):
+        for _, p in engine.trainer._params(slot):
             p.copy_(torch.randn(p.shape, generator=g) * scale)
     return engine
 

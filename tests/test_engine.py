@@ -40,12 +40,12 @@ def _recompute(engine, slot, prompt_ids, completions, temperature=1.0):
                     temperature=temperature)
         for c in completions
     ]
-    batch = packing.pack(samples, engine.pad_id)
-    model = engine._activate(slot) if slot else engine.peft
+    batch = packing.pack(samples, engine.trainer.pad_id)
+    model = engine.trainer.activate(slot) if slot else engine.trainer.peft
     with torch.no_grad():
         if slot is None:
-            with engine.peft.disable_adapter():
-                lp = packing.completion_logprobs(engine.peft, batch, shared=False)
+            with engine.trainer.peft.disable_adapter():
+                lp = packing.completion_logprobs(engine.trainer.peft, batch, shared=False)
         else:
             lp = packing.completion_logprobs(model, batch, shared=False)
     return [lp[b, : len(c.token_ids)] for b, c in enumerate(completions)]
@@ -68,7 +68,7 @@ def test_generate_shapes(engine):
             if c.finish_reason == "length":
                 assert len(c.token_ids) == 6
             else:
-                assert c.token_ids[-1] in engine.eos_ids.tolist()
+                assert c.token_ids[-1] in engine.sampler.eos_ids.tolist()
     assert engine.generate("gen", []) == []
 
 
@@ -143,7 +143,7 @@ def test_tiny_top_p_equals_greedy(engine):
 def test_max_tokens_and_length_finish(engine):
     p = _prompt(engine, "Hello")
     full = engine.generate("gen", [_req(p, 1, max_tokens=12, temperature=0.0)])[0][0]
-    eos = set(engine.eos_ids.tolist())
+    eos = set(engine.sampler.eos_ids.tolist())
     assert not eos & set(full.token_ids[:4])  # precondition: no EOS in the first four greedy tokens
     c = engine.generate("gen", [_req(p, 1, max_tokens=4, temperature=0.0)])[0][0]
     assert c.token_ids == full.token_ids[:4]
@@ -242,7 +242,7 @@ def _rollout_samples(engine, slot, seed=0):
 
 
 def _weights(engine, slot):
-    return {n: p.detach().clone() for n, p in engine._params(slot)}
+    return {n: p.detach().clone() for n, p in engine.trainer._params(slot)}
 
 
 def test_train_step_changes_adapter(engine):
@@ -267,9 +267,9 @@ def test_train_step_changes_adapter(engine):
     assert all(not torch.equal(before[n], after[n]) for n in before if "lora_B" in n)
     assert any(not torch.equal(before[n], after[n]) for n in before if "lora_A" in n)
     # the other adapter was not touched
-    assert all(p.grad is None for _, p in engine._params("gen"))
+    assert all(p.grad is None for _, p in engine.trainer._params("gen"))
     # the model is back in eval mode
-    assert not engine.peft.training
+    assert not engine.trainer.peft.training
 
 
 def test_train_step_kl_reports_kl(engine):
@@ -306,7 +306,7 @@ def test_save_load_resume_is_exact(engine, tmp_path):
     for n in w1:
         assert torch.equal(w1[n], w2[n]), n
 
-    s1, s2 = engine.optimizer_state(slot), other.optimizer_state(slot)
+    s1, s2 = engine.trainer.optimizer_state(slot), other.trainer.optimizer_state(slot)
     assert s1["state"].keys() == s2["state"].keys() and len(s1["state"]) == len(w1)
     for i in s1["state"]:
         for key in ("exp_avg", "exp_avg_sq", "step"):
@@ -354,10 +354,10 @@ def test_saved_adapter_loads_with_peft(engine, tmp_path):
     peft_model.eval()
     ids = torch.tensor([_prompt(engine, "What is the capital of France?")])
     with torch.no_grad():
-        expected = engine._activate(slot)(input_ids=ids).logits
+        expected = engine.trainer.activate(slot)(input_ids=ids).logits
         got = peft_model(input_ids=ids).logits
-        with engine.peft.disable_adapter():
-            plain = engine.peft(input_ids=ids).logits
+        with engine.trainer.peft.disable_adapter():
+            plain = engine.trainer.peft(input_ids=ids).logits
     assert (expected - plain).abs().max() > 1e-3  # the adapter matters
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
@@ -373,7 +373,7 @@ def test_micro_batching_gives_the_same_update(engine, monkeypatch, cut):
     engine.create_adapter(two, LORA)
     g = torch.Generator().manual_seed(4)
     with torch.no_grad():
-        for (n1, p1), (n2, p2) in zip(engine._params(one), engine._params(two)):
+        for (n1, p1), (n2, p2) in zip(engine.trainer._params(one), engine.trainer._params(two)):
             assert n1.replace(f".{one}.", ".") == n2.replace(f".{two}.", ".")
             p1.copy_(torch.randn(p1.shape, generator=g) * 0.05)
             p2.copy_(p1)
@@ -382,8 +382,8 @@ def test_micro_batching_gives_the_same_update(engine, monkeypatch, cut):
     def grads_at_step(slot):
         """The accumulated gradients, recorded just before the optimizer steps."""
         seen = []
-        params = [p for _, p in engine._params(slot)]
-        handle = engine._optimizer(slot).register_step_pre_hook(
+        params = [p for _, p in engine.trainer._params(slot)]
+        handle = engine.trainer._optimizer(slot).register_step_pre_hook(
             lambda opt, args, kwargs: seen.append([p.grad.detach().clone() for p in params])
         )
         return seen, handle
@@ -425,7 +425,7 @@ def test_micro_batching_gives_the_same_update(engine, monkeypatch, cut):
     for a, b in zip(grads1[0], grads2[0]):
         torch.testing.assert_close(a / scale, b / scale, atol=1e-5, rtol=0)
     # Adam's first step is ~lr * sign(g): allow a gradient that is ~0 to flip sign from summation order.
-    for (_, p1), (_, p2) in zip(engine._params(one), engine._params(two)):
+    for (_, p1), (_, p2) in zip(engine.trainer._params(one), engine.trainer._params(two)):
         torch.testing.assert_close(p1, p2, atol=2.5 * cfg.learning_rate, rtol=0)
         assert float((p1 - p2).abs().mean()) < 0.01 * cfg.learning_rate
 
@@ -443,9 +443,9 @@ def test_rng_state_roundtrip(engine):
 
 def test_delete_adapter(engine):
     engine.create_adapter("tmp", LORA)
-    assert engine._params("tmp")
+    assert engine.trainer._params("tmp")
     engine.delete_adapter("tmp")
-    assert engine._params("tmp") == []
-    assert "tmp" not in engine.peft.peft_config
+    assert not engine.trainer.has("tmp")
+    assert "tmp" not in engine.trainer.peft.peft_config
     out = engine.generate("gen", [_req(_prompt(engine, "Hi"), 1, max_tokens=3)])
     assert len(out[0][0].token_ids) >= 1

@@ -236,7 +236,7 @@ def test_token_logprobs_at_each_rows_temperature():
 @pytest.fixture(scope="module")
 def lora_model(one_torch_thread):
     engine = tiny_engine_with_adapter("pk", scale=0.05)
-    model = engine.peft
+    model = engine.trainer.peft
     model.set_adapter("pk")
     return engine, model
 
@@ -276,9 +276,9 @@ def test_pack_layout():
 def test_shared_prefix_equals_full_sequences(lora_model):
     engine, model = lora_model
     samples = _samples(engine.vocab_size)
-    batch = packing.pack(samples, engine.pad_id)
+    batch = packing.pack(samples, engine.trainer.pad_id)
     assert batch.shares_prompts
-    params = [p for _, p in engine._params("pk")]
+    params = [p for _, p in engine.trainer._params("pk")]
     assert params and all(p.requires_grad for p in params)
     weights = torch.randn(batch.completions.shape, generator=torch.Generator().manual_seed(5))
 
@@ -311,9 +311,9 @@ def test_full_sequences_match_one_at_a_time(lora_model):
     engine, model = lora_model
     samples = _samples(engine.vocab_size)
     with torch.no_grad():
-        lp = packing.completion_logprobs(model, packing.pack(samples, engine.pad_id), shared=False)
+        lp = packing.completion_logprobs(model, packing.pack(samples, engine.trainer.pad_id), shared=False)
         for b, s in enumerate(samples):
-            alone = packing.completion_logprobs(model, packing.pack([s], engine.pad_id), shared=False)
+            alone = packing.completion_logprobs(model, packing.pack([s], engine.trainer.pad_id), shared=False)
             n = len(s.completion_ids)
             torch.testing.assert_close(lp[b, :n], alone[0, :n], atol=1e-4, rtol=0)
 
@@ -386,8 +386,8 @@ def test_loss_through_packed_batch_backpropagates(lora_model):
     """End to end on a packed batch: policy_loss over completion_logprobs gives finite grads."""
     engine, model = lora_model
     samples = _samples(engine.vocab_size)
-    batch = packing.pack(samples, engine.pad_id)
-    params = [p for _, p in engine._params("pk")]
+    batch = packing.pack(samples, engine.trainer.pad_id)
+    params = [p for _, p in engine.trainer._params("pk")]
     for p in params:
         p.grad = None
     new_lp = packing.completion_logprobs(model, batch)

@@ -37,12 +37,12 @@ def _copy_adapter(engine, src: str, dst: str) -> None:
     """`dst`: a fresh adapter (fresh optimizer) with the weights of `src`."""
     engine.create_adapter(dst, LORA)
     with torch.no_grad():
-        for (_, p), (_, q) in zip(engine._params(src), engine._params(dst)):
+        for (_, p), (_, q) in zip(engine.trainer._params(src), engine.trainer._params(dst)):
             q.copy_(p)
 
 
 def _weights(engine, slot):
-    return {n: p.detach().clone() for n, p in engine._params(slot)}
+    return {n: p.detach().clone() for n, p in engine.trainer._params(slot)}
 
 
 def _samples(engine, slot, requests, *, temperature_of=lambda c: logprob_temperature(c.temperature)):
@@ -68,7 +68,7 @@ def test_sampled_logprobs_are_at_the_sampling_temperature_and_the_ratio_is_one(e
     out, samples = _samples(engine, "t_new", [hot, greedy])
 
     # Independently of packing: one plain forward pass per sample.
-    model = engine._activate("t_new")
+    model = engine.trainer.activate("t_new")
     for r, comps in zip([hot, greedy], out):
         for c in comps:
             assert c.temperature == r.params.temperature
@@ -110,19 +110,19 @@ def _assert_not_stepped(engine, slot, before, steps_before, skip=()):
     for n, w in before.items():
         if n not in skip:
             assert torch.equal(after[n], w), n
-    opt = engine._optimizer(slot)
+    opt = engine.trainer._optimizer(slot)
     assert [float(s["step"]) for s in opt.state.values()] == steps_before
-    assert all(p.grad is None for _, p in engine._params(slot))  # gradients cleared
-    assert not engine.peft.training  # back in eval mode
+    assert all(p.grad is None for _, p in engine.trainer._params(slot))  # gradients cleared
+    assert not engine.trainer.peft.training  # back in eval mode
 
 
 def test_non_finite_loss_raises_before_the_optimizer_steps(engine):
     _copy_adapter(engine, "base", "nan_loss")
     samples = _rollout(engine, "nan_loss")
     engine.train_step("nan_loss", samples, TrainConfig(learning_rate=1e-3), lambda m: None)  # a good step first
-    steps_before = [float(s["step"]) for s in engine._optimizer("nan_loss").state.values()]
+    steps_before = [float(s["step"]) for s in engine.trainer._optimizer("nan_loss").state.values()]
     assert steps_before and set(steps_before) == {1.0}
-    poisoned, param = engine._params("nan_loss")[0]
+    poisoned, param = engine.trainer._params("nan_loss")[0]
     with torch.no_grad():
         param.view(-1)[0] = float("nan")  # one NaN weight makes every logit, and so the loss, NaN
     before = _weights(engine, "nan_loss")
@@ -160,7 +160,7 @@ def test_non_finite_grad_norm_raises_at_its_gradient_step(engine):
     after = _weights(engine, "inf_grad")
     for (n, w), w_ref in zip(after.items(), after_step_1.values()):
         assert torch.equal(w, w_ref), n  # step 2 never reached the weights
-    assert [float(s["step"]) for s in engine._optimizer("inf_grad").state.values()] == [1.0] * len(after)
+    assert [float(s["step"]) for s in engine.trainer._optimizer("inf_grad").state.values()] == [1.0] * len(after)
 
 
 def test_non_finite_parameters_after_the_step_raise(engine):

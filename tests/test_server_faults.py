@@ -150,7 +150,7 @@ def test_a_non_finite_update_is_skipped_never_committed_and_the_adapter_rolls_ba
             if not FlakyMemory.poisoned:
                 FlakyMemory.poisoned = True
                 with torch.no_grad():
-                    self._params(slot)[0][1].view(-1)[0] = float("nan")
+                    self.trainer._params(slot)[0][1].view(-1)[0] = float("nan")
             return super().train_step(slot, *args, **kwargs)
 
     token = "t" * 32
@@ -166,7 +166,7 @@ def test_a_non_finite_update_is_skipped_never_committed_and_the_adapter_rolls_ba
         assert c.get("/artcloud/models/agent").json()["step"] == 0
         assert checkpoints.committed_steps(tmp_path / "data" / "p" / "agent") == [0]
         engine = registry.models["agent"].engine
-        assert all(math.isfinite(float(p.detach().abs().max())) for _, p in engine._params(registry.models["agent"].slot))
+        assert all(math.isfinite(float(p.detach().abs().max())) for _, p in engine.trainer._params(registry.models["agent"].slot))
         # the same groups train now: the rollback restored the committed adapter and optimizer
         evs = train(c, "agent", groups)
         assert evs[-1]["data"]["step"] == 1

@@ -94,11 +94,11 @@ def create_app(registry: Registry, token: str) -> FastAPI:
     app.add_middleware(TokenAuth, token=token, lease=registry.lease)
     _error_handlers(app)
 
-    @app.get("/health", operation_id="health", response_model=schemas.Health)
+    @app.get("/health", operation_id="health", response_model=schemas.Health, response_model_exclude_none=True)
     async def health() -> dict[str, Any]:
         """Anyone may ask (load balancers, launchers waiting for the port): it says nothing private, and
         never renews the lease."""
-        return {"status": "ok", "version": __version__, "ready": registry.ready}
+        return registry.health()
 
     @app.get("/artcloud/status", operation_id="status", response_model=schemas.Status)
     async def status() -> dict[str, Any]:

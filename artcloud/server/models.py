@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from artcloud.protocol import RegisterRequest
 from artcloud.server.batching import Batcher, RWLock
-from artcloud.server.engines.base import Engine
+from artcloud.server.engines.engine import Engine
 from artcloud.server.errors import ApiError
 from artcloud.storage import checkpoints
 
@@ -65,6 +65,15 @@ class EngineHost:
         # Do not wait for a running generation or training step: whatever it was doing is not committed
         # (checkpoints are renamed into place only when complete), and a server asked to stop must stop.
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.engine is not None:
+            self.engine.close()  # a sampler's own process (vLLM) goes with it
+
+    def health(self) -> str | None:
+        """Why this host cannot serve now (its sampler's process died and restarts), or None."""
+        if self.engine is None:
+            return None
+        state = self.engine.sampler.status()
+        return None if state.get("state") == "ready" else state.get("detail") or f"sampler {state.get('state')}"
 
 
 class ServedModel:

@@ -39,7 +39,7 @@ _ERRORS = {
     409: "conflicts with the server's state (a model registered differently, a server shutting down, a limit)",
     413: "the request body is over artcloud serve --max-body-mb",
     429: "too many training jobs waiting for this model (artcloud serve --max-queued-jobs)",
-    503: "the server is still loading its models (GET /health says ready)",
+    503: "the server is still loading its models (GET /health says ready), or its sampler process restarts",
 }
 
 
@@ -52,9 +52,10 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 class Health(_Open):
-    status: Literal["ok"]
+    status: Literal["ok", "degraded"] = Field(description="degraded while a sampler process (vLLM) restarts")
     version: str
     ready: bool = Field(description="true once the models an earlier server left are loaded again")
+    detail: str | None = Field(None, description="what is degraded, and that it restarts by itself")
 
 
 class S3Status(_Open):
@@ -80,6 +81,11 @@ class EngineSummary(_Open):
     base_model: str
     kind: str
     batches: int = Field(description="engine calls made for chat completions (each may serve many requests)")
+    engine: str | None = Field(None, description="the sampler and trainer, e.g. 'vllm + unsloth'")
+    colocated: bool | None = Field(None, description="sampler and trainer take turns on one GPU")
+    turn: str | None = None
+    switches: int | None = None
+    sampler: dict[str, Any] | None = None
 
 
 class LeaseInfo(_Open):

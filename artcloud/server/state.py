@@ -21,7 +21,8 @@ from typing import Any, Callable
 from artcloud._version import __version__
 from artcloud.protocol import RegisterRequest
 from artcloud.server.batching import Batcher
-from artcloud.server.engines.base import Completion, Engine, GenerationRequest
+from artcloud.server.engines.base import Completion, GenerationRequest, SamplerUnavailable
+from artcloud.server.engines.engine import Engine
 from artcloud.server.errors import ApiError
 from artcloud.server.lease import Lease
 from artcloud.server.limits import Limits
@@ -215,12 +216,15 @@ class Registry:
 
     async def _run_batch(self, host: EngineHost, key: tuple[str, str | None, int | None], requests: list[GenerationRequest]) -> tuple[list[list[Completion]], str]:
         _, name, step = key
-        if name is None:
-            return await host.call(host.engine.generate, None, requests), host.base_model
-        model = self.models[name]
-        async with model.lock.read():
-            slot, served_step = await model.slot_for(step)
-            results = await host.call(host.engine.generate, slot, requests)
+        try:
+            if name is None:
+                return await host.call(host.engine.generate, None, requests), host.base_model
+            model = self.models[name]
+            async with model.lock.read():
+                slot, served_step = await model.slot_for(step)
+                results = await host.call(host.engine.generate, slot, requests)
+        except SamplerUnavailable as e:
+            raise ApiError(503, "sampler_unavailable", str(e)) from e
         return results, f"{name}@{served_step}"
 
     # ------------------------------------------------------------------------------------- reports
@@ -235,11 +239,21 @@ class Registry:
                  "training": m.lock.writing, "s3": m.trainer.s3_status()}
                 for m in self.models.values()
             ],
-            "engines": [{"base_model": h.base_model, "kind": self.engine_kind, "batches": h.batcher.batches if h.batcher else 0}
+            "engines": [{"base_model": h.base_model, "kind": self.engine_kind, "batches": h.batcher.batches if h.batcher else 0,
+                         **(h.engine.status() if h.engine is not None else {})}
                         for h in self.hosts.values()],
             "lease": self.lease.info(),
             "limits": dataclasses.asdict(self.limits),
         }
+
+    def health(self) -> dict[str, Any]:
+        """GET /health: "degraded" while a sampler process is down (it restarts by itself). Nothing private:
+        no model names, no paths."""
+        problems = [p for p in (h.health() for h in self.hosts.values()) if p]
+        out: dict[str, Any] = {"status": "degraded" if problems else "ok", "version": __version__, "ready": self.ready}
+        if problems:
+            out["detail"] = "; ".join(problems)
+        return out
 
     async def close(self) -> None:
         from artcloud.server.jobs import SYNCER

@@ -1,13 +1,18 @@
-"""The engine interface: the model math, and nothing else.
+"""The engine's two halves: a sampler and a trainer, joined by adapter checkpoints.
 
-An engine owns one base model, its tokenizer and the LoRA adapters on it. It generates and it trains.
+A **trainer** owns one base model's trainable copy and the LoRA adapters on it: it creates, trains
+(through the one GRPO loop in artcloud.train.loop), saves and loads adapters with their optimizer.
+A **sampler** generates from the base model with an adapter, and makes an adapter servable from a
+folder the trainer saved (PEFT layout). engine.py joins one of each into the `Engine` the server uses:
+
+    CPU engine     TorchSampler + PeftTrainer, sharing one model in memory (cpu.py)
+    vllm+unsloth   VLLMSampler (vLLM's own process) + UnslothTrainer         (vllm_sampler.py, unsloth_trainer.py)
+    vllm+peft      VLLMSampler + PeftTrainer, where Unsloth cannot load a model
+
 Everything that is not model math (batching requests, pausing inference while an adapter updates,
 adapter names and steps, checkpoint folders, HTTP) lives in `artcloud.server` and works the same for
-every engine. The CPU engine (torch + transformers + peft) implements this; the GPU engine
-(vLLM + Unsloth) implements the same methods.
-
-Adapters are addressed by *slot*, an opaque string the server picks ("m3", "m3@7"); engines never
-parse it.
+every pair. Adapters are addressed by *slot*, an opaque string the server picks ("adapter3",
+"adapter3s7"); samplers and trainers never parse it.
 """
 
 from __future__ import annotations
@@ -66,11 +71,11 @@ class TrainSample:
 StepCallback = Callable[[dict[str, Any]], None]
 
 
-class Engine(abc.ABC):
-    """One base model plus its LoRA adapters."""
+class Trainer(abc.ABC):
+    """One base model's trainable weights and the LoRA adapters (with optimizers) on it."""
 
     base_model: str
-    tokenizer: Any  # a transformers tokenizer with a chat template
+    tokenizer: Any  # a transformers tokenizer with a chat template: the server renders chats with it
     vocab_size: int
     max_context: int  # prompt + completion tokens the model takes
 
@@ -79,32 +84,78 @@ class Engine(abc.ABC):
         """A fresh adapter (LoRA B = 0, so it starts equal to the base model) with a fresh optimizer."""
 
     @abc.abstractmethod
-    def delete_adapter(self, slot: str) -> None: ...
-
-    @abc.abstractmethod
-    def generate(self, slot: str | None, requests: list[GenerationRequest]) -> list[list[Completion]]:
-        """Sample `n` completions for each request, in one batch. `slot=None` is the bare base model."""
+    def delete_adapter(self, slot: str) -> None:
+        """Forget `slot` (a slot it does not hold is not an error)."""
 
     @abc.abstractmethod
     def train_step(
         self, slot: str, samples: list[TrainSample], config: TrainConfig, on_step: StepCallback
     ) -> list[dict[str, Any]]:
-        """`config.gradient_steps` optimizer steps over `samples`; `on_step(metrics)` after each one."""
+        """`config.gradient_steps` optimizer steps over `samples` (artcloud.train.loop);
+        `on_step(metrics)` after each one."""
 
     @abc.abstractmethod
     def save_adapter(self, slot: str, folder: Path, *, optimizer: bool) -> list[str]:
         """Write the adapter (PEFT layout: adapter_config.json + adapter_model.safetensors, loadable with
-        `PeftModel.from_pretrained`) and, if asked, the optimizer state into `folder`. Returns file names."""
+        `PeftModel.from_pretrained` and by vLLM) and, if asked, the optimizer state into `folder`.
+        Returns the file names."""
 
     @abc.abstractmethod
     def load_adapter(self, slot: str, lora: LoraConfig, folder: Path, *, optimizer: bool) -> None:
-        """Create or overwrite `slot` from a folder written by `save_adapter`."""
+        """Create or overwrite `slot` from a folder written by any trainer's `save_adapter`."""
 
     @abc.abstractmethod
     def rng_state(self) -> dict[str, Any]: ...
 
     @abc.abstractmethod
     def set_rng_state(self, state: dict[str, Any]) -> None: ...
+
+    def to_device(self) -> None:
+        """Bring weights and optimizer state to the accelerator (before training on a shared GPU)."""
+
+    def offload(self) -> None:
+        """Move what can move off the accelerator (while the sampler serves on a shared GPU)."""
+
+    def close(self) -> None: ...
+
+
+class Sampler(abc.ABC):
+    """Generates from the base model, bare or with a servable adapter."""
+
+    max_context: int  # prompt + completion tokens it takes
+    shares_trainer_weights: bool = False  # True: the trainer's own adapters are servable as they change
+    # True where sleep() really frees the accelerator for the trainer (vLLM's sleep mode on CUDA).
+    can_sleep: bool = False
+
+    @abc.abstractmethod
+    def generate(self, slot: str | None, requests: list[GenerationRequest]) -> list[list[Completion]]:
+        """Sample `n` completions for each request. `slot=None` is the bare base model. Each completion
+        carries its token ids and their logprobs (see `Completion`)."""
+
+    @abc.abstractmethod
+    def serve_adapter(self, slot: str, lora: LoraConfig, folder: Path) -> None:
+        """Make `slot` servable from a folder a trainer saved; a slot served before now serves this."""
+
+    @abc.abstractmethod
+    def drop_adapter(self, slot: str) -> None:
+        """Stop serving `slot` (a slot it does not serve is not an error)."""
+
+    def sleep(self) -> None:
+        """Free the accelerator for the trainer (only called where `can_sleep`)."""
+
+    def wake(self) -> None:
+        """Undo `sleep`."""
+
+    def status(self) -> dict[str, Any]:
+        """For /artcloud/status and /health: at least {"kind": ..., "state": "ready" | ...}."""
+        return {"kind": type(self).__name__, "state": "ready"}
+
+    def close(self) -> None: ...
+
+
+class SamplerUnavailable(Exception):
+    """The sampler cannot answer now (its process died and is restarting); the message says when to
+    retry. The server answers 503 with it."""
 
 
 class StopStrings:
