@@ -9,7 +9,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -44,7 +46,9 @@ def serve(
     tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="Server certificate (PEM path). Default: $ARTCLOUD_TLS_CERT, else a fresh CA is made under PATH/.tls."),
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="Private key of --tls-cert (PEM path). Default: $ARTCLOUD_TLS_KEY."),
     token_file: Optional[str] = typer.Option(None, "--token-file", help="File holding the bearer token. Default: $ARTCLOUD_TOKEN, else a new token in PATH/.tls/token."),
-    engine: str = typer.Option("cpu", "--engine", help="Model engine: cpu (torch + transformers + peft, float32), or auto (the same engine on the GPU in bfloat16 when torch sees CUDA, else cpu)."),
+    engine: str = typer.Option("cpu", "--engine", help="Model engine: cpu (torch + transformers + peft), vllm (vLLM samples, Unsloth trains; peft where Unsloth cannot load the model), vllm+unsloth, vllm+peft, or auto (vllm when CUDA is present and vLLM and Unsloth import, else cpu; one log line says which and why)."),
+    engine_args: Optional[str] = typer.Option(None, "--engine-args", help='JSON object overriding the vLLM engine\'s defaults, e.g. \'{"gpu_memory_utilization": 0.8, "max_model_len": 16384, "load_in_4bit": true}\' (vLLM flags with _ for -, plus the trainer\'s load_in_4bit and max_seq_length). Default: $ARTCLOUD_ENGINE_ARGS.'),
+    vllm_python: Optional[str] = typer.Option(None, "--vllm-python", help="The Python interpreter that runs vLLM (it pins its own torch and transformers, so it may live in another environment). Default: $ARTCLOUD_VLLM_PYTHON, else this one."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
     parent_pid: Optional[int] = typer.Option(None, "--parent-pid", help="Exit when this process is gone (set by LocalBackend)."),
     keep_last: int = typer.Option(0, "--keep-last", min=0, help="Keep only the newest K checkpoints (plus the best, and always the latest), here and on S3. 0 keeps all."),
@@ -82,6 +86,17 @@ def serve(
         claim_timeout_s = parse_duration(s3_claim_timeout, what="--s3-claim-timeout")
     except ValueError as e:
         raise CLIError(str(e)) from e
+    engine_args = engine_args or os.environ.get("ARTCLOUD_ENGINE_ARGS")
+    try:
+        parsed_args = json.loads(engine_args) if engine_args else None
+    except json.JSONDecodeError as e:
+        raise CLIError(f"--engine-args is not JSON ({e}): give an object, e.g. '{{\"max_model_len\": 4096}}'") from e
+    if parsed_args is not None and not isinstance(parsed_args, dict):
+        raise CLIError("--engine-args must be a JSON object, e.g. '{\"max_model_len\": 4096}'")
+    if vllm_python is not None and not (os.path.isfile(vllm_python) and os.access(vllm_python, os.X_OK)):
+        raise CLIError(f"--vllm-python {vllm_python}: no executable there; give the path of a python with vllm installed")
+    if vllm_python is not None:
+        os.environ["ARTCLOUD_VLLM_PYTHON"] = vllm_python
     limits = Limits(max_body_mb=max_body_mb, max_request_tokens=max_request_tokens, max_queued_jobs=max_queued_jobs,
                     max_kept_jobs=max_kept_jobs, max_base_models=max_base_models, max_models=max_models)
 
@@ -90,7 +105,7 @@ def serve(
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         run(host=host, port=port, path=path, tls_cert=tls_cert, tls_key=tls_key, token_file=token_file,
-            engine=engine, log_level=log_level, parent_pid=parent_pid, s3=s3, keep_last=keep_last, keep_best=keep_best,
+            engine=engine, engine_args=parsed_args, vllm_python=vllm_python, log_level=log_level, parent_pid=parent_pid, s3=s3, keep_last=keep_last, keep_best=keep_best,
             lease_s=lease_s, max_duration_s=max_duration_s, behind_https_proxy=behind_https_proxy, limits=limits,
             claim_timeout_s=claim_timeout_s)
     except ServeError as e:

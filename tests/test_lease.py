@@ -149,20 +149,30 @@ def test_bad_durations_and_engines_are_one_line_errors(tmp_path):
     one_line_error(serve(*base, "--lease", "0"), "--lease", "must be positive")
     one_line_error(serve(*base, "--lease", "abc"), "--lease", "'abc' is not a duration")
     one_line_error(serve(*base, "--max-duration", "-5m"), "--max-duration", "is not a duration")
-    one_line_error(serve(*base, "--engine", "vllm"), "unknown engine 'vllm'", "'auto' and 'cpu'")
+    one_line_error(serve(*base, "--engine", "gpu"), "unknown engine 'gpu'", "choose one of auto, cpu, vllm")
 
 
-def test_auto_engine_is_the_torch_engine_on_cuda_in_bfloat16_or_the_cpu_engine(monkeypatch):
+def test_auto_engine_is_cpu_without_cuda_and_vllm_with_cuda_when_vllm_and_unsloth_import(monkeypatch, tmp_path, caplog):
+    """--engine auto: one log line says which engine and why; on CUDA without vLLM it falls back to the
+    torch engine in bfloat16 (and says why), with vLLM (importable under the given python) it picks vllm."""
+    import logging
+    import sys
+
     import torch
 
+    from artcloud.server.engines import choose
     from artcloud.server.engines.cpu import CPUEngine
-    from artcloud.server.state import default_engine_factory
 
+    caplog.set_level(logging.INFO, "artcloud.engine")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert default_engine_factory("auto") is CPUEngine is default_engine_factory("cpu")
+    assert choose.engine_factory("auto", workdir=tmp_path) is CPUEngine is choose.engine_factory("cpu", workdir=tmp_path)
+    assert "engine auto: cpu, because torch sees no CUDA device" in caplog.text
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a test GPU")
-    gpu = default_engine_factory("auto")
+    # This interpreter has no vllm: the CPU engine's code on the GPU, and the line names the reason.
+    gpu = choose.engine_factory("auto", workdir=tmp_path, vllm_python=sys.executable)
     assert gpu.func is CPUEngine and gpu.keywords == {"dtype": "bfloat16", "device": "cuda"}
-    with pytest.raises(ValueError, match="this build has 'auto' and 'cpu'"):
-        default_engine_factory("unsloth")
+    assert "`import vllm` fails under" in caplog.text and "No module named 'vllm'" in caplog.text
+    with pytest.raises(ValueError, match="choose one of auto, cpu, vllm, vllm\\+unsloth, vllm\\+peft"):
+        choose.engine_factory("unsloth", workdir=tmp_path)

@@ -203,6 +203,8 @@ def run(
     token: str | None = None,
     token_file: str | None = None,
     engine: str = "cpu",
+    engine_args: dict | None = None,
+    vllm_python: str | None = None,
     log_level: str = "info",
     parent_pid: int | None = None,
     s3: str | None = None,
@@ -243,7 +245,8 @@ def run(
     # Before binding: an unknown --engine fails here, with nothing printed and nothing listening.
     lease = Lease(lease_s, max_duration_s, started_at=started)
     registry = Registry(path, engine=engine, store=store, retention=Retention(keep_last=keep_last, metric=keep_best),
-                        limits=limits, lease=lease, claim_timeout_s=claim_timeout_s or CLAIM_TIMEOUT_S)
+                        limits=limits, lease=lease, claim_timeout_s=claim_timeout_s or CLAIM_TIMEOUT_S,
+                        engine_args=engine_args, vllm_python=vllm_python)
     sock = bind(host, port)
     actual_port = sock.getsockname()[1]
     shown_host = "localhost" if host in ("127.0.0.1", "0.0.0.0", "::", "::1") else host

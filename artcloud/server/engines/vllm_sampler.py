@@ -1,0 +1,356 @@
+"""The vLLM sampler: vLLM's OpenAI server as a child process on loopback, driven token-in, token-out.
+
+Why a process and not `AsyncLLM` in ours: vLLM pins its own torch and transformers, so it may live in
+another Python environment (`artcloud serve --vllm-python`, ARTCLOUD_VLLM_PYTHON); a crash in it
+(CUDA OOM, a driver fault) does not take the server and its committed steps down; and it is what ART
+runs, so its sleep, LoRA and logprob behaviour is vLLM's own.
+
+- It listens on 127.0.0.1 only, with a random key of its own (passed in its environment, never argv).
+- The server keeps TLS, the token, NAME@STEP, chat rendering and tool parsing. It sends vLLM the prompt
+  as token ids (POST /v1/completions), so sampling and training see the same tokens, and gets back the
+  sampled token ids and their logprobs. `--logprobs-mode processed_logprobs`: the logprob of each token
+  under the distribution it was drawn from, log_softmax(logits / T) (T = 1 for greedy), as the CPU
+  engine returns; with top_p < 1 vLLM's are renormalised over the nucleus, the CPU engine's are not.
+- Adapters: each `serve_adapter` copies the adapter's two files into the sampler's own folder (a
+  checkpoint may be pruned later) and loads them under a fresh vLLM name (SLOT.VERSION), then unloads
+  the previous version. vLLM keeps `max_loras` on the GPU and up to `max_cpu_loras` in host memory,
+  least recently used out first; an evicted one is reloaded from its folder on demand.
+- If the process dies, the sampler says so (state "restarting"; /health says degraded), answers 503
+  meanwhile, starts a new one and serves every adapter again from its folder: nothing committed is lost.
+- On one shared GPU it sleeps (level 1: weights to host memory, KV cache dropped) while the trainer
+  runs; sleep mode needs CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from artcloud.server.engines.base import Completion, GenerationRequest, Sampler, SamplerUnavailable
+from artcloud.types import LoraConfig
+
+log = logging.getLogger("artcloud.engine")
+
+BASE_NAME = "base"  # what vLLM calls the bare base model
+START_TIMEOUT_S = float(os.environ.get("ARTCLOUD_VLLM_START_TIMEOUT", "900"))  # a 14B model cold: minutes
+MAX_RESTARTS = 5  # in a row without a healthy minute between them; then the sampler stays down
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what --max-lora-rank accepts
+
+
+def vllm_python() -> str:
+    """The interpreter that runs vLLM: ARTCLOUD_VLLM_PYTHON, else the server's own."""
+    return os.environ.get("ARTCLOUD_VLLM_PYTHON") or sys.executable
+
+
+@dataclass
+class VLLMArgs:
+    """How vLLM is started: the arguments of `vllm serve`, plus where and with what."""
+
+    model: str  # a local folder or a hub id
+    python: str
+    args: dict[str, Any]  # --flag value, e.g. {"max_model_len": 2048, "enforce_eager": True}
+    env: dict[str, str]
+    workdir: Path  # its log and its copies of the adapters
+
+    def argv(self, port: int) -> list[str]:
+        argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                "--served-model-name", BASE_NAME, "--host", "127.0.0.1", "--port", str(port),
+                "--enable-lora", "--return-tokens-as-token-ids", "--logprobs-mode", "processed_logprobs",
+                "--disable-uvicorn-access-log"]
+        for key, value in sorted(self.args.items()):
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                argv.append(flag)
+            elif value is False or value is None:
+                continue
+            else:
+                argv += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+        return argv
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child before exec (Linux): no vLLM outlives the server
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+    os.setsid()  # its own process group, so its engine workers are stopped with it
+
+
+class VLLMSampler(Sampler):
+    def __init__(self, args: VLLMArgs, *, colocated: bool, max_context: int):
+        self.cfg = args
+        self.can_sleep = colocated and bool(args.args.get("enable_sleep_mode"))
+        self.max_context = max_context
+        self.key = secrets.token_urlsafe(24)
+        self.max_lora_rank = int(args.args.get("max_lora_rank", 16))
+        self.adapters: dict[str, tuple[str, Path]] = {}  # slot -> (vLLM name, our copy of its files)
+        self.versions = 0
+        self.state = "starting"  # starting | ready | restarting | down | closed
+        self.detail: str | None = None
+        self.restarts = 0
+        self.asleep = False
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+        self._lock = threading.RLock()  # the process and the adapter table change together
+        self._pool = ThreadPoolExecutor(64, thread_name_prefix="artcloud-vllm")
+        import httpx
+
+        self._http = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0), limits=httpx.Limits(max_connections=64))
+        (args.workdir / "adapters").mkdir(parents=True, exist_ok=True)
+        self._start()
+        self._watcher = threading.Thread(target=self._watch, name="artcloud-vllm-watch", daemon=True)
+        self._watcher.start()
+
+    # ------------------------------------------------------------------------------------- process
+
+    @property
+    def log_path(self) -> Path:
+        return self.cfg.workdir / "vllm.log"
+
+    def _start(self) -> None:
+        port = _free_port()
+        env = {**os.environ, **self.cfg.env, "VLLM_API_KEY": self.key, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+               "VLLM_SERVER_DEV_MODE": "1" if self.can_sleep else "0", "VLLM_NO_USAGE_STATS": "1",
+               "DO_NOT_TRACK": "1"}
+        argv = self.cfg.argv(port)
+        log.info("starting vLLM (%s): %s", self.cfg.python, " ".join(argv[1:]))
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, preexec_fn=_die_with_parent)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise RuntimeError(f"vLLM exited with code {code} while starting; the end of {self.log_path}:\n"
+                                   + self.log_tail())
+            try:
+                if self._http.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    break
+            except Exception:
+                pass
+            if time.monotonic() > deadline:
+                self._kill()
+                raise RuntimeError(f"vLLM did not answer within {START_TIMEOUT_S:.0f} s (ARTCLOUD_VLLM_START_TIMEOUT); "
+                                   f"the end of {self.log_path}:\n" + self.log_tail())
+            time.sleep(0.5)
+        self.asleep = False
+        self.state, self.detail = "ready", None
+        log.info("vLLM ready at %s (pid %d)", self.url, self.proc.pid)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def _watch(self) -> None:
+        """Restart vLLM when it dies, and serve every adapter again."""
+        failures = 0
+        while True:
+            proc = self.proc
+            code = proc.wait() if proc is not None else None
+            if self.state == "closed":
+                return
+            with self._lock:
+                if self.proc is not proc:  # replaced meanwhile
+                    continue
+                failures = failures + 1 if time.monotonic() - getattr(self, "_ready_at", 0) < 60 else 1
+                self.state = "restarting"
+                self.detail = f"the vLLM sampler process exited (code {code}) and is restarting"
+                log.error("%s; the end of its log:\n%s", self.detail, self.log_tail())
+                if failures > MAX_RESTARTS:
+                    self.state = "down"
+                    self.detail = f"the vLLM sampler process died {failures} times in a row; see {self.log_path}"
+                    return
+                try:
+                    self._start()
+                    for slot, (_, folder) in list(self.adapters.items()):
+                        self._load(slot, folder)
+                    self.restarts += 1
+                    self._ready_at = time.monotonic()
+                except Exception as e:
+                    log.error("restarting vLLM failed: %s", e)
+                    self.detail = f"the vLLM sampler process died and restarting it failed: {str(e).splitlines()[0]}"
+                    time.sleep(min(30, 2 ** failures))
+
+    def _kill(self) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+    def close(self) -> None:
+        self.state = "closed"
+        self._kill()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
+
+    # ------------------------------------------------------------------------------------- HTTP
+
+    def _post(self, path: str, payload: dict[str, Any] | None = None, *, params: dict[str, Any] | None = None) -> Any:
+        import httpx
+
+        if self.state != "ready":
+            raise SamplerUnavailable((self.detail or f"the vLLM sampler is {self.state}") + "; retry in a minute")
+        try:
+            r = self._http.post(self.url + path, json=payload, params=params,
+                                headers={"Authorization": f"Bearer {self.key}"})
+        except httpx.TransportError as e:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise SamplerUnavailable(f"the vLLM sampler process exited (code {self.proc.returncode}) and is "
+                                         "restarting; retry in a minute") from e
+            raise
+        if r.status_code >= 400:
+            raise RuntimeError(f"vLLM {path} answered {r.status_code}: {r.text[:500]}")
+        return r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
+
+    # ------------------------------------------------------------------------------------- adapters
+
+    def check_lora(self, lora: LoraConfig) -> None:
+        if lora.rank > self.max_lora_rank:
+            fits = next((r for r in VLLM_LORA_RANKS if r >= lora.rank), lora.rank)
+            raise ValueError(f"rank {lora.rank} is over this vLLM sampler's max_lora_rank {self.max_lora_rank}: "
+                             f"register with rank <= {self.max_lora_rank}, or start the server with "
+                             f"engine_args max_lora_rank={fits}")
+
+    def serve_adapter(self, slot: str, lora: LoraConfig, folder: Path) -> None:
+        self.check_lora(lora)
+        with self._lock:
+            self.versions += 1
+            name = f"{slot}.{self.versions}"
+            copy = self.cfg.workdir / "adapters" / name
+            copy.mkdir()
+            for f in ADAPTER_FILES:
+                shutil.copyfile(folder / f, copy / f)
+            old = self.adapters.get(slot)
+            self.adapters[slot] = (name, copy)
+            if self.state == "ready":  # else the restart serves it
+                self._load(slot, copy)
+            if old is not None:
+                self._unload(*old)
+
+    def _load(self, slot: str, copy: Path) -> None:
+        name, _ = self.adapters[slot]
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(copy)})
+
+    def _unload(self, name: str, copy: Path) -> None:
+        try:
+            self._post("/v1/unload_lora_adapter", {"lora_name": name})
+        except (SamplerUnavailable, RuntimeError) as e:  # a restarted vLLM never had it
+            log.debug("unloading %s: %s", name, e)
+        shutil.rmtree(copy, ignore_errors=True)
+
+    def drop_adapter(self, slot: str) -> None:
+        with self._lock:
+            old = self.adapters.pop(slot, None)
+            if old is not None:
+                self._unload(*old)
+
+    # ------------------------------------------------------------------------------------- sleep
+
+    def sleep(self) -> None:
+        if self.can_sleep and not self.asleep and self.state == "ready":
+            self._post("/sleep", params={"level": 1})
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep and self.state == "ready":
+            self._post("/wake_up")
+            self.asleep = False
+
+    # ------------------------------------------------------------------------------------- generation
+
+    def generate(self, slot: str | None, requests: list[GenerationRequest]) -> list[list[Completion]]:
+        if slot is None:
+            model = BASE_NAME
+        else:
+            entry = self.adapters.get(slot)
+            if entry is None:
+                raise KeyError(f"adapter {slot!r} is not served by this vLLM sampler")
+            model = entry[0]
+        return list(self._pool.map(lambda r: self._one(model, r), requests))
+
+    def _one(self, model: str, req: GenerationRequest) -> list[Completion]:
+        p = req.params
+        payload: dict[str, Any] = {
+            "model": model,
+            "prompt": req.prompt_ids,
+            "n": req.n,
+            "max_tokens": p.max_tokens,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "logprobs": max(1, p.top_logprobs),
+            "return_token_ids": True,
+            "skip_special_tokens": True,
+        }
+        if p.stop:
+            payload["stop"] = p.stop
+        if p.seed is not None:
+            payload["seed"] = p.seed
+        out = self._post("/v1/completions", payload)
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        return [self._completion(c, p.top_logprobs, p.temperature) for c in choices]
+
+    @staticmethod
+    def _completion(choice: dict[str, Any], top_k: int, temperature: float) -> Completion:
+        ids = list(choice["token_ids"])
+        lp = choice["logprobs"]
+        logprobs = [float(x) for x in lp["token_logprobs"]]
+        if len(logprobs) != len(ids):
+            raise RuntimeError(f"vLLM returned {len(ids)} token ids but {len(logprobs)} logprobs")
+        tops = None
+        if top_k:
+            tops = []
+            for d in lp.get("top_logprobs") or []:
+                pairs = sorted(((int(k.split(":", 1)[1]), float(v)) for k, v in (d or {}).items()), key=lambda kv: -kv[1])
+                tops.append(pairs[:top_k])
+        return Completion(
+            token_ids=ids,
+            logprobs=logprobs,
+            top_logprobs=tops,
+            finish_reason="stop" if choice.get("finish_reason") == "stop" else "length",
+            text=choice.get("text") or "",
+            temperature=temperature,
+        )
+
+    # ------------------------------------------------------------------------------------- state
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": "vllm", "state": self.state, "restarts": self.restarts, "asleep": self.asleep,
+                               "adapters": len(self.adapters), "python": self.cfg.python}
+        if self.proc is not None:
+            out["pid"] = self.proc.pid
+        if self.detail:
+            out["detail"] = self.detail
+        return out
