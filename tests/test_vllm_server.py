@@ -67,10 +67,26 @@ def test_vllm_sampler_behind_the_server_in_its_own_environment_survives_its_deat
             wait_for("/health to say ok", lambda: c.get("/health").json()["status"] == "ok", timeout=300, every=1)
             status = c.get("/artcloud/status").json()["engines"][0]["sampler"]
             assert status["restarts"] == 1 and status["pid"] != eng["sampler"]["pid"]
+            # The killed server's engine core and workers did not outlive it (they would hold a GPU).
+            assert group_members(eng["sampler"]["pid"]) == []
             # Nothing committed was lost: step 1 is served again, as before.
             again = chat(c, "agent", probe, **greedy)
             assert again["model"] == "agent@1" and again["choices"][0]["token_ids"] == at1["choices"][0]["token_ids"]
     finally:
         server.stop()
-    # The vLLM process went with the server.
-    assert "vllm.entrypoints.openai.api_server" not in os.popen("ps -eo args").read()
+    # vLLM's whole process group (API server, engine core, workers) went with the server.
+    assert group_members(status["pid"]) == []
+
+
+def group_members(pgid: int) -> list[str]:
+    """The processes of process group `pgid` (vLLM runs in a group of its own), as 'PID NAME'."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            name = text[text.index("(") + 1:text.rindex(")")]
+            if int(text.rsplit(")", 1)[1].split()[2]) == pgid:
+                out.append(f"{stat.parent.name} {name}")
+        except (OSError, ValueError, IndexError):
+            continue
+    return out

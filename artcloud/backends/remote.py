@@ -38,6 +38,9 @@ FINAL_PUSH_TIMEOUT_S = 600.0
 FINAL_PUSH_WAIT_S = FINAL_PUSH_TIMEOUT_S + 60.0
 
 
+REGISTER_TIMEOUT_S = 1800.0
+
+
 class ArtcloudError(Exception):
     """An error answered by the server (`code`, `message`, `field`) or met on the way to it."""
 
@@ -190,7 +193,8 @@ class RemoteBackend:
         return self._http
 
     async def _call(self, method: str, path: str, *, json_body: Any = None, retry: bool = True,
-                    params: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> dict[str, Any]:
+                    params: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
+                    timeout: float | None = None) -> dict[str, Any]:
         attempts = AsyncRetrying(
             stop=stop_after_attempt(self.retries if retry else 1),
             wait=wait_exponential_jitter(initial=0.5, max=15.0),
@@ -200,7 +204,8 @@ class RemoteBackend:
         try:
             async for attempt in attempts:
                 with attempt:
-                    response = await self._client().request(method, path, json=json_body, params=params, headers=headers)
+                    response = await self._client().request(method, path, json=json_body, params=params, headers=headers,
+                                                            **({"timeout": httpx.Timeout(timeout, connect=30.0)} if timeout else {}))
                     _raise_for(response)
                     return response.json()
         except httpx.TransportError as e:
@@ -323,7 +328,8 @@ class RemoteBackend:
     async def register(self, name: str, project: str, base_model: str, lora: dict[str, Any]) -> dict[str, Any]:
         if not self._version_checked:
             await self.health()
-        info = await self._call("POST", "/artcloud/models",
+        # The first model on a base model loads it, and a vLLM engine starts its process: minutes for a 14B model.
+        info = await self._call("POST", "/artcloud/models", timeout=REGISTER_TIMEOUT_S,
                                 json_body={"name": name, "project": project, "base_model": base_model, "lora": lora})
         self._start_heartbeats()
         return info

@@ -13,6 +13,7 @@ vLLM's kernels sum in another order than transformers').
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 
@@ -37,7 +38,9 @@ def build(pair: str, workdir):
     from artcloud.server.engines.choose import build_vllm_engine
 
     trainer = {"vllm+peft": "peft", "vllm+unsloth": "unsloth"}[pair]
-    return build_vllm_engine(SMOLLM2, trainer=trainer, workdir=workdir)
+    # ARTCLOUD_ENGINE_ARGS as `artcloud serve` reads it (bench/gpu_check.sh passes enforce_eager to start faster).
+    args = json.loads(os.environ.get("ARTCLOUD_ENGINE_ARGS") or "{}")
+    return build_vllm_engine(SMOLLM2, trainer=trainer, workdir=workdir, engine_args=args)
 
 
 @pytest.fixture(scope="module", params=PAIRS)
@@ -135,7 +138,7 @@ def test_sampled_logprobs_equal_the_trainers_recomputation(engine, tmp_path, tem
     publish(engine, "lp", tmp_path / "1")
     fresh = samples_from(engine, "lp", prompt(engine, "Name three colours."), n=4, temperature=temperature, seed=11)
     got = [s.old_logprobs for s in fresh]
-    want = engine.trainer.logprobs("lp", fresh)
+    want = engine.trainer_logprobs("lp", fresh)
     assert_logprobs_close(got, want)
 
 
@@ -178,7 +181,7 @@ def test_save_then_load_is_exact(engine, tmp_path):
     for k in oa["state"]:
         for name in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(oa["state"][k][name], ob["state"][k][name])
-    assert engine.trainer.logprobs("sv", samples) == engine.trainer.logprobs("sv2", samples)
+    assert engine.trainer_logprobs("sv", samples) == engine.trainer_logprobs("sv2", samples)
     engine.delete_adapter("sv2")
 
 
@@ -186,9 +189,9 @@ def test_a_few_steps_on_a_fixed_batch_lower_the_loss(engine, tmp_path):
     publish(engine, "fit", tmp_path / "0", new=True)
     samples = samples_from(engine, "fit", prompt(engine, "Write a word."), n=6)
     losses = []
-    for _ in range(4):
-        losses += [m["loss"] for m in engine.train_step("fit", samples, TrainConfig(learning_rate=1e-2), lambda m: None)]
-    assert losses[-1] < losses[0] - 1e-3, losses
+    for _ in range(4):  # a small step: PPO clipping makes too large a one bounce back
+        losses += [m["loss"] for m in engine.train_step("fit", samples, TrainConfig(learning_rate=2e-3), lambda m: None)]
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
 
 
 def test_a_checkpoint_resumes_across_engines(engine, tmp_path):
@@ -203,16 +206,16 @@ def test_a_checkpoint_resumes_across_engines(engine, tmp_path):
 
     cpu = CPUEngine(SMOLLM2)  # float32 on the CPU, whatever this pair runs on
     cpu.load_adapter("x", LORA, tmp_path / "mine1", optimizer=True)
-    mine = engine.trainer.logprobs("x", samples)
-    theirs = cpu.trainer.logprobs("x", samples)
+    mine = engine.trainer_logprobs("x", samples)
+    theirs = cpu.trainer_logprobs("x", samples)
     assert_logprobs_close(theirs, mine)
     # Both take the same next step from the same optimizer state.
     cpu.train_step("x", samples, TrainConfig(learning_rate=5e-3), lambda m: None)
     (tmp_path / "cpu2").mkdir()
     cpu.save_adapter("x", tmp_path / "cpu2", optimizer=True)
     engine.load_adapter("x", LORA, tmp_path / "cpu2", optimizer=True)  # and the sampler serves it
-    assert_logprobs_close(engine.trainer.logprobs("x", samples), cpu.trainer.logprobs("x", samples))
+    assert_logprobs_close(engine.trainer_logprobs("x", samples), cpu.trainer_logprobs("x", samples))
     served = engine.generate("x", [GenerationRequest(ids, 2, SamplingParams(max_tokens=8, seed=5))])[0]
     again = [TrainSample(ids, c.token_ids, c.logprobs, 0.0, 0) for c in served]
-    assert_logprobs_close([s.old_logprobs for s in again], cpu.trainer.logprobs("x", again))
+    assert_logprobs_close([s.old_logprobs for s in again], cpu.trainer_logprobs("x", again))
     cpu.close()

@@ -117,6 +117,12 @@ class Engine:
         self._trainer_turn()
         return self.trainer.train_step(slot, samples, config, on_step)
 
+    def trainer_logprobs(self, slot: str | None, samples: list[TrainSample]) -> list[list[float]]:
+        """The trainer's logprobs of each sample's completion (what the GRPO loop computes): the
+        conformance suite compares them with the sampler's."""
+        self._trainer_turn()
+        return self.trainer.logprobs(slot, samples)
+
     def save_adapter(self, slot: str, folder: Path, *, optimizer: bool) -> list[str]:
         return self.trainer.save_adapter(slot, folder, optimizer=optimizer)
 

@@ -88,6 +88,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_is_vllm(pgid: int) -> bool:
+    """Whether process group `pgid` still holds a vLLM process (a pid file may outlive its group)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and b"vllm" in (stat.parent / "cmdline").read_bytes().lower():
+                return True
+        except (OSError, IndexError, ValueError):
+            continue
+    return False
+
+
 def _die_with_parent() -> None:  # runs in the child before exec (Linux): no vLLM outlives the server
     try:
         import ctypes
@@ -130,6 +149,15 @@ class VLLMSampler(Sampler):
         return self.cfg.workdir / "vllm.log"
 
     def _start(self) -> None:
+        # A server killed hard (SIGKILL, OOM) cannot stop its vLLM; the next one on this folder does.
+        if self.pgid_file.exists():
+            try:
+                stale = int(self.pgid_file.read_text())
+                if _group_is_vllm(stale):
+                    log.warning("stopping vLLM process group %d left by an earlier server", stale)
+                    _kill_group(stale, signal.SIGKILL)
+            except ValueError:
+                pass
         port = _free_port()
         env = {**os.environ, **self.cfg.env, "VLLM_API_KEY": self.key, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
                "VLLM_SERVER_DEV_MODE": "1" if self.can_sleep else "0", "VLLM_NO_USAGE_STATS": "1",
@@ -139,6 +167,7 @@ class VLLMSampler(Sampler):
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, preexec_fn=_die_with_parent)
+        self.pgid_file.write_text(str(self.proc.pid))  # setsid: its pid is its group's id
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -177,6 +206,7 @@ class VLLMSampler(Sampler):
             with self._lock:
                 if self.proc is not proc:  # replaced meanwhile
                     continue
+                _kill_group(proc.pid, signal.SIGKILL)  # its engine core may outlive it, holding the GPU
                 failures = failures + 1 if time.monotonic() - getattr(self, "_ready_at", 0) < 60 else 1
                 self.state = "restarting"
                 self.detail = f"the vLLM sampler process exited (code {code}) and is restarting"
@@ -197,18 +227,24 @@ class VLLMSampler(Sampler):
                     time.sleep(min(30, 2 ** failures))
 
     def _kill(self) -> None:
+        """Stop vLLM's whole process group (its API server, engine core and workers). The group is signalled
+        even when its leader is gone: an engine core left behind would hold the GPU."""
         proc = self.proc
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
+        _kill_group(proc.pid, signal.SIGTERM)
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=15)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            proc.wait(timeout=5)  # within the server's own shutdown grace (serve.GRACEFUL_SHUTDOWN_S)
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(0.5)
+        _kill_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+        self.pgid_file.unlink(missing_ok=True)
+
+    @property
+    def pgid_file(self) -> Path:
+        return self.cfg.workdir / "vllm.pgid"
 
     def close(self) -> None:
         self.state = "closed"
