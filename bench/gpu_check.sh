@@ -31,6 +31,15 @@ install() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
     python3 --version; nproc; free -g | head -2
     if [ -x "$PY" ] && $PY -c "import vllm, unsloth" 2>/dev/null; then stage "install: $VENV already there"; return; fi
+    if ! timeout 30 python3 -m pip download --quiet --no-deps -d /tmp/artcloud-probe six >/dev/null 2>&1; then
+        stage "no package registry answers here: vLLM and Unsloth cannot be installed. Running what can run on"
+        echo "this GPU instead: bench/gpu_trainer_check.py (the peft trainer and the torch sampler on CUDA, placement,"
+        echo "a CUDA checkpoint resumed on the CPU). It needs pydantic: carry its wheels in .whl (see its docstring)."
+        ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+            && export PYTHONPATH=/tmp/site:$PWD
+        timeout 300 python3 bench/gpu_trainer_check.py 2>&1 | grep -v -e Warning -e "Writing model" -e "Loading weights"
+        return 1
+    fi
     stage "install uv, then artcloud[gpu] into $VENV"
     # uv: parallel downloads (a few GB of CUDA wheels), and it needs no python3-venv package.
     command -v uv >/dev/null || python3 -m pip install --quiet --user uv || python3 -m pip install --quiet --break-system-packages --user uv

@@ -124,7 +124,7 @@ def _shared_prefix(model: Any, batch: PackedBatch) -> torch.Tensor:
     first = out.logits[:, -1:, :][batch.prompt_of]  # (B, 1, V): predicts completion token 0
 
     lengths = batch.prompt_mask.sum(-1)[batch.prompt_of]  # (B,)
-    positions = lengths.unsqueeze(1) + torch.arange(C).unsqueeze(0)  # (B, C)
+    positions = lengths.unsqueeze(1) + torch.arange(C, device=lengths.device).unsqueeze(0)  # (B, C)
     mask = torch.cat([batch.prompt_mask[batch.prompt_of], batch.completion_mask.long()], dim=1)
     rest = model(
         input_ids=batch.completions,
