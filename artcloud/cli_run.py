@@ -36,7 +36,7 @@ def run(
     name: Optional[str] = typer.Option(None, "--name", "-n", help="The run's name, also the sandbox's (sky, modal). Default: run-DATE-TIME / artcloud-XXXXXX."),
     env: List[str] = typer.Option([], "--env", "-e", help="KEY=VALUE for the sandbox's environment. Repeatable."),
     secret: List[str] = typer.Option([], "--secret", help="NAME of an environment variable here to pass to the sandbox as a secret. Repeatable."),
-    engine: Optional[str] = typer.Option(None, "--engine", help="Server engine: cpu, or auto (the GPU when there is one). Default: cpu for local, auto elsewhere."),
+    engine: Optional[str] = typer.Option(None, "--engine", help="Server engine: auto (vLLM + Unsloth when the machine has CUDA and both import, else cpu), vllm, vllm+unsloth, vllm+peft or cpu. Engine settings: --env ARTCLOUD_ENGINE_ARGS='{\"max_model_len\": 16384}' (see artcloud serve --help). Default: cpu for local, auto elsewhere."),
     path: Optional[Path] = typer.Option(None, "--path", help="local only: the server's folder (default: a fresh temporary one)."),
     billing_since: Optional[float] = typer.Option(None, "--billing-since", hidden=True, help="Count the cost from this epoch time (a detached run's launch)."),
     detached_inner: bool = typer.Option(False, "--detached-inner", hidden=True, help="This run is a --detach run's loop, on its sandbox."),

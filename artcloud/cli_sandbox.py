@@ -58,7 +58,7 @@ def launch(
     name: Optional[str] = typer.Option(None, "--name", "-n", help="Cluster name. Default: artcloud-XXXXXX."),
     image: Optional[str] = typer.Option(None, "--image", help="A prebuilt server image, docker:REPO:TAG (recipe: launchers/Dockerfile). Default: install this artcloud at setup."),
     disk_size: Optional[int] = typer.Option(None, "--disk-size", min=10, help="Disk in GB (default 256: model weights)."),
-    engine: str = typer.Option("auto", "--engine", help="Server engine: auto (the GPU if there is one) or cpu."),
+    engine: str = typer.Option("auto", "--engine", help="Server engine: auto (vLLM + Unsloth when the machine has CUDA and both import, else cpu), vllm, vllm+unsloth, vllm+peft or cpu. Engine settings: --env ARTCLOUD_ENGINE_ARGS='{\"max_model_len\": 16384}' (see artcloud serve --help)."),
     env: List[str] = typer.Option([], "--env", "-e", help="KEY=VALUE for the server's environment (not for secrets). Repeatable."),
     secret: List[str] = typer.Option([], "--secret", help="NAME of an environment variable here, passed as a SkyPilot secret (redacted in logs). Repeatable."),
     startup_timeout: str = typer.Option("30m", "--startup-timeout", help="How long to wait for the server once SkyPilot has the job running."),

@@ -48,10 +48,13 @@ class Model:
     """A model served by a backend, for inference only (no `train`). Registered as an adapter that is
     never trained, so it answers exactly as its base model does, under its own name."""
 
-    def __init__(self, *, name: str, project: str, base_model: str):
+    def __init__(self, *, name: str, project: str, base_model: str, engine_args: dict[str, Any] | None = None):
         self.name = name
         self.project = project
         self.base_model = base_model
+        # vLLM settings for base_model on a GPU server (max_model_len, gpu_memory_utilization, load_in_4bit...),
+        # used when the server first loads it; the backend's engine_args are the defaults under them.
+        self.engine_args = dict(engine_args) if engine_args else None
         self._backend: RemoteBackend | None = None
         self.step = 0
 
@@ -65,7 +68,8 @@ class Model:
         return self._backend
 
     async def register(self, backend: "RemoteBackend") -> None:
-        info = await backend.register(self.name, self.project, self.base_model, self._lora().model_dump())
+        info = await backend.register(self.name, self.project, self.base_model, self._lora().model_dump(),
+                                      engine_args=self.engine_args)
         self._backend = backend
         self.step = info["step"]
 
@@ -89,8 +93,9 @@ class Model:
 class TrainableModel(Model):
     """A LoRA adapter on `base_model` that `train` updates with GRPO, one step per call."""
 
-    def __init__(self, *, name: str, project: str, base_model: str, config: LoraConfig | None = None):
-        super().__init__(name=name, project=project, base_model=base_model)
+    def __init__(self, *, name: str, project: str, base_model: str, config: LoraConfig | None = None,
+                 engine_args: dict[str, Any] | None = None):
+        super().__init__(name=name, project=project, base_model=base_model, engine_args=engine_args)
         self.config = config or LoraConfig()
         self._annealer: LinearTemperatureAnnealer | None = None
         self._pending: asyncio.Task | None = None

@@ -41,6 +41,11 @@ class RegisterRequest(BaseModel):
         description="A Hugging Face hub id (ORG/NAME), artcloud/tiny-random, or an absolute path to a local model folder",
     )
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    engine_args: dict[str, str | int | float | bool] | None = Field(
+        None, max_length=32,
+        description="vLLM engine settings for this model's base model (e.g. max_model_len, gpu_memory_utilization, "
+                    "load_in_4bit), used when the base model is first loaded; see artcloud serve --engine-args",
+    )
 
 
 class TemperatureRequest(BaseModel):

@@ -161,18 +161,16 @@ def test_auto_engine_is_cpu_without_cuda_and_vllm_with_cuda_when_vllm_and_unslot
     import torch
 
     from artcloud.server.engines import choose
-    from artcloud.server.engines.cpu import CPUEngine
-
     caplog.set_level(logging.INFO, "artcloud.engine")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert choose.engine_factory("auto", workdir=tmp_path) is CPUEngine is choose.engine_factory("cpu", workdir=tmp_path)
+    assert choose.engine_factory("auto", workdir=tmp_path) is choose.cpu_engine is choose.engine_factory("cpu", workdir=tmp_path)
     assert "engine auto: cpu, because torch sees no CUDA device" in caplog.text
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a test GPU")
     # This interpreter has no vllm: the CPU engine's code on the GPU, and the line names the reason.
     gpu = choose.engine_factory("auto", workdir=tmp_path, vllm_python=sys.executable)
-    assert gpu.func is CPUEngine and gpu.keywords == {"dtype": "bfloat16", "device": "cuda"}
+    assert gpu.func is choose.cpu_engine and gpu.keywords == {"dtype": "bfloat16", "device": "cuda"}
     assert "`import vllm` fails under" in caplog.text and "No module named 'vllm'" in caplog.text
     with pytest.raises(ValueError, match="choose one of auto, cpu, vllm, vllm\\+unsloth, vllm\\+peft"):
         choose.engine_factory("unsloth", workdir=tmp_path)

@@ -27,12 +27,18 @@ def test_vllm_sampler_behind_the_server_in_its_own_environment_survives_its_deat
     try:
         server.start()
         with server.client() as c:
-            r = c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": SMOLLM2})
+            # Per-model engine_args apply when the base model is loaded (a path or a port may not be set).
+            r = c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": SMOLLM2,
+                                                 "engine_args": {"host": "0.0.0.0"}})
+            assert r.status_code == 400 and r.json()["error"]["field"] == "engine_args", r.text
+            r = c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": SMOLLM2,
+                                                 "engine_args": {"max_model_len": 1024}})
             assert r.status_code == 200, r.text
             status = c.get("/artcloud/status").json()
             (eng,) = status["engines"]
             assert eng["engine"].startswith("vllm + peft") and eng["sampler"]["kind"] == "vllm", eng
             assert eng["sampler"]["python"] == str(VLLM_PYTHON) and eng["sampler"]["state"] == "ready"
+            assert eng["sampler"]["args"]["max_model_len"] == 1024 and eng["sampler"]["args"]["max_lora_rank"] == 16
 
             greedy = dict(temperature=0.0, max_tokens=12)
             r0 = chat(c, "agent", "What is the capital of France?", **greedy)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone
+from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone, engine_args_env
 from artcloud.tls import make_launch_secrets
 
 DEFAULT_PATH = Path(".artcloud") / "local"
@@ -38,7 +38,8 @@ class LocalBackend(RemoteBackend):
     """Runs the training server here. Checkpoints live under `path` (default ./.artcloud/local), so a new
     LocalBackend on the same path resumes the models.
 
-    engine: cpu, or auto (the GPU in bfloat16 when torch sees one). s3: push checkpoints to
+    engine: cpu, vllm, vllm+unsloth, vllm+peft or auto (see `artcloud serve --help`); engine_args: the vLLM
+    engine's settings (artcloud serve --engine-args). s3: push checkpoints to
     s3://BUCKET/PREFIX too (credentials from this environment). lease, max_duration: as `artcloud serve`.
     """
 
@@ -51,6 +52,7 @@ class LocalBackend(RemoteBackend):
         startup_timeout: float = 600.0,
         log_level: str = "warning",
         engine: str = "cpu",
+        engine_args: dict[str, Any] | None = None,
         s3: str | None = None,
         lease: str | float | None = None,
         max_duration: str | float | None = None,
@@ -66,6 +68,7 @@ class LocalBackend(RemoteBackend):
         self.startup_timeout = startup_timeout
         self.log_level = log_level
         self.engine, self.s3 = engine, s3
+        self.engine_env = engine_args_env(engine_args)
         self.lease_s = parse_duration(lease, what="lease") if lease is not None else None
         self.max_duration_s = parse_duration(max_duration, what="max_duration") if max_duration is not None else None
         self._secrets = make_launch_secrets()
@@ -101,6 +104,7 @@ class LocalBackend(RemoteBackend):
             "ARTCLOUD_TLS_KEY": self._secrets.server_key,
             "ARTCLOUD_TOKEN": self._secrets.token,
             "PYTHONUNBUFFERED": "1",
+            **self.engine_env,
         }
         cmd = [sys.executable, "-m", "artcloud", "serve", "--path", str(self.path), "--host", self.host,
                "--port", str(self.port or 0), "--log-level", self.log_level, "--parent-pid", str(os.getpid()), "--engine", self.engine]

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from artcloud._version import __version__
 from artcloud.backends.launch import check_s3, user_secrets
-from artcloud.backends.remote import ArtcloudError, SandboxBackend, ServerGone
+from artcloud.backends.remote import ArtcloudError, SandboxBackend, ServerGone, engine_args_env
 from artcloud.backends.state import SandboxRecord, StateDir, check_name
 from artcloud.durations import parse_duration
 from artcloud.tls import new_token
@@ -125,6 +125,7 @@ class ModalBackend(SandboxBackend):
         memory: int | None = None,
         region: str | None = None,
         engine: str = "auto",
+        engine_args: Mapping[str, Any] | None = None,
         keep: bool = False,
         startup_timeout: str | float = "30m",
         tunnel_ca: str | Path | None = None,
@@ -144,6 +145,7 @@ class ModalBackend(SandboxBackend):
         self.name = check_name(name) if name else f"artcloud-{_secrets.token_hex(3)}"
         self.cpu, self.memory, self.region, self.keep = cpu, memory, region, keep
         self.env = {str(k): str(v) for k, v in (env or {}).items()}
+        self.env.update(engine_args_env(engine_args))
         self._user_secrets = secrets
         self.state = StateDir(Path(state_dir) if state_dir is not None else None)
         self.sandbox_id: str | None = None

@@ -14,7 +14,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import httpx
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
@@ -39,6 +39,16 @@ FINAL_PUSH_WAIT_S = FINAL_PUSH_TIMEOUT_S + 60.0
 
 
 REGISTER_TIMEOUT_S = 1800.0
+
+
+def engine_args_env(engine_args: Mapping[str, Any] | None) -> dict[str, str]:
+    """How a backend hands its engine_args to the server it starts: ARTCLOUD_ENGINE_ARGS (JSON), which
+    `artcloud serve` reads like --engine-args. Not a secret: it holds sizes and switches."""
+    if not engine_args:
+        return {}
+    if not isinstance(engine_args, Mapping) or not all(isinstance(k, str) for k in engine_args):
+        raise ValueError("engine_args must be a dict of vLLM settings, e.g. {'max_model_len': 8192}")
+    return {"ARTCLOUD_ENGINE_ARGS": json.dumps(dict(engine_args), sort_keys=True)}
 
 
 class ArtcloudError(Exception):
@@ -325,12 +335,14 @@ class RemoteBackend:
 
     # ------------------------------------------------------------------------------------- models
 
-    async def register(self, name: str, project: str, base_model: str, lora: dict[str, Any]) -> dict[str, Any]:
+    async def register(self, name: str, project: str, base_model: str, lora: dict[str, Any],
+                       engine_args: dict[str, Any] | None = None) -> dict[str, Any]:
         if not self._version_checked:
             await self.health()
         # The first model on a base model loads it, and a vLLM engine starts its process: minutes for a 14B model.
         info = await self._call("POST", "/artcloud/models", timeout=REGISTER_TIMEOUT_S,
-                                json_body={"name": name, "project": project, "base_model": base_model, "lora": lora})
+                                json_body={"name": name, "project": project, "base_model": base_model, "lora": lora,
+                                           **({"engine_args": engine_args} if engine_args else {})})
         self._start_heartbeats()
         return info
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from artcloud.backends.launch import check_s3, user_secrets
-from artcloud.backends.remote import ArtcloudError, SandboxBackend, ServerGone
+from artcloud.backends.remote import ArtcloudError, SandboxBackend, ServerGone, engine_args_env
 from artcloud.backends.sky_api import GPUOffer, SkyAPI, sky_api
 from artcloud.backends.sky_task import SECRET_NAMES, SERVER_PORT, ServerTask, build_task, describe
 from artcloud.backends.state import SandboxRecord, StateDir, check_name
@@ -113,6 +113,7 @@ class SkyBackend(SandboxBackend):
         image: str | None = None,
         disk_size: int | None = None,
         engine: str = "auto",
+        engine_args: Mapping[str, Any] | None = None,
         keep: bool = False,
         startup_timeout: str | float = "30m",
         retry_until_up: bool = False,
@@ -138,6 +139,7 @@ class SkyBackend(SandboxBackend):
         self.startup_timeout_s = parse_duration(startup_timeout, what="startup_timeout")
         self.s3, self.image, self.disk_size, self.engine = s3, image, disk_size, engine
         self.env = {str(k): str(v) for k, v in (env or {}).items()}
+        self.env.update(engine_args_env(engine_args))
         self._user_secrets = secrets
         self.keep = keep
         self.retry_until_up = retry_until_up

@@ -33,9 +33,10 @@ OLD_STEPS_KEPT = 4  # adapters of older steps kept loaded for NAME@STEP requests
 class EngineHost:
     """One engine and the one thread that may touch it."""
 
-    def __init__(self, base_model: str, factory: Callable[[str], Engine]):
+    def __init__(self, base_model: str, factory: Callable[..., Engine], engine_args: dict[str, Any] | None = None):
         self.base_model = base_model
         self.factory = factory
+        self.engine_args = engine_args  # a register request's, applied when the engine loads
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="artcloud-engine")
         self.engine: Engine | None = None
         self.batcher: Batcher | None = None
@@ -46,10 +47,15 @@ class EngineHost:
     async def load(self) -> None:
         """Load the engine; a base model that cannot be loaded is the request's fault (400 naming
         `base_model`), and the thread made for it goes away with it."""
+        from artcloud.server.engines.choose import EngineArgsError
         from artcloud.server.engines.loading import ModelNotFound
 
         try:
-            self.engine = await self.call(self.factory, self.base_model)
+            args = (self.base_model, self.engine_args) if self.engine_args else (self.base_model,)
+            self.engine = await self.call(self.factory, *args)
+        except EngineArgsError as e:
+            self.close()
+            raise ApiError(400, "invalid_engine_args", str(e), "engine_args") from e
         except ModelNotFound as e:
             self.close()
             raise ApiError(400, "base_model_not_found", str(e), "base_model") from e

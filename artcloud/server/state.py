@@ -72,9 +72,20 @@ class Registry:
 
     # ------------------------------------------------------------------------------------- engines
 
-    async def _host(self, base_model: str) -> EngineHost:
+    async def _host(self, base_model: str, engine_args: dict[str, Any] | None = None) -> EngineHost:
+        if engine_args:
+            from artcloud.server.engines.choose import check_engine_args
+
+            try:
+                check_engine_args(engine_args, from_client=True)
+            except ValueError as e:
+                raise ApiError(400, "invalid_engine_args", str(e), "engine_args") from e
         host = self.hosts.get(base_model)
         if host is not None:
+            if engine_args and engine_args != host.engine_args:
+                raise ApiError(409, "engine_args_conflict",
+                               f"{base_model} is already loaded with engine_args {host.engine_args or {}}; a model on it "
+                               f"cannot change them (register without engine_args, or the same ones)", "engine_args")
             return host
         if base_model.startswith(("/", "~")) and not Path(base_model).expanduser().is_dir():
             # Said before any limit: a typo in a path should read as a typo.
@@ -88,7 +99,7 @@ class Registry:
                                f"limit (artcloud serve --max-base-models): register on one of them, or start another server",
                                "base_model")
             await self._unload(idle[0])
-        host = EngineHost(base_model, self.factory)
+        host = EngineHost(base_model, self.factory, engine_args)
         await host.load()  # ApiError 400 when it cannot be loaded
         host.batcher = Batcher(partial(self._run_batch, host))
         self.hosts[base_model] = host
@@ -148,7 +159,7 @@ class Registry:
                         f"and lora {saved.lora.model_dump()}; register it the same way, or pick another name",
                         field,
                     )
-            host = await self._host(spec.base_model)
+            host = await self._host(spec.base_model, spec.engine_args)
             folder.mkdir(parents=True, exist_ok=True)
             model = ServedModel(spec, folder, host, slot=f"adapter{next(self._slots)}")
             model.trainer = Trainer(model, store=self.store, owner=self.instance, retention=self.retention,

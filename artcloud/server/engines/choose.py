@@ -42,6 +42,34 @@ log = logging.getLogger("artcloud.engine")
 
 KINDS = ("auto", "cpu", "vllm", "vllm+unsloth", "vllm+peft")
 TRAINER_ARGS = {"load_in_4bit", "max_seq_length"}  # engine_args keys for the trainer; the rest go to vLLM
+# Set by artcloud itself: vLLM listens on loopback with its own key and serves what the server asks for.
+RESERVED_ARGS = {"model", "host", "port", "api_key", "served_model_name", "enable_lora", "return_tokens_as_token_ids",
+                 "logprobs_mode", "disable_uvicorn_access_log", "uds", "root_path", "ssl_keyfile", "ssl_certfile"}
+# What a client may set per model (RegisterRequest.engine_args): sizes and switches, nothing that names a
+# path, a port or remote code (trust_remote_code would run code from a model repository on the server).
+MODEL_ARGS = {"gpu_memory_utilization", "max_model_len", "max_loras", "max_cpu_loras", "max_lora_rank", "max_num_seqs",
+              "max_num_batched_tokens", "enforce_eager", "enable_prefix_caching", "enable_sleep_mode", "dtype",
+              "kv_cache_dtype", "tensor_parallel_size", "data_parallel_size", "seed", "swap_space",
+              "load_in_4bit", "max_seq_length"}
+
+
+class EngineArgsError(ValueError):
+    """engine_args this engine cannot take; the message names the key."""
+
+
+def check_engine_args(args: dict[str, Any], *, from_client: bool) -> None:
+    """ValueError naming the first key that may not be set (`from_client`: a register request's, which
+    must be in MODEL_ARGS; the operator's --engine-args may set any vLLM flag but artcloud's own)."""
+    for key, value in args.items():
+        if not isinstance(key, str) or not key.replace("_", "").isalnum():
+            raise ValueError(f"engine_args key {key!r} is not a flag name (letters, digits and _)")
+        if key in RESERVED_ARGS:
+            raise ValueError(f"engine_args {key!r} is set by artcloud (vLLM listens on loopback with its own key)")
+        if from_client and key not in MODEL_ARGS:
+            raise ValueError(f"engine_args {key!r} cannot be set per model; allowed: {', '.join(sorted(MODEL_ARGS))} "
+                             "(the server's operator can set others with artcloud serve --engine-args)")
+        if from_client and (not isinstance(value, (str, int, float, bool)) or (isinstance(value, str) and len(value) > 64)):
+            raise ValueError(f"engine_args {key!r} must be a number, a boolean or a short string")
 
 
 def vllm_defaults(cuda_devices: int) -> tuple[dict[str, Any], dict[str, str]]:
@@ -125,21 +153,31 @@ def build_vllm_engine(base_model: str, *, trainer: str, workdir: Path, engine_ar
     return Engine(sampler, part, colocated=colocated, description=f"vllm + {name} ({placement}){why}")
 
 
+def cpu_engine(base_model: str, engine_args: dict[str, Any] | None = None, **kw: Any) -> Engine:
+    """The CPU engine; it has no engine_args."""
+    from artcloud.server.engines.cpu import CPUEngine
+
+    if engine_args:
+        raise EngineArgsError(f"engine_args {sorted(engine_args)} apply to the vllm engines; this server runs the "
+                         "CPU engine (artcloud serve --engine cpu)")
+    return CPUEngine(base_model, **kw)
+
+
 def engine_factory(kind: str, *, workdir: Path, engine_args: dict[str, Any] | None = None,
                    vllm_python: str | None = None) -> Callable[[str], Engine]:
     """A function base_model -> Engine for `--engine KIND`, after one log line saying what and why."""
     if kind not in KINDS:
         raise ValueError(f"unknown engine {kind!r}: choose one of {', '.join(KINDS)}")
-    from artcloud.server.engines.cpu import CPUEngine
+    check_engine_args(engine_args or {}, from_client=False)
 
     if kind == "cpu":
-        return CPUEngine
+        return cpu_engine
     if kind == "auto":
         import torch
 
         if not torch.cuda.is_available():
             log.info("engine auto: cpu, because torch sees no CUDA device")
-            return CPUEngine
+            return cpu_engine
         from artcloud.server.engines.vllm_sampler import vllm_python as default_python
 
         python = vllm_python or default_python()
@@ -149,15 +187,16 @@ def engine_factory(kind: str, *, workdir: Path, engine_args: dict[str, Any] | No
         gpus = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
         if problem is not None:
             log.warning("engine auto: the CPU engine's torch code on %s in bfloat16, because %s", gpus, problem)
-            return partial(CPUEngine, dtype="bfloat16", device="cuda")
+            return partial(cpu_engine, dtype="bfloat16", device="cuda")
         log.info("engine auto: vllm + unsloth on %s (CUDA present; vLLM imports under %s; unsloth installed)", gpus, python)
         kind = "vllm"
     trainer = {"vllm": "auto", "vllm+unsloth": "unsloth", "vllm+peft": "peft"}[kind]
     counter = iter(range(1, 1 << 30))
 
-    def make(base_model: str) -> Engine:
+    def make(base_model: str, engine_args_for_model: dict[str, Any] | None = None) -> Engine:
+        args = {**(engine_args or {}), **(engine_args_for_model or {})}
         return build_vllm_engine(base_model, trainer=trainer, workdir=workdir / f"vllm-{next(counter)}",
-                                 engine_args=engine_args, python=vllm_python)
+                                 engine_args=args, python=vllm_python)
 
     log.info("engine %s: vLLM sampler + %s trainer", kind, trainer if trainer != "auto" else "Unsloth (else peft)")
     return make

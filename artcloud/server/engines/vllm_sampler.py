@@ -384,7 +384,8 @@ class VLLMSampler(Sampler):
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": "vllm", "state": self.state, "restarts": self.restarts, "asleep": self.asleep,
-                               "adapters": len(self.adapters), "python": self.cfg.python}
+                               "adapters": len(self.adapters), "python": self.cfg.python,
+                               "args": {k: v for k, v in sorted(self.cfg.args.items())}}
         if self.proc is not None:
             out["pid"] = self.proc.pid
         if self.detail:
