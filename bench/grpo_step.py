@@ -22,6 +22,7 @@ The two sides never run at the same time (2 cores). Results go to bench/out/grpo
 
     .venv/bin/python bench/grpo_step.py                                   # SmolLM2, P=4, G=4, L=32
     .venv/bin/python bench/grpo_step.py --model artcloud/tiny-random --tokens 16 --iters 2
+    .venv-vllm/bin/python bench/grpo_step.py --engine cpu vllm+peft vllm+unsloth --trl-python .venv/bin/python
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ def trl_worker(args: argparse.Namespace) -> None:
 
 
 def run_trl(args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", "--model", args.model, "--P", str(args.P), "--G", str(args.G),
+    cmd = [args.trl_python or sys.executable, str(Path(__file__).resolve()), "--trl-worker", "--model", args.model, "--P", str(args.P), "--G", str(args.G),
            "--tokens", str(args.tokens), "--iters", str(args.iters), "--warmup", str(args.warmup), "--lr", str(args.lr),
            "--trl-gradient-checkpointing", args.trl_gradient_checkpointing]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -249,6 +250,8 @@ def main() -> None:
     p.add_argument("--engine", nargs="+", default=["cpu"], choices=["cpu", "vllm+peft", "vllm+unsloth", "auto"],
                    help="artcloud serve --engine for each artcloud run (one row each); vLLM's peak RSS is added to the server's")
     p.add_argument("--vllm-python", default=os.environ.get("ARTCLOUD_VLLM_PYTHON"), help="the python that runs vLLM")
+    p.add_argument("--trl-python", help="the python that runs TRL's side (default: this one). Run from .venv-vllm "
+                   "(for Unsloth), TRL 1.15 there picks Triton kernels that fail without a GPU: pass .venv/bin/python")
     args = p.parse_args()
     if args.trl_worker:
         return trl_worker(args)

@@ -83,8 +83,12 @@ class Batcher:
     """
 
     def __init__(self, run: RunBatch, *, max_rows: int = 64, gap_bounds: tuple[float, float] = (0.001, 0.02),
-                 wait_bounds: tuple[float, float] = (0.005, 0.25)):
+                 wait_bounds: tuple[float, float] = (0.005, 0.25), concurrent: bool = False):
         self.run = run
+        # concurrent: hand each batch over and go on gathering (a sampler with continuous batching of its
+        # own, vLLM, takes new requests while others run); else wait for each batch (the torch sampler).
+        self.concurrent = concurrent
+        self._inflight: set[asyncio.Task] = set()
         self.max_rows = max_rows
         self.gap_bounds = gap_bounds
         self.wait_bounds = wait_bounds
@@ -104,6 +108,8 @@ class Batcher:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="artcloud-batcher")
 
     async def stop(self) -> None:
+        for task in list(self._inflight):
+            task.cancel()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -149,16 +155,24 @@ class Batcher:
                 live = [p for p in group if not p.future.done()]  # a client may have gone away
                 if not live:
                     continue
-                started = time.monotonic()
-                try:
-                    results, served = await self.run(key, [p.request for p in live])
-                    self.batches += 1
-                    self.last_batch_s = time.monotonic() - started
-                except Exception as e:  # the error belongs to these requests, not to the loop
-                    for p in live:
-                        if not p.future.done():
-                            p.future.set_exception(e)
-                    continue
-                for p, completions in zip(live, results):
-                    if not p.future.done():
-                        p.future.set_result((completions, served))
+                if self.concurrent:
+                    task = asyncio.get_running_loop().create_task(self._dispatch(key, live))
+                    self._inflight.add(task)
+                    task.add_done_callback(self._inflight.discard)
+                else:
+                    await self._dispatch(key, live)
+
+    async def _dispatch(self, key: Any, live: list[Pending]) -> None:
+        started = time.monotonic()
+        try:
+            results, served = await self.run(key, [p.request for p in live])
+            self.batches += 1
+            self.last_batch_s = time.monotonic() - started
+        except Exception as e:  # the error belongs to these requests, not to the loop
+            for p in live:
+                if not p.future.done():
+                    p.future.set_exception(e)
+            return
+        for p, completions in zip(live, results):
+            if not p.future.done():
+                p.future.set_result((completions, served))

@@ -40,9 +40,20 @@ class EngineHost:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="artcloud-engine")
         self.engine: Engine | None = None
         self.batcher: Batcher | None = None
+        self._sampling_pool: ThreadPoolExecutor | None = None
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args, **kwargs))
+
+    async def generate(self, slot: str | None, requests: list[Any]) -> Any:
+        """On the engine thread; or, for a sampler that batches by itself (vLLM), on a thread of its own so
+        that batches overlap and vLLM's continuous batching sees every request as it comes."""
+        assert self.engine is not None
+        if not self.engine.concurrent:
+            return await self.call(self.engine.generate, slot, requests)
+        if self._sampling_pool is None:
+            self._sampling_pool = ThreadPoolExecutor(32, thread_name_prefix="artcloud-sampling")
+        return await asyncio.get_running_loop().run_in_executor(self._sampling_pool, self.engine.generate, slot, requests)
 
     async def load(self) -> None:
         """Load the engine; a base model that cannot be loaded is the request's fault (400 naming
@@ -71,6 +82,8 @@ class EngineHost:
         # Do not wait for a running generation or training step: whatever it was doing is not committed
         # (checkpoints are renamed into place only when complete), and a server asked to stop must stop.
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self._sampling_pool is not None:
+            self._sampling_pool.shutdown(wait=False, cancel_futures=True)
         if self.engine is not None:
             self.engine.close()  # a sampler's own process (vLLM) goes with it
 

@@ -101,7 +101,7 @@ class Registry:
             await self._unload(idle[0])
         host = EngineHost(base_model, self.factory, engine_args)
         await host.load()  # ApiError 400 when it cannot be loaded
-        host.batcher = Batcher(partial(self._run_batch, host))
+        host.batcher = Batcher(partial(self._run_batch, host), concurrent=host.engine.concurrent)
         self.hosts[base_model] = host
         return host
 
@@ -216,11 +216,11 @@ class Registry:
         _, name, step = key
         try:
             if name is None:
-                return await host.call(host.engine.generate, None, requests), host.base_model
+                return await host.generate(None, requests), host.base_model
             model = self.models[name]
             async with model.lock.read():
                 slot, served_step = await model.slot_for(step)
-                results = await host.call(host.engine.generate, slot, requests)
+                results = await host.generate(slot, requests)
         except SamplerUnavailable as e:
             raise ApiError(503, "sampler_unavailable", str(e)) from e
         return results, f"{name}@{served_step}"

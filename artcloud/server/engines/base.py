@@ -128,6 +128,7 @@ class Sampler(abc.ABC):
 
     max_context: int  # prompt + completion tokens it takes
     shares_trainer_weights: bool = False  # True: the trainer's own adapters are servable as they change
+    concurrent: bool = False  # True: generate may run in several threads at once (it batches by itself)
     # True where sleep() really frees the accelerator for the trainer (vLLM's sleep mode on CUDA).
     can_sleep: bool = False
 

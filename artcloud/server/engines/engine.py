@@ -10,12 +10,17 @@ next generation the trainer is offloaded and the sampler wakes. The turn changes
 half is needed, so a run of rollouts or of training steps never pays for it twice. With the sampler on
 its own accelerators (dedicated mode) or on a CPU, nothing is switched.
 
-Every method runs on the host's single engine thread (server/models.py): no two overlap.
+Every method runs on the host's single engine thread (server/models.py), except `generate` on a
+sampler that batches by itself (vLLM: `concurrent`), which the server calls from several threads at once
+so that new requests join vLLM's running batch. A gate keeps generations and trainer work apart: a
+training step waits for generations in flight, and generations wait for the step.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +46,43 @@ class Engine:
         self.description = description or f"{type(sampler).__name__} + {type(trainer).__name__}"
         self.turn = "sampler"  # who holds the accelerator now (matters only when colocated)
         self.switches = 0  # turn changes so far (for /artcloud/status and the conformance suite)
+        self._gate = threading.Condition()
+        self._generating = 0  # generations in flight
+        self._training = False
+
+    @property
+    def concurrent(self) -> bool:
+        """generate may be called from several threads at once."""
+        return self.sampler.concurrent
+
+    @contextmanager
+    def _sampling(self):
+        with self._gate:
+            while self._training:
+                self._gate.wait()
+            if self._generating == 0:
+                self._sampler_turn()
+            self._generating += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._generating -= 1
+                self._gate.notify_all()
+
+    @contextmanager
+    def _trainer_work(self):
+        with self._gate:
+            while self._generating:
+                self._gate.wait()
+            self._training = True
+            self._trainer_turn()
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._training = False
+                self._gate.notify_all()
 
     # What the server reads from an engine.
     @property
@@ -94,13 +136,15 @@ class Engine:
             self.trainer.load_adapter(slot, lora, folder, optimizer=True)
             if self.sampler.shares_trainer_weights:
                 return
-        self._sampler_turn()
+        with self._gate:
+            self._sampler_turn()
         self.sampler.serve_adapter(slot, lora, folder)
 
     def publish(self, slot: str, lora: LoraConfig, folder: Path) -> None:
         """A step of `slot` was committed to `folder`: serve it."""
         if not self.sampler.shares_trainer_weights:
-            self._sampler_turn()
+            with self._gate:
+                self._sampler_turn()
             self.sampler.serve_adapter(slot, lora, folder)
 
     # ------------------------------------------------------------------------------------- work
@@ -108,20 +152,20 @@ class Engine:
     def generate(self, slot: str | None, requests: list[GenerationRequest]) -> list[list[Completion]]:
         if not requests:
             return []
-        self._sampler_turn()
-        return self.sampler.generate(slot, requests)
+        with self._sampling():
+            return self.sampler.generate(slot, requests)
 
     def train_step(
         self, slot: str, samples: list[TrainSample], config: TrainConfig, on_step: StepCallback
     ) -> list[dict[str, Any]]:
-        self._trainer_turn()
-        return self.trainer.train_step(slot, samples, config, on_step)
+        with self._trainer_work():
+            return self.trainer.train_step(slot, samples, config, on_step)
 
     def trainer_logprobs(self, slot: str | None, samples: list[TrainSample]) -> list[list[float]]:
         """The trainer's logprobs of each sample's completion (what the GRPO loop computes): the
         conformance suite compares them with the sampler's."""
-        self._trainer_turn()
-        return self.trainer.logprobs(slot, samples)
+        with self._trainer_work():
+            return self.trainer.logprobs(slot, samples)
 
     def save_adapter(self, slot: str, folder: Path, *, optimizer: bool) -> list[str]:
         return self.trainer.save_adapter(slot, folder, optimizer=optimizer)

@@ -118,6 +118,8 @@ def _die_with_parent() -> None:  # runs in the child before exec (Linux): no vLL
 
 
 class VLLMSampler(Sampler):
+    concurrent = True  # vLLM batches continuously: a request sent while others run joins them
+
     def __init__(self, args: VLLMArgs, *, colocated: bool, max_context: int):
         self.cfg = args
         self.can_sleep = colocated and bool(args.args.get("enable_sleep_mode"))
