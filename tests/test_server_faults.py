@@ -176,6 +176,39 @@ def test_a_non_finite_update_is_skipped_never_committed_and_the_adapter_rolls_ba
 # ------------------------------------------------------------------------------------------ S3
 
 
+def test_a_step_the_sampler_cannot_serve_is_not_kept(tmp_path, one_torch_thread):
+    """After a commit the sampler must serve the new adapter (vLLM loads it). If that fails, the step is
+    taken back off the disk and the model stays where it was: the disk never gets ahead of the model."""
+    from fastapi.testclient import TestClient
+
+    from artcloud.server.app import create_app
+    from artcloud.server.engines.cpu import CPUEngine
+    from artcloud.server.state import Registry
+
+    class RefusingSampler(CPUEngine):  # the real engine; the publish of step 1 fails once
+        refused = False
+
+        def publish(self, slot, lora, folder):
+            if folder.name == "1" and not RefusingSampler.refused:
+                RefusingSampler.refused = True
+                raise RuntimeError("vLLM /v1/load_lora_adapter answered 500")
+            return super().publish(slot, lora, folder)
+
+    token = "t" * 32
+    registry = Registry(tmp_path / "data", engine="cpu", factory=RefusingSampler)
+    with TestClient(create_app(registry, token), headers={"Authorization": f"Bearer {token}"}) as c:
+        assert c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY}).status_code == 200
+        groups = rollout_groups(c, "agent", ["x", "y"], n=4)
+        r = c.post("/artcloud/models/agent/train", json={"groups": groups})
+        last = events(c, r.json()["job_id"])[-1]
+        assert last["type"] == "error" and "load_lora_adapter" in last["data"]["message"], last
+        assert c.get("/artcloud/models/agent").json()["step"] == 0
+        assert checkpoints.committed_steps(tmp_path / "data" / "p" / "agent") == [0]
+        evs = train(c, "agent", groups)  # and the next step commits as step 1
+        assert evs[-1]["data"]["step"] == 1
+        assert checkpoints.committed_steps(tmp_path / "data" / "p" / "agent") == [0, 1]
+
+
 def test_a_local_step_newer_than_s3_is_pushed_when_the_model_resumes(seaweed, start_server, tmp_path):
     path = tmp_path / "srv"
     s = start_server(path)  # no S3 yet: steps 1 and 2 stay on this disk

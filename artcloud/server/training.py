@@ -215,8 +215,13 @@ class Trainer:
         }
         write = partial(model.engine.save_adapter, model.slot, optimizer=True)
         folder = await model.host.call(checkpoints.commit, model.folder, step, write, state)
-        # The sampler serves what was committed (vLLM loads the adapter; the CPU engine already has it).
-        await model.host.call(model.engine.publish, model.slot, model.spec.lora, folder)
+        # The sampler serves what was committed (vLLM loads the adapter; the CPU engine already has it). A
+        # step the sampler cannot serve is not kept: the disk must not get ahead of what the model is at.
+        try:
+            await model.host.call(model.engine.publish, model.slot, model.spec.lora, folder)
+        except BaseException:
+            await model.host.call(checkpoints.delete, model.folder, step)
+            raise
         if self.pusher is not None:
             self.pusher.schedule(folder)  # in the background: training goes on
         return folder

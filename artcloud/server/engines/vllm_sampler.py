@@ -160,6 +160,8 @@ class VLLMSampler(Sampler):
                     _kill_group(stale, signal.SIGKILL)
             except ValueError:
                 pass
+        if self.state == "closed":
+            raise RuntimeError("the vLLM sampler is closed")
         port = _free_port()
         env = {**os.environ, **self.cfg.env, "VLLM_API_KEY": self.key, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
                "VLLM_SERVER_DEV_MODE": "1" if self.can_sleep else "0", "VLLM_NO_USAGE_STATS": "1",
@@ -170,6 +172,9 @@ class VLLMSampler(Sampler):
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, preexec_fn=_die_with_parent)
         self.pgid_file.write_text(str(self.proc.pid))  # setsid: its pid is its group's id
+        if self.state == "closed":  # closed while this one was being started (a restart racing a shutdown)
+            self._kill()
+            raise RuntimeError("the vLLM sampler is closed")
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -215,7 +220,8 @@ class VLLMSampler(Sampler):
                 log.error("%s; the end of its log:\n%s", self.detail, self.log_tail())
                 if failures > MAX_RESTARTS:
                     self.state = "down"
-                    self.detail = f"the vLLM sampler process died {failures} times in a row; see {self.log_path}"
+                    self.detail = f"the vLLM sampler process died {failures} times in a row and stays down (see the server's log)"
+                    log.error("vLLM died %d times in a row; giving up. Its log: %s", failures, self.log_path)
                     return
                 try:
                     self._start()
@@ -294,7 +300,10 @@ class VLLMSampler(Sampler):
             old = self.adapters.get(slot)
             self.adapters[slot] = (name, copy)
             if self.state == "ready":  # else the restart serves it
-                self._load(slot, copy)
+                try:
+                    self._load(slot, copy)
+                except SamplerUnavailable:  # it died just now: the restart serves it, from self.adapters
+                    pass
             if old is not None:
                 self._unload(*old)
 
