@@ -53,8 +53,8 @@ def test_a_request_during_a_batch_waits_for_it_only_when_serial(concurrent):
 
 
 def test_the_engine_gate_keeps_training_and_generation_apart(tmp_path):
-    from artcloud.server.engines.cpu import CPUEngine
     from artcloud.server.engines.base import TrainSample
+    from artcloud.server.engines.cpu import CPUEngine
     from artcloud.types import LoraConfig, TrainConfig
 
     engine = CPUEngine(TINY)
