@@ -137,6 +137,8 @@ def build_vllm_engine(base_model: str, *, trainer: str, workdir: Path, engine_ar
             why = f" (Unsloth cannot load it: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             log.warning("Unsloth cannot load %s, so the peft trainer trains it: %s", base_model, e)
     if part is None:
+        if trainer_args.get("load_in_4bit"):
+            log.warning("load_in_4bit is Unsloth's; the peft trainer loads %s in %s", base_model, dtype)
         part = PeftTrainer(base_model, dtype=dtype, device=device)
     name = "unsloth" if type(part).__name__ == "UnslothTrainer" else "peft"
 
