@@ -1,5 +1,5 @@
 """CUDA-only engine paths, behind the same interface as test_engines.py. Collected only where torch sees
-CUDA (conftest.py); bench/gpu_check.sh runs them on a lent GPU.
+CUDA (tests/conftest.py: collect_ignore); bench/gpu_check.sh runs them on a lent GPU.
 
 - shared mode (one GPU): vLLM sleeps while the trainer trains, and its memory is really free then; the
   trainer's weights leave the GPU while vLLM serves; turns change only when the other half is needed.
