@@ -150,7 +150,9 @@ class VLLMSampler(Sampler):
     def log_path(self) -> Path:
         return self.cfg.workdir / "vllm.log"
 
-    def _start(self) -> None:
+    def _start(self, *, ready: bool = True) -> None:
+        """Start vLLM and wait until it answers; `ready=False` (a restart) leaves the state to the caller,
+        which serves the adapters again first."""
         # A server killed hard (SIGKILL, OOM) cannot stop its vLLM; the next one on this folder does.
         if self.pgid_file.exists():
             try:
@@ -193,8 +195,9 @@ class VLLMSampler(Sampler):
                                    f"the end of {self.log_path}:\n" + self.log_tail())
             time.sleep(0.5)
         self.asleep = False
-        self.state, self.detail = "ready", None
-        log.info("vLLM ready at %s (pid %d)", self.url, self.proc.pid)
+        if ready:
+            self.state, self.detail = "ready", None
+        log.info("vLLM answers at %s (pid %d)", self.url, self.proc.pid)
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -224,11 +227,13 @@ class VLLMSampler(Sampler):
                     log.error("vLLM died %d times in a row; giving up. Its log: %s", failures, self.log_path)
                     return
                 try:
-                    self._start()
+                    self._start(ready=False)
                     for slot, (_, folder) in list(self.adapters.items()):
-                        self._load(slot, folder)
+                        self._load(slot, folder, force=True)
                     self.restarts += 1
                     self._ready_at = time.monotonic()
+                    self.state, self.detail = "ready", None  # only now: every adapter is served again
+                    log.info("vLLM restarted; %d adapter(s) served again", len(self.adapters))
                 except Exception as e:
                     log.error("restarting vLLM failed: %s", e)
                     self.detail = f"the vLLM sampler process died and restarting it failed: {str(e).splitlines()[0]}"
@@ -256,16 +261,19 @@ class VLLMSampler(Sampler):
 
     def close(self) -> None:
         self.state = "closed"
+        if self.proc is not None:
+            log.info("stopping vLLM (process group %d)", self.proc.pid)
         self._kill()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
     # ------------------------------------------------------------------------------------- HTTP
 
-    def _post(self, path: str, payload: dict[str, Any] | None = None, *, params: dict[str, Any] | None = None) -> Any:
+    def _post(self, path: str, payload: dict[str, Any] | None = None, *, params: dict[str, Any] | None = None,
+              force: bool = False) -> Any:
         import httpx
 
-        if self.state != "ready":
+        if self.state != "ready" and not force:
             raise SamplerUnavailable((self.detail or f"the vLLM sampler is {self.state}") + "; retry in a minute")
         try:
             r = self._http.post(self.url + path, json=payload, params=params,
@@ -307,9 +315,9 @@ class VLLMSampler(Sampler):
             if old is not None:
                 self._unload(*old)
 
-    def _load(self, slot: str, copy: Path) -> None:
+    def _load(self, slot: str, copy: Path, *, force: bool = False) -> None:
         name, _ = self.adapters[slot]
-        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(copy)})
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(copy)}, force=force)
 
     def _unload(self, name: str, copy: Path) -> None:
         try:
