@@ -57,11 +57,11 @@ $(VLLM_STAMP): pyproject.toml .ci/vllm_venv.sh
 
 install: $(STAMP) $(LAPTOP_STAMP) $(VLLM_STAMP)
 
+# test-engines and test-pythons run side by side: the Python venvs' build is mostly downloads and unpacking
+# while the engine suite computes; each target's output is printed whole when it ends.
 test: $(STAMP) $(LAPTOP_STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -ra $(PYTEST_PAR) --ignore=tests/laptop
 	$(LAPTOP)/bin/python -m pytest -q -ra tests/laptop
-	# Side by side: the Python venvs' build is mostly downloads and unpacking while the engine suite computes
-	# (saves ~3.5 min); each target's output is printed whole when it ends.
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-engines test-pythons
 
 # The conformance suite on the vLLM pairs (the CPU engine's run is part of the .venv run above).
