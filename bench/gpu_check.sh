@@ -70,7 +70,7 @@ case "$STAGES" in
     install) install ;;
     conformance) conformance ;;
     bench) bench ;;
-    all) install && conformance; bench ;;
+    all) install && { conformance; bench; } ;;
     *) echo "usage: bash bench/gpu_check.sh [install|conformance|bench|all]"; exit 2 ;;
 esac
 stage "done"

@@ -67,6 +67,16 @@ def publish(engine, slot: str, folder, *, new: bool = False) -> None:
     engine.publish(slot, LORA, folder)
 
 
+def trained_once(engine, slot: str, tmp_path, ids: list[int]) -> list[TrainSample]:
+    """A fresh adapter published as step 0, one training step, published as step 1 (in tmp_path/0 and
+    tmp_path/1); returns the samples it trained on."""
+    publish(engine, slot, tmp_path / "0", new=True)
+    samples = samples_from(engine, slot, ids, n=4)
+    engine.train_step(slot, samples, TrainConfig(learning_rate=5e-3), lambda m: None)
+    publish(engine, slot, tmp_path / "1")
+    return samples
+
+
 def greedy(engine, slot, ids, max_tokens=12, stop=()):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=list(stop))
     return engine.generate(slot, [GenerationRequest(ids, 1, params)])[0][0]
@@ -165,11 +175,7 @@ def test_a_published_step_changes_outputs_while_an_older_step_still_serves(engin
 def test_save_then_load_is_exact(engine, tmp_path):
     from safetensors.torch import load_file
 
-    ids = prompt(engine)
-    publish(engine, "sv", tmp_path / "0", new=True)
-    samples = samples_from(engine, "sv", ids, n=4)
-    engine.train_step("sv", samples, TrainConfig(learning_rate=5e-3), lambda m: None)
-    publish(engine, "sv", tmp_path / "1")
+    samples = trained_once(engine, "sv", tmp_path, prompt(engine))
     engine.load_adapter("sv2", LORA, tmp_path / "1", optimizer=True)
     (tmp_path / "again").mkdir()
     engine.save_adapter("sv2", tmp_path / "again", optimizer=True)
@@ -199,13 +205,10 @@ def test_a_checkpoint_resumes_across_engines(engine, tmp_path):
     from artcloud.server.engines.cpu import CPUEngine
 
     ids = prompt(engine)
-    publish(engine, "x", tmp_path / "mine", new=True)
-    samples = samples_from(engine, "x", ids, n=4)
-    engine.train_step("x", samples, TrainConfig(learning_rate=5e-3), lambda m: None)
-    publish(engine, "x", tmp_path / "mine1")
+    samples = trained_once(engine, "x", tmp_path, ids)
 
     cpu = CPUEngine(SMOLLM2)  # float32 on the CPU, whatever this pair runs on
-    cpu.load_adapter("x", LORA, tmp_path / "mine1", optimizer=True)
+    cpu.load_adapter("x", LORA, tmp_path / "1", optimizer=True)
     mine = engine.trainer_logprobs("x", samples)
     theirs = cpu.trainer_logprobs("x", samples)
     assert_logprobs_close(theirs, mine)
