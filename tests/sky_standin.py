@@ -8,12 +8,14 @@ answers on loopback. Only what a cloud VM would make different is changed, at th
 - the "cluster" is a folder ROOT/clusters/NAME: `home/` is its $HOME (the workdir is copied to
   home/sky_workdir, like SkyPilot's sync), `cluster.json` its state, `job.log` the job's output;
 - the server listens on 127.0.0.1 and a free local port (the task's port 8443 maps to it in `endpoint`);
-- the job inherits this machine's environment (PATH, HF_HUB_OFFLINE, ...) but not what a cloud VM could not
-  have: ARTCLOUD_*, AWS_*, SKYPILOT_*, MODAL_* and PYTHONPATH are dropped; the model caches are shared
-  (ARTCLOUD_CACHE, HF_HOME point at this machine's);
-- nothing is downloaded: the venv (ARTCLOUD_VENV) is made here with `--without-pip`, and a .pth file makes
-  this test venv's packages (torch, fastapi, pip, ...) importable in it, minus artcloud itself, so
-  `pip install --no-deps --no-index ./artcloud-*.whl` installs the wheel's copy and the server runs it;
+- the node is a machine image (tests/sky_image.py): the image's own python3 (3.10 with
+  ARTCLOUD_STANDIN_PYTHON=.venv-py3.10/bin/python, as on Ubuntu 22.04) without the python3-venv package, uv at
+  ~/.local/bin/uv and an activated ~/sky-user-env, as SkyPilot 0.14 leaves a node; the task's own setup makes
+  its venv and installs the wheel there (`--no-deps --no-index`: the image's preinstalled packages stand in
+  for PyPI);
+- the job inherits this machine's environment (HF_HUB_OFFLINE, ...) but not what a cloud VM could not have:
+  ARTCLOUD_*, AWS_*, SKYPILOT_*, MODAL_*, PYTHONPATH, this machine's PATH (pyenv, venvs); the model caches are
+  shared (ARTCLOUD_CACHE, HF_HOME point at this machine's);
 - a detached supervisor process (`python -m tests.sky_standin supervise ROOT NAME JOB`) runs the job and
   then does SkyPilot's autodown: `idle_minutes` x ARTCLOUD_STANDIN_MINUTE_S seconds after the job ended,
   the cluster is torn down.
@@ -27,6 +29,7 @@ Environment:
     ARTCLOUD_STANDIN_MINUTE_S  seconds in an autostop "minute" (default 60; tests use e.g. 0.5)
     ARTCLOUD_STANDIN_CLOUDS    enabled clouds, comma-separated (default "local")
     ARTCLOUD_STANDIN_CATALOG   "offline": gpu_offers() cannot read the catalog (returns None)
+    ARTCLOUD_STANDIN_PYTHON    the image's Python: a venv's python of this machine (tests/sky_image.py)
     ARTCLOUD_STANDIN_FAULT     RecordingSky only: launch_fails, no_health, job_fails, down_fails (comma-separated)
 
 No `import sky` here: the real package validates the task in the contract tests.
@@ -44,13 +47,13 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from artcloud.backends.sky_api import ClusterInfo, GPUOffer
+from tests import sky_image
 
 ENV_ROOT = "ARTCLOUD_STANDIN_ROOT"
 ENV_MINUTE = "ARTCLOUD_STANDIN_MINUTE_S"
@@ -314,51 +317,12 @@ def _accelerator(resources: dict[str, Any]) -> tuple[str, int] | None:
     return name, int(float(count)) if count else 1
 
 
-def _host_site_dirs() -> list[str]:
-    """This test venv's site-packages (where torch, fastapi, pip... live)."""
-    paths = sysconfig.get_paths()
-    dirs = []
-    for key in ("purelib", "platlib"):
-        path = os.path.realpath(paths[key])
-        if path not in dirs and os.path.isdir(path):
-            dirs.append(path)
-    return dirs
-
-
-def _is_artcloud_entry(name: str) -> bool:
-    low = name.lower()
-    return (low == "artcloud" or low.startswith(("artcloud-", "artcloud.", "__editable__.artcloud", "__editable___artcloud"))
-            or low.endswith(".pth"))
-
-
-def _shadow_site(target: Path) -> Path:
-    """A folder of links to every entry of this venv's site-packages except artcloud's own (its package,
-    its dist-info, the editable finder): pip then sees no artcloud installed, and `import artcloud`
-    finds only the wheel's copy."""
-    target.mkdir(parents=True, exist_ok=True)
-    for site in _host_site_dirs():
-        for entry in os.listdir(site):
-            if _is_artcloud_entry(entry) or entry == "__pycache__" or (target / entry).exists():
-                continue
-            os.symlink(os.path.join(site, entry), target / entry)
-    return target
-
-
-def _make_venv(venv: Path, shadow: Path) -> None:
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    out = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                         check=True, capture_output=True, text=True)
-    site = Path(out.stdout.strip())
-    site.mkdir(parents=True, exist_ok=True)
-    (site / "_artcloud_standin_host.pth").write_text(f"{shadow}\n")
-
-
 # ----------------------------------------------------------------------------------------- LocalSky
 
 # Not passed on from this machine's environment: a cloud VM has none of the laptop's settings, and
 # whatever the server needs (S3 credentials above all) must reach it as task envs or secrets.
-_NOT_INHERITED = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP", "PYTHONUSERBASE")
+_NOT_INHERITED = ("PATH", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP", "PYTHONUSERBASE",
+                  "PYENV_VERSION", "PYENV_ROOT")
 _NOT_INHERITED_PREFIXES = ("ARTCLOUD_", "AWS_", "SKYPILOT_", "MODAL_", "PYTEST_")
 
 
@@ -434,20 +398,19 @@ class LocalSky:
         with _locked(folder):
             _write_json(folder / "cluster.json", state)
 
-        # "Provisioning": the machine's venv, with this test venv's packages visible in it.
-        venv = home / "artcloud-venv"
-        if not (venv / "bin" / "python").exists():
-            _make_venv(venv, _shadow_site(folder / "host-site"))
+        # "Provisioning": a node of the image, as SkyPilot leaves it (uv, ~/sky-user-env).
+        image = sky_image.build(self.root)
+        sky_image.provision(image, home)
         if task.get("workdir"):
             shutil.copytree(Path(task["workdir"]).expanduser(), workdir, dirs_exist_ok=True)
 
-        env = self._environment(home, env_task, secrets, venv, port_map, task)
+        env = self._environment(home, env_task, secrets, image, port_map, task)
         self._set_status(cluster_name, "UP", job_status="SETTING_UP")
 
         setup = task.get("setup")
         if setup:
             with open(log, "ab") as out:
-                rc = subprocess.run(["bash", "-c", setup], cwd=workdir, env=env, stdin=subprocess.DEVNULL,
+                rc = subprocess.run(["bash", "-c", sky_image.SHELL_PREAMBLE + setup], cwd=workdir, env=env, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True).returncode
             if rc != 0:
                 if self._set_status(cluster_name, "UP", job_status="FAILED_SETUP", exit_code=rc) is None:
@@ -459,7 +422,7 @@ class LocalSky:
         # SkyPilot sets autostop after setup, just before the job is submitted (a failed setup leaves the
         # cluster UP with no autostop: whoever launched it must take it down).
         run = self._job_command(task)
-        (folder / "run.sh").write_text(run)
+        (folder / "run.sh").write_text(sky_image.SHELL_PREAMBLE + run)
 
         def submit(data: dict[str, Any]) -> None:
             data["jobs"][str(job_id)]["status"] = "PENDING"
@@ -468,10 +431,15 @@ class LocalSky:
 
         if _update(folder, submit) is None:
             raise StandinLaunchError(f"cluster {cluster_name} was torn down during launch")
+        # The supervisor is this machine's Python; the job's PATH and PYTHONPATH (the image's) wait in
+        # STANDIN_JOB_* until it starts the job.
+        sup_env = {**env, "STANDIN_JOB_PATH": env["PATH"], "STANDIN_JOB_PYTHONPATH": env["PYTHONPATH"],
+                   "PATH": os.environ.get("PATH", sky_image.SYSTEM_PATH)}
+        sup_env.pop("PYTHONPATH")
         with open(folder / "supervisor.log", "ab") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.sky_standin", "supervise", str(self.root), cluster_name, str(job_id)],
-                cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
+                cwd=REPO_ROOT, env=sup_env, stdin=subprocess.DEVNULL,
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )
         _update(folder, lambda d: d.__setitem__("supervisor_pid", proc.pid))
@@ -624,12 +592,13 @@ class LocalSky:
         return (f"1x {cloud_display(best.cloud)}({'[Spot]' if spot else ''}{best.instance_type}, "
                 f"{{'{best.accelerator}': {best.count}}})")
 
-    def _environment(self, home: Path, envs: dict[str, str], secrets: dict[str, str], venv: Path,
+    def _environment(self, home: Path, envs: dict[str, str], secrets: dict[str, str], image: sky_image.Image,
                      port_map: dict[str, int], task: dict[str, Any]) -> dict[str, str]:
-        """This machine's environment (it *is* the stand-in machine), the cluster's HOME, the task's envs and
-        secrets, then the overrides that fit a cloud VM onto loopback."""
+        """This machine's environment minus what a VM could not have, the image's (PATH, PYTHONPATH), the
+        cluster's HOME, the task's envs and secrets, then the overrides that fit a cloud VM onto loopback."""
         env = {k: v for k, v in os.environ.items()
                if k not in _NOT_INHERITED and not k.startswith(_NOT_INHERITED_PREFIXES)}
+        env.update(image.environment())
         # The model caches of this machine, as a machine image could hold them (SmolLM2's dense copy takes
         # tens of seconds to make): the cluster's own HOME would start them empty.
         cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
@@ -649,9 +618,6 @@ class LocalSky:
             "ARTCLOUD_HOST": "127.0.0.1",
             "ARTCLOUD_PORT": str(local_port or _free_port()),
             "ARTCLOUD_PIP_ARGS": "--no-deps --no-index",
-            "ARTCLOUD_VENV": str(venv),
-            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-            "PIP_NO_CACHE_DIR": "1",
             ENV_MARKER: str(home.parent),
         })
         return env
@@ -820,8 +786,10 @@ def supervise(root: Path, name: str, job_id: int) -> int:
     if _update(folder, started) is None:
         return 0
     with open(folder / "job.log", "ab") as out:
+        job_env = {**os.environ, "PATH": os.environ["STANDIN_JOB_PATH"],
+                   "PYTHONPATH": os.environ["STANDIN_JOB_PYTHONPATH"]}
         rc = subprocess.run(["bash", "-c", run], cwd=workdir, stdin=subprocess.DEVNULL, stdout=out,
-                            stderr=subprocess.STDOUT).returncode
+                            stderr=subprocess.STDOUT, env=job_env).returncode
 
     def ended(d: dict[str, Any]) -> None:
         d["jobs"][str(job_id)].update(status="SUCCEEDED" if rc == 0 else "FAILED", exit_code=rc, ended_at=time.time())
@@ -856,7 +824,7 @@ def _autodown(root: Path, name: str) -> None:
     process of the cluster is left."""
     folder = root / "clusters" / name
     _kill_all(root, name, None)
-    for part in ("home", "host-site"):
+    for part in ("home",):
         shutil.rmtree(folder / part, ignore_errors=True)
     trash = root / "trash" / f"{name}-{uuid.uuid4().hex[:8]}"
     trash.parent.mkdir(parents=True, exist_ok=True)

@@ -220,12 +220,12 @@ def test_failed_setup_leaves_the_cluster_up(sky, root):
     with pytest.raises(StandinLaunchError) as raised:
         sky.launch(task.config, secrets=task.secrets, cluster_name="bad", idle_minutes=1)
     message = str(raised.value)
-    assert "Failed to run setup" in message and "artcloud" in message and "No matching distribution" in message
+    assert "Failed to run setup" in message and "artcloud" in message and "No solution found" in message  # uv's words
     info = sky.status("bad")
     assert info.status == "UP" and info.autostop_minutes == -1
     assert sky.job_status("bad", None) == "FAILED_SETUP"
     text = "\n".join(sky.logs("bad"))
-    assert "No matching distribution" in text
+    assert "No solution found" in text
     assert made.token not in text and made.server_key not in text
     time.sleep(1.0)
     assert sky.status("bad") is not None  # no autodown after a failed setup
@@ -299,10 +299,16 @@ def test_launch_serves_the_wheel_then_down(sky, root, wheel):
     argv = Path(f"/proc/{server[0]}/cmdline").read_bytes().split(b"\0")
     assert argv[0].decode() == str(venv / "bin" / "python")
     assert os.readlink(f"/proc/{server[0]}/cwd") == str(home / "sky_workdir")
-    found = subprocess.run([str(venv / "bin" / "python"), "-c", "import artcloud; print(artcloud.__file__)"],
-                           cwd=home / "sky_workdir", env={"PATH": os.environ["PATH"], "HOME": str(home)},
-                           capture_output=True, text=True, check=True).stdout.strip()
+    node_env = dict(item.split("=", 1) for item in Path(f"/proc/{server[0]}/environ").read_bytes().decode().split("\0") if "=" in item)
+    found = subprocess.run([str(venv / "bin" / "python"), "-c", "import artcloud, sys; print(artcloud.__file__, sys.version_info[:2])"],
+                           cwd=home / "sky_workdir", env=node_env, capture_output=True, text=True, check=True).stdout.strip()
     assert found.startswith(str(venv / "lib")) and "site-packages" in found, found
+    # The image's python3 made the venv (with uv: it has no venv module), and it is the Python the image chose.
+    image_python = subprocess.run(["python3", "-c", "import sys; print(sys.version_info[:2])"], env=node_env,
+                                  capture_output=True, text=True, check=True).stdout.strip()
+    assert found.endswith(image_python)
+    no_venv = subprocess.run(["python3", "-m", "venv", str(root / "plain-venv")], env=node_env, capture_output=True, text=True)
+    assert no_venv.returncode != 0 and "ensurepip" in no_venv.stdout + no_venv.stderr
     # GNU timeout (the run command's belt) moves itself into a process group of its own: killing the
     # supervisor's group would miss it and the server. down() must find them anyway.
     assert len({os.getpgid(p) for p in pids}) >= 2

@@ -1,9 +1,12 @@
 """The SkyPilot task that runs `artcloud serve`: sky/artcloud-server.yaml, filled from SkyBackend's arguments.
 
 The template is a plain SkyPilot YAML (usable with `sky launch` as it is); filling it only sets resources,
-envs and the workdir that carries the wheel. Secrets (token, TLS key, S3 credentials) never enter the
-task dict: they travel next to it and reach SkyPilot as task secrets, so no YAML written anywhere holds
-them. `render` shows a task with every secret redacted.
+envs and the workdir that carries the wheel, never its scripts' text. Secrets (token, TLS key, S3
+credentials) never enter the task dict: they travel next to it and reach SkyPilot as task secrets, which
+SkyPilot redacts in the task YAML it stores and shows. They are not secret from SkyPilot itself: its API
+server keeps the launch request whole, and the machine's setup/run scripts hold them as `export` lines, so
+whoever can read those can read them. Hence short-lived, scoped credentials (README, "Secrets").
+`render` shows a task with every secret redacted.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 from artcloud._version import __version__
 
 TEMPLATE_NAME = "artcloud-server.yaml"
-SERVER_PORT = 8443
+SERVER_PORT = 8080  # the one port every SkyPilot cloud forwards (Vast forwards no other)
 SECRET_NAMES = ("ARTCLOUD_TOKEN", "ARTCLOUD_TLS_CERT", "ARTCLOUD_TLS_KEY")
 REDACTED = "<redacted>"
 
@@ -118,11 +121,8 @@ def build_task(
         config["workdir"] = str(wheel.parent)
     if workdir is not None and "workdir" not in config:
         config["workdir"] = str(workdir)
-    if run_args is not None:
-        # Same shell (venv, timeout belt), another command: `artcloud run`, whose own server is local.
-        run = config["run"]
-        head = run[:run.index('"$PY" -m artcloud serve')]
-        config["run"] = head + '"$PY" -m artcloud run ' + " ".join(shlex.quote(a) for a in run_args) + "\n"
+    if run_args is not None:  # same shell (venv, timeout belt), another command: `artcloud run`
+        envs["ARTCLOUD_RUN_ARGS"] = shlex.join(run_args)
     for key, value in (env or {}).items():
         if key in secrets:
             raise ValueError(f"{key} is given both as an env and as a secret: keep it a secret only")
