@@ -29,7 +29,12 @@ Environment:
     ARTCLOUD_STANDIN_MINUTE_S  seconds in an autostop "minute" (default 60; tests use e.g. 0.5)
     ARTCLOUD_STANDIN_CLOUDS    enabled clouds, comma-separated (default "local")
     ARTCLOUD_STANDIN_CATALOG   "offline": gpu_offers() cannot read the catalog (returns None)
+    ARTCLOUD_STANDIN_NO_CAPACITY  clouds whose offers are sold out: launch fails over to the next cheapest, as
+                               SkyPilot's provisioner does (so the launched price differs from the catalog's best)
     ARTCLOUD_STANDIN_PYTHON    the image's Python: a venv's python of this machine (tests/sky_image.py)
+    ARTCLOUD_STANDIN_NETWORK   how ports reach the laptop: "direct" (default: host:port), "ingress" (Kubernetes
+                               with an ingress, as on kind: an http:// URL with a path, no TCP), "vast" (only
+                               port 8080 is forwarded; any other port is announced but nothing answers there)
     ARTCLOUD_STANDIN_FAULT     RecordingSky only: launch_fails, no_health, job_fails, down_fails (comma-separated)
 
 No `import sky` here: the real package validates the task in the contract tests.
@@ -52,7 +57,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from artcloud.backends.sky_api import ClusterInfo, GPUOffer
+from artcloud.backends.sky_api import ClusterInfo, GPUOffer, Launched
 from tests import sky_image
 
 ENV_ROOT = "ARTCLOUD_STANDIN_ROOT"
@@ -60,6 +65,8 @@ ENV_MINUTE = "ARTCLOUD_STANDIN_MINUTE_S"
 ENV_CLOUDS = "ARTCLOUD_STANDIN_CLOUDS"
 ENV_CATALOG = "ARTCLOUD_STANDIN_CATALOG"
 ENV_FAULT = "ARTCLOUD_STANDIN_FAULT"
+ENV_NETWORK = "ARTCLOUD_STANDIN_NETWORK"
+ENV_NO_CAPACITY = "ARTCLOUD_STANDIN_NO_CAPACITY"
 ENV_MARKER = "ARTCLOUD_STANDIN_CLUSTER"  # set on every process of a cluster: ROOT/clusters/NAME
 
 ACTIVE_JOB = ("INIT", "PENDING", "SETTING_UP", "RUNNING")
@@ -283,6 +290,11 @@ def _kill_all(root: Path, name: str, supervisor_pid: int | None, *, grace_s: flo
         time.sleep(0.05)
 
 
+def _closed_port() -> int:
+    """A port on which nothing listens (what a client reaches on Vast for any port but 8080)."""
+    return _free_port()
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -357,7 +369,7 @@ class LocalSky:
         if int(task.get("num_nodes") or 1) != 1:
             raise StandinError("the stand-in runs single-node tasks only")
         env_task = self._check_envs(task, secrets)
-        resources_str = self._pick_resources(task, resources)
+        resources_str, price = self._pick_resources(task, resources)
 
         existing = self._state(cluster_name)
         job_id = 1
@@ -443,7 +455,7 @@ class LocalSky:
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )
         _update(folder, lambda d: d.__setitem__("supervisor_pid", proc.pid))
-        return job_id
+        return Launched(job_id=job_id, price_per_hour=price, resources=resources_str)
 
     def status(self, cluster_name: str) -> ClusterInfo | None:
         data = self._state(cluster_name)
@@ -478,7 +490,14 @@ class LocalSky:
         if LocalSky.job_status(self, cluster_name, None) != "RUNNING":
             return None
         local = data.get("ports", {}).get(str(port))
-        return f"127.0.0.1:{local}" if local else None
+        if not local:
+            return None
+        network = os.environ.get(ENV_NETWORK, "direct")
+        if network == "ingress":  # sky/provision/kubernetes/network.py: HTTPEndpoint(ip, 80, _PATH_PREFIX)
+            return f"http://127.0.0.1:80/skypilot/default/{cluster_name}-2ea4/{port}"
+        if network == "vast" and int(port) != 8080:  # sky/provision/vast/instance.py: announced, not forwarded
+            return f"127.0.0.1:{_closed_port()}"
+        return f"127.0.0.1:{local}"
 
     def logs(self, cluster_name: str, *, follow: bool = False, tail: int = 0) -> Iterator[str]:
         folder = self._dir(cluster_name)
@@ -531,12 +550,36 @@ class LocalSky:
         _teardown(self.root, cluster_name, data.get("supervisor_pid"))
         return True
 
+    # -------------------------------------------------------------------------------- what clouds do to clusters
+
+    def stop(self, cluster_name: str) -> None:
+        """Like `sky stop` (or a cloud stopping every node): STOPPED, every process gone, the disk kept. No
+        skylet runs on a stopped node: the supervisor's autodown ends with it."""
+        data = self._state(cluster_name)
+        if data is None:
+            raise ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
+        self._set_status(cluster_name, "STOPPED")
+        _kill_all(self.root, cluster_name, data.get("supervisor_pid"))
+
+    def break_cluster(self, cluster_name: str) -> None:
+        """What SkyPilot's refresh does to a cluster whose node is broken: INIT (unhealthy), autostop cancelled;
+        the node (and whatever bills on it) is still there."""
+        def change(data: dict[str, Any]) -> None:
+            data["status"] = "INIT"
+            data["autostop"] = {"idle_minutes": -1, "to_down": False, "set_at": time.time()}
+
+        if _update(self._dir(cluster_name), change) is None:
+            raise ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
+
     def check_cloud(self, cloud: str) -> str | None:
         key = cloud.lower()
         if key in enabled_clouds():
             return None
         hint = _CHECK_HINTS.get(key, "not a cloud this SkyPilot knows, or it is not set up")
         return f"{cloud_display(key)}: {hint} (see {_INSTALL_DOCS})"
+
+    def enabled_clouds(self) -> list[str] | None:
+        return enabled_clouds()
 
     def gpu_offers(self, gpu: str) -> list[GPUOffer] | None:
         if os.environ.get(ENV_CATALOG, "").lower() == "offline":
@@ -563,8 +606,9 @@ class LocalSky:
             raise ValueError(f"Environment variables and secrets share names: {sorted(overlap)}")
         return envs
 
-    def _pick_resources(self, task: dict[str, Any], resources: dict[str, Any]) -> str:
-        """Like SkyPilot's optimizer: the cheapest enabled offer that fits, as its resources string."""
+    def _pick_resources(self, task: dict[str, Any], resources: dict[str, Any]) -> tuple[str, float | None]:
+        """Like SkyPilot's optimizer: the cheapest enabled offer that fits, as its resources string (what
+        `sky status` shows) and its price per hour (what the launch handle's resources cost)."""
         infra = str(resources.get("infra") or resources.get("cloud") or "").split("/")[0].lower() or None
         clouds = enabled_clouds()
         if infra and infra not in clouds:
@@ -575,13 +619,15 @@ class LocalSky:
         spot = bool(resources.get("use_spot"))
         if acc is None:
             cloud = infra or clouds[0]
-            return f"1x {cloud_display(cloud)}({'[Spot]' if spot else ''}cpu-standin, cpus=8)"
+            return f"1x {cloud_display(cloud)}({'[Spot]' if spot else ''}cpu-standin, cpus=8)", None
         name, count = acc
         offers = LocalSky.gpu_offers(self, name)  # not a call of the API: RecordingSky does not record it
         if offers is None:  # catalog offline: take the request as it is
             cloud = infra or clouds[0]
-            return f"1x {cloud_display(cloud)}({'[Spot]' if spot else ''}standin, {{'{name}': {count}}})"
-        fits = [o for o in offers if o.count == count and o.cloud in clouds and (infra is None or o.cloud == infra)]
+            return f"1x {cloud_display(cloud)}({'[Spot]' if spot else ''}standin, {{'{name}': {count}}})", None
+        sold_out = {c.strip().lower() for c in os.environ.get(ENV_NO_CAPACITY, "").split(",") if c.strip()}
+        fits = [o for o in offers if o.count == count and o.cloud in clouds and (infra is None or o.cloud == infra)
+                and o.cloud not in sold_out]
         if not fits:
             raise ResourcesUnavailableError(
                 f"Catalog and request mismatch: no launchable resource found for task {task.get('name') or ''} "
@@ -590,7 +636,7 @@ class LocalSky:
                 f"Hint: `sky show-gpus {name}` lists the offers.")
         best = min(fits, key=lambda o: (o.spot_price if spot else o.price) or float("inf"))
         return (f"1x {cloud_display(best.cloud)}({'[Spot]' if spot else ''}{best.instance_type}, "
-                f"{{'{best.accelerator}': {best.count}}})")
+                f"{{'{best.accelerator}': {best.count}}})", best.spot_price if spot else best.price)
 
     def _environment(self, home: Path, envs: dict[str, str], secrets: dict[str, str], image: sky_image.Image,
                      port_map: dict[str, int], task: dict[str, Any]) -> dict[str, str]:
@@ -754,6 +800,10 @@ class RecordingSky(LocalSky):
     def check_cloud(self, cloud):
         self._record("check_cloud", cloud=cloud)
         return super().check_cloud(cloud)
+
+    def enabled_clouds(self):
+        self._record("enabled_clouds")
+        return super().enabled_clouds()
 
     def gpu_offers(self, gpu):
         self._record("gpu_offers", gpu=gpu)

@@ -108,7 +108,7 @@ def test_s3_without_credentials_launches_nothing(sky_env, monkeypatch):
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(sky_env.parent / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(sky_env.parent / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    with pytest.raises(SkyError, match=r"no S3 credentials on this machine for s3://b/p: set AWS_ACCESS_KEY_ID") as e:
+    with pytest.raises(SkyError, match=r"no S3 credentials on this machine for s3://b/p: set ARTCLOUD_S3_ACCESS_KEY_ID") as e:
         asyncio.run(SkyBackend(s3="s3://b/p").start())
     assert e.value.field == "s3" and "launch" not in calls(sky_env)
 

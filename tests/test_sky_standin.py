@@ -150,7 +150,7 @@ def test_job_logs_and_autodown(sky, root, monkeypatch):
                       " echo aws=${AWS_SECRET_ACCESS_KEY:-} secret=$MY_SECRET env=$MY_ENV;"
                       " for i in 1 2 3; do echo line $i; sleep 0.3; done",
                       ARTCLOUD_PORT="8443", MY_ENV="e")
-    assert sky.launch(task, secrets={"MY_SECRET": "s"}, cluster_name="small", idle_minutes=1) == 1
+    assert sky.launch(task, secrets={"MY_SECRET": "s"}, cluster_name="small", idle_minutes=1).job_id == 1
     info = sky.status("small")
     assert isinstance(info, ClusterInfo) and info.status == "UP" and info.autostop_minutes == 1 and info.to_down
     assert info.resources == "1x Local(local-l4-1, {'L4': 1})"
@@ -169,13 +169,13 @@ def test_job_logs_and_autodown(sky, root, monkeypatch):
 
 
 def test_autostop_can_be_changed_and_relaunch(sky):
-    assert sky.launch(small_task("exit 0"), secrets={}, cluster_name="c", idle_minutes=None) == 1
+    assert sky.launch(small_task("exit 0"), secrets={}, cluster_name="c", idle_minutes=None).job_id == 1
     wait_for("job end", lambda: sky.job_status("c", 1) == "SUCCEEDED", timeout=10)
     assert sky.status("c").autostop_minutes == -1
     time.sleep(0.7)
     assert sky.status("c").status == "UP"  # no autostop: stays up
     # Relaunching a cluster whose job ended runs a second job on it (setup again, too).
-    assert sky.launch(small_task("sleep 30"), secrets={}, cluster_name="c", idle_minutes=None) == 2
+    assert sky.launch(small_task("sleep 30"), secrets={}, cluster_name="c", idle_minutes=None).job_id == 2
     wait_for("job 2 running", lambda: sky.job_status("c", 2) == "RUNNING", timeout=10)
     assert sky.job_status("c", 1) == "SUCCEEDED"
     with pytest.raises(StandinLaunchError, match="running job 2"):
@@ -193,7 +193,7 @@ def test_state_is_on_disk_and_survives_a_killed_client(sky, root):
     """The CLI runs in subprocesses: a launch from another process, SIGKILLed after launching, leaves a
     cluster this process sees and tears down."""
     code = ("import json, sys, time; from tests.sky_standin import LocalSky; "
-            "print(LocalSky().launch(json.loads(sys.argv[1]), secrets={}, cluster_name='k', idle_minutes=5), "
+            "print(LocalSky().launch(json.loads(sys.argv[1]), secrets={}, cluster_name='k', idle_minutes=5).job_id, "
             "flush=True); time.sleep(60)")
     client = subprocess.Popen([sys.executable, "-c", code, json.dumps(small_task("sleep 60"))], cwd=REPO_ROOT,
                               stdout=subprocess.PIPE, text=True)
@@ -269,7 +269,9 @@ def test_recording_sky_faults(root, monkeypatch):
 def test_launch_serves_the_wheel_then_down(sky, root, wheel):
     made, secrets = launch_secrets()
     task = build_task(secrets=secrets, gpu="H100:1", engine="auto", lease_s=600, max_duration_s=3600, wheel=wheel)
-    assert sky.launch(task.config, secrets=task.secrets, cluster_name="e2e", idle_minutes=10) == 1
+    launched = sky.launch(task.config, secrets=task.secrets, cluster_name="e2e", idle_minutes=10)
+    assert launched.job_id == 1 and launched.price_per_hour == 2.49  # local-h100-1, on demand
+    assert launched.resources == "1x Local(local-h100-1, {'H100': 1})"
     info = sky.status("e2e")
     assert info.status == "UP" and info.autostop_minutes == 10 and info.to_down
     assert info.resources == "1x Local(local-h100-1, {'H100': 1})"

@@ -30,12 +30,13 @@ import secrets as _secrets
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from artcloud.backends.launch import check_s3, user_secrets
 from artcloud.backends.remote import ArtcloudError, SandboxBackend, ServerGone, engine_args_env
-from artcloud.backends.sky_api import GPUOffer, SkyAPI, sky_api
+from artcloud.backends.sky_api import ClusterInfo, GPUOffer, Launched, SkyAPI, sky_api
 from artcloud.backends.sky_task import SECRET_NAMES, SERVER_PORT, ServerTask, build_task, describe
 from artcloud.backends.state import SandboxRecord, StateDir, check_name
 from artcloud.durations import parse_duration
@@ -60,8 +61,10 @@ def parse_gpu(gpu: str) -> tuple[str, int]:
     return name, int(count or 1)
 
 
-def pick_offer(offers: list[GPUOffer], gpu: str, *, cloud: str | None, use_spot: bool) -> GPUOffer | None:
-    """The cheapest offer for `gpu` (on `cloud` if given). Raises ValueError if none can serve it."""
+def pick_offer(offers: list[GPUOffer], gpu: str, *, cloud: str | None, use_spot: bool,
+               enabled: list[str] | None = None) -> GPUOffer | None:
+    """The cheapest offer for `gpu` (on `cloud` if given, else among the `enabled` clouds when known), as
+    SkyPilot's optimizer picks it. Raises ValueError if none can serve it."""
     name, count = parse_gpu(gpu)
     if not offers:
         raise ValueError(f"SkyPilot knows no GPU named {name!r}: `sky show-gpus` lists the names (e.g. H100, A100-80GB, L4)")
@@ -69,6 +72,12 @@ def pick_offer(offers: list[GPUOffer], gpu: str, *, cloud: str | None, use_spot:
         offers = [o for o in offers if o.cloud.lower() == cloud.lower()]
         if not offers:
             raise ValueError(f"{cloud} offers no {name}: `sky show-gpus {name}` lists the clouds that do")
+    elif enabled is not None:
+        clouds = sorted({o.cloud for o in offers})
+        offers = [o for o in offers if o.cloud.lower() in enabled]
+        if not offers:
+            raise ValueError(f"no enabled cloud offers {name} (enabled: {', '.join(enabled) or 'none'}; {name} is on "
+                             f"{', '.join(clouds)}): set one of those up, then `sky check`")
     fitting = [o for o in offers if o.count == count]
     if not fitting:
         counts = sorted({o.count for o in offers})
@@ -77,6 +86,41 @@ def pick_offer(offers: list[GPUOffer], gpu: str, *, cloud: str | None, use_spot:
     if not priced:
         return None
     return min(priced, key=lambda o: o.spot_price if use_spot else o.price)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a launch would get, before anything is paid for: `SkyBackend(...).plan()`."""
+
+    cluster_name: str
+    gpu: str | None
+    use_spot: bool
+    offer: GPUOffer | None  # the machine the optimizer would choose (cheapest enabled offer); None: unknown
+    max_duration_s: float
+    note: str = ""  # why the price is unknown, or what it assumes
+
+    @property
+    def price_per_hour(self) -> float | None:
+        if self.offer is None:
+            return None
+        return self.offer.spot_price if self.use_spot else self.offer.price
+
+    @property
+    def max_cost(self) -> float | None:
+        """The price for the whole max_duration: what a run that is never stopped early costs at most."""
+        price = self.price_per_hour
+        return None if price is None else price * self.max_duration_s / 3600.0
+
+    def __str__(self) -> str:
+        from artcloud.durations import format_duration
+
+        what = f"{self.gpu or 'no GPU'}{' (spot)' if self.use_spot else ''}"
+        if self.offer is None:
+            return f"{self.cluster_name}: {what}, price unknown ({self.note or 'no catalog'})"
+        where = f"{self.offer.cloud} {self.offer.instance_type}" + (f" in {self.offer.region}" if self.offer.region else "")
+        return (f"{self.cluster_name}: {what} on {where}, ${self.price_per_hour:,.2f}/h; "
+                f"at most ${self.max_cost:,.2f} for max_duration {format_duration(self.max_duration_s)}"
+                + (f" ({self.note})" if self.note else ""))
 
 
 class SkyBackend(SandboxBackend):
@@ -146,8 +190,11 @@ class SkyBackend(SandboxBackend):
         self.state = StateDir(Path(state_dir) if state_dir is not None else None)
         self.api: SkyAPI = api or sky_api()
         self.price_per_hour: float | None = None
+        self.offer: GPUOffer | None = None  # the catalog's guess before launching
+        self.resources: str | None = None  # what SkyPilot launched, e.g. "1x AWS(p5.4xlarge, {'H100': 1})"
         self._job_id: int | None = None
         self._owns_cluster = False
+        self._seen_up = False  # launched, or attached as up: an INIT status now means unhealthy
         kwargs.setdefault("heartbeat_every_s", min(60.0, self.lease_s / 3))
         # The launch CA signs one certificate and its key is thrown away: the CA alone identifies the
         # server, whatever address the cloud gives it, so host names are not checked.
@@ -167,6 +214,13 @@ class SkyBackend(SandboxBackend):
         name = self.cluster_name
         info = await asyncio.to_thread(self.api.status, name)
         record = self.state.load(name)
+        if info is not None and record is not None and record.provider == PROVIDER:
+            reason = self._dead(info, seen_up=record.state == "up")
+            if reason is not None:  # ours, but it serves nothing and may bill: down it, start afresh
+                log.warning("the cluster %s is %s: tearing it down and launching a new one", name, reason)
+                await asyncio.to_thread(self.api.down, name)
+                self.state.mark_down(name)
+                info = None
         if info is not None:
             await self._attach(record, info.status)
         else:
@@ -185,17 +239,17 @@ class SkyBackend(SandboxBackend):
                 f"a SkyPilot cluster named {name!r} exists, but artcloud did not launch it from this machine: "
                 "choose another cluster_name (or remove it with `sky down " + name + "` if it is yours to remove)",
                 code="name_taken", field="cluster_name")
-        if status == "STOPPED":
-            raise SkyError(f"the cluster {name} is stopped: `artcloud down {name}`, then launch again "
-                           "(training resumes from S3)", code="cluster_stopped", field="cluster_name")
         self.ca_cert, self._token = creds
         self._owns_cluster = True
+        self._seen_up = record.state == "up"
+        self.price_per_hour, self.resources = record.price_per_hour, record.extra.get("resources")
         log.info("attaching to the running artcloud cluster %s", name)
         await self._wait_ready(record, deadline=time.monotonic() + min(self.startup_timeout_s, 300.0))
 
     def _launch_secrets(self) -> dict[str, str]:
         """The user's secrets (values read here, now) and, for S3, this machine's AWS credentials."""
-        return user_secrets(self._user_secrets, reserved=SECRET_NAMES, s3=self.s3, error=SkyError)
+        return user_secrets(self._user_secrets, reserved=SECRET_NAMES, s3=self.s3, error=SkyError,
+                            valid_for_s=self.max_duration_s)
 
     def preflight(self) -> None:
         """Everything that can be checked before a machine is paid for (blocking; run in a thread)."""
@@ -204,19 +258,44 @@ class SkyBackend(SandboxBackend):
             if reason:
                 raise SkyError(f"{self.cloud} is not enabled in SkyPilot: {reason} (then run `sky check {self.cloud}`)",
                                code="cloud_not_enabled", field="cloud")
-        if self.gpu:
-            offers = self.api.gpu_offers(parse_gpu(self.gpu)[0])
-            if offers is None:
-                log.warning("SkyPilot's GPU catalog cannot be read (offline?): %s is not checked and its price is unknown", self.gpu)
-            else:
-                try:
-                    best = pick_offer(offers, self.gpu, cloud=self.cloud, use_spot=self.use_spot)
-                except ValueError as e:
-                    raise SkyError(str(e), code="unknown_gpu", field="gpu") from e
-                if best is not None:
-                    self.price_per_hour = best.spot_price if self.use_spot else best.price
+        self._price()
         if self.s3:
             check_s3(self.s3, error=SkyError)
+
+    def _price(self) -> str:
+        """The offer SkyPilot's optimizer would take (the cheapest fitting one on an enabled cloud): sets
+        self.offer and self.price_per_hour; returns what the guess assumes, or why there is none."""
+        if not self.gpu:
+            return "no GPU: the price of a CPU machine is not looked up"
+        offers = self.api.gpu_offers(parse_gpu(self.gpu)[0])
+        if offers is None:
+            log.warning("SkyPilot's GPU catalog cannot be read (offline?): %s is not checked and its price is unknown", self.gpu)
+            return "SkyPilot's GPU catalog cannot be read (offline?)"
+        enabled = None if self.cloud else self.api.enabled_clouds()
+        try:
+            best = pick_offer(offers, self.gpu, cloud=self.cloud, use_spot=self.use_spot, enabled=enabled)
+        except ValueError as e:
+            raise SkyError(str(e), code="unknown_gpu", field="gpu") from e
+        if best is None:
+            return "no price in the catalog"
+        self.offer = best
+        self.price_per_hour = best.spot_price if self.use_spot else best.price
+        if not self.cloud and enabled is None:
+            return "cheapest of every cloud: which clouds are enabled could not be told"
+        return ""
+
+    def plan(self) -> Plan:
+        """The machine a launch would get and what it costs, per hour and for max_duration; launches
+        nothing (it asks SkyPilot's catalog and `sky check`). The real price is known once launched:
+        `price_per_hour` then comes from what SkyPilot launched."""
+        if self.cloud:
+            reason = self.api.check_cloud(self.cloud)
+            if reason:
+                raise SkyError(f"{self.cloud} is not enabled in SkyPilot: {reason} (then run `sky check {self.cloud}`)",
+                               code="cloud_not_enabled", field="cloud")
+        note = self._price()
+        return Plan(cluster_name=self.cluster_name, gpu=self.gpu, use_spot=self.use_spot, offer=self.offer,
+                    max_duration_s=self.max_duration_s, note=note)
 
     def task(self, *, launch_secrets: dict[str, str], wheel: Path | None, run_args: list[str] | None = None,
              workdir: Path | None = None) -> ServerTask:
@@ -270,12 +349,21 @@ class SkyBackend(SandboxBackend):
             self.state.save(record, ca_cert=tls.ca_cert, token=tls.token)  # before SkyPilot is asked: see above
             self._owns_cluster = True
             try:
-                self._job_id = await asyncio.to_thread(
+                launched: Launched = await asyncio.to_thread(
                     self.api.launch, task.config, secrets=task.secrets, cluster_name=name,
                     idle_minutes=self.idle_minutes, retry_until_up=self.retry_until_up)
             except BaseException as e:
                 await self._fail_start(f"SkyPilot could not launch {name}: {_one_line(e)}", e, code="launch_failed")
                 raise AssertionError("unreachable") from e
+        self._job_id, self._seen_up = launched.job_id, True
+        if launched.price_per_hour is not None:  # what was launched, not the catalog's guess
+            if self.price_per_hour is not None and abs(launched.price_per_hour - self.price_per_hour) > 0.005:
+                log.info("%s: launched %s at $%.2f/h (the catalog's guess was $%.2f/h)", name, launched.resources,
+                         launched.price_per_hour, self.price_per_hour)
+            self.price_per_hour = record.price_per_hour = launched.price_per_hour
+        if launched.resources:
+            self.resources = record.extra["resources"] = launched.resources
+        self.state.save(record)
         if job is not None:
             record.state = "up"
             self.state.save(record)
@@ -293,6 +381,12 @@ class SkyBackend(SandboxBackend):
         name, delay = self.cluster_name, 0.5
         while True:
             endpoint = await asyncio.to_thread(self.api.endpoint, name, SERVER_PORT)
+            if endpoint and ("://" in endpoint or "/" in endpoint):
+                raise SkyError(
+                    f"SkyPilot exposes port {SERVER_PORT} of {name} as {endpoint}, an HTTP ingress path (Kubernetes "
+                    "with `ports: ingress`, or kind / `sky local up`), which cannot carry artcloud's own TLS: set "
+                    "`kubernetes: ports: loadbalancer` in ~/.sky/config.yaml, or launch on another cloud",
+                    code="endpoint_unusable", field="cloud")
             if endpoint:
                 url = f"https://{endpoint}"
                 if url != self.base_url or record.url != url:
@@ -336,12 +430,37 @@ class SkyBackend(SandboxBackend):
 
     # ------------------------------------------------------------------------------------- liveness
 
+    @staticmethod
+    def _dead(info: ClusterInfo, *, seen_up: bool) -> str | None:
+        """Why a cluster that exists serves nothing, or None. STOPPED: every node stopped (a stopped node runs
+        no skylet, so autodown never fires while its disks bill). INIT once it was up: SkyPilot's refresh
+        found it broken (and cancelled its autostop)."""
+        if info.status == "STOPPED":
+            return "stopped (its disks still bill, and a stopped cluster never autodowns)"
+        if info.status == "INIT" and seen_up:
+            return "unhealthy (SkyPilot's status is INIT; its autostop is cancelled)"
+        return None
+
+    async def _reap(self, reason: str) -> None:
+        """Down a cluster of ours that is dead but may bill. Not `keep`-able: nothing is left to debug."""
+        log.warning("the cluster %s is %s: tearing it down", self.cluster_name, reason)
+        await asyncio.to_thread(self.api.down, self.cluster_name)
+        self.state.mark_down(self.cluster_name)
+        self._owns_cluster = False
+
     async def _check_alive(self) -> None:
         name = self.cluster_name
         info = await asyncio.to_thread(self.api.status, name)
         if info is None:
             raise ServerGone(f"the cluster {name} is gone (torn down, preempted or autodowned): "
                              "launch again; training resumes from the last checkpoint pushed to S3", code="cluster_gone")
+        reason = self._dead(info, seen_up=self._seen_up)
+        if reason is not None:
+            tail = "\n".join("  " + line for line in await asyncio.to_thread(self.log_tail, 20))
+            await self._reap(reason)
+            raise ServerGone(f"the cluster {name} was {reason}: torn down; launch again, training resumes from the "
+                             "last checkpoint pushed to S3" + (f". Its last lines:\n{tail}" if tail else ""),
+                             code="cluster_dead")
         status = await asyncio.to_thread(self.api.job_status, name, self._job_id)
         if status in FAILED_JOB:
             tail = "\n".join("  " + line for line in await asyncio.to_thread(self.log_tail, 20))
@@ -360,6 +479,15 @@ class SkyBackend(SandboxBackend):
         self._owns_cluster = False
 
     async def gone(self) -> bool:
+        """True when nothing of the cluster is left. A cluster of ours that exists but is dead (stopped, or
+        unhealthy after being up) is torn down first: it serves nothing and may still bill."""
+        info = await asyncio.to_thread(self.api.status, self.cluster_name)
+        if info is None:
+            return True
+        reason = self._dead(info, seen_up=self._seen_up)
+        if reason is None or not (self._owns_cluster or self.state.load(self.cluster_name) is not None):
+            return False
+        await self._reap(reason)
         return await asyncio.to_thread(self.api.status, self.cluster_name) is None
 
     @property

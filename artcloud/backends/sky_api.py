@@ -1,8 +1,8 @@
 """The one narrow seam between artcloud and SkyPilot.
 
 Everything SkyBackend and the CLI ask of SkyPilot goes through the calls of `SkyAPI`: launch, status,
-job_status, endpoint, logs, autostop, down (plus two questions asked before launching: is this cloud enabled, what
-does this GPU cost). `SkyPilotAPI` makes them with the real `sky` SDK, imported lazily (it takes seconds).
+job_status, endpoint, logs, autostop, down (plus three questions asked before launching: is this cloud enabled,
+which clouds are, what does this GPU cost). `SkyPilotAPI` makes them with the real `sky` SDK, imported lazily (it takes seconds).
 
 Tests put a stand-in at this edge (tests/sky_standin.py) by naming it in ARTCLOUD_SKY_API=module:attr:
 it runs the task's own setup and run commands as local processes, so everything behind the edge is real.
@@ -31,6 +31,15 @@ class ClusterInfo:
 
 
 @dataclass(frozen=True)
+class Launched:
+    """What `launch` got: its job, and the machine SkyPilot's optimizer really chose."""
+
+    job_id: int | None
+    price_per_hour: float | None = None  # dollars, all nodes, of the launched resources (spot price if spot)
+    resources: str | None = None  # e.g. "1x AWS(p5.4xlarge, {'H100': 1})"
+
+
+@dataclass(frozen=True)
 class GPUOffer:
     cloud: str
     instance_type: str
@@ -43,9 +52,9 @@ class GPUOffer:
 
 class SkyAPI(Protocol):
     def launch(self, task: dict[str, Any], *, secrets: dict[str, str], cluster_name: str,
-               idle_minutes: int | None, retry_until_up: bool = False) -> int | None:
-        """Provision (or reuse) the cluster, run setup, submit `run` as a job; return the job id.
-        Autodown: `idle_minutes` after the last job ends, the cluster is torn down."""
+               idle_minutes: int | None, retry_until_up: bool = False) -> Launched:
+        """Provision (or reuse) the cluster, run setup, submit `run` as a job; return the job id and what
+        was launched. Autodown: `idle_minutes` after the last job ends, the cluster is torn down."""
 
     def status(self, cluster_name: str) -> ClusterInfo | None:
         """The cluster, or None if it does not exist (never launched, or torn down)."""
@@ -55,7 +64,9 @@ class SkyAPI(Protocol):
         or None if it cannot be told (no such job, cluster not up)."""
 
     def endpoint(self, cluster_name: str, port: int) -> str | None:
-        """'host:port' (no scheme) where the cluster's `port` is reachable, or None if not open yet."""
+        """Where the cluster's `port` is reachable, as SkyPilot says it: 'host:port' for a plain TCP port (what
+        artcloud's TLS needs), a URL for an HTTP(S) proxy (Kubernetes with an ingress:
+        'http://IP:80/skypilot/NAMESPACE/CLUSTER/PORT'); None if not open yet."""
 
     def logs(self, cluster_name: str, *, follow: bool = False, tail: int = 0) -> Iterator[str]:
         """Lines of the latest job's output (setup and run)."""
@@ -67,6 +78,9 @@ class SkyAPI(Protocol):
 
     def check_cloud(self, cloud: str) -> str | None:
         """None if `cloud` is enabled; otherwise `sky check`'s reason (what is missing)."""
+
+    def enabled_clouds(self) -> list[str] | None:
+        """The clouds `sky check` enabled (lower case), or None if that cannot be told."""
 
     def gpu_offers(self, gpu: str) -> list[GPUOffer] | None:
         """Offers for accelerator `gpu` (a name, no count) across clouds; [] if no cloud has it;
@@ -93,7 +107,7 @@ class SkyPilotAPI:
     """
 
     def launch(self, task: dict[str, Any], *, secrets: dict[str, str], cluster_name: str,
-               idle_minutes: int | None, retry_until_up: bool = False) -> int | None:
+               idle_minutes: int | None, retry_until_up: bool = False) -> Launched:
         import sky
 
         config = copy.deepcopy(task)  # from_yaml_config empties the dict it is given
@@ -105,8 +119,11 @@ class SkyPilotAPI:
         t.update_secrets(secrets)  # inline secrets: '<redacted>' in the YAML sky logs and shows
         request = sky.launch(t, cluster_name=cluster_name, idle_minutes_to_autostop=idle_minutes,
                              down=idle_minutes is not None, retry_until_up=retry_until_up)
-        # (job_id, handle); a 3-tuple (+ credentials) only when launch(_include_credentials=True).
-        return sky.stream_and_get(request)[0]
+        # (job_id, handle); a 3-tuple (+ credentials) only when launch(_include_credentials=True). The handle
+        # (CloudVmRayResourceHandle) says what the optimizer chose: its launched_resources price that machine,
+        # spot or not, where the catalog lookup before launching could only guess.
+        job_id, handle = sky.stream_and_get(request)[:2]
+        return Launched(job_id=job_id, **_launched(handle))
 
     def status(self, cluster_name: str) -> ClusterInfo | None:
         import sky
@@ -148,12 +165,11 @@ class SkyPilotAPI:
             found = sky.get(sky.endpoints(cluster_name, port))
         except exceptions.ClusterNotUpError:  # no such cluster, or not UP (backend_utils.get_endpoints)
             return None
-        # {port (int): url}, {} while the port is not open yet. SocketEndpoint.url() is 'host:port'; clouds whose
-        # endpoints are HTTP(S)Endpoint add a scheme, which this seam does not return.
+        # {port (int): url}, {} while the port is not open yet. SocketEndpoint.url() is 'host:port'; an ingress's
+        # HTTP(S)Endpoint.url() has a scheme and a path (sky/provision/common.py): passed on as it is, for the
+        # caller to refuse (it cannot carry artcloud's own TLS).
         url = found.get(int(port))
-        if not url:
-            return None
-        return url.split("://", 1)[-1].rstrip("/")
+        return url.rstrip("/") if url else None
 
     def logs(self, cluster_name: str, *, follow: bool = False, tail: int = 0) -> Iterator[str]:
         import sky
@@ -225,6 +241,14 @@ class SkyPilotAPI:
                 return " ".join(block)
         return ""
 
+    def enabled_clouds(self) -> list[str] | None:
+        from sky.client import sdk
+
+        try:
+            return [str(c).lower() for c in sdk.get(sdk.enabled_clouds())]
+        except Exception:  # no API server, no answer: the caller prices across every cloud, and says so
+            return None
+
     def gpu_offers(self, gpu: str) -> list[GPUOffer] | None:
         import re
 
@@ -252,3 +276,16 @@ def _price(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return value if value == value and value > 0 else None  # NaN: no price
+
+
+def _launched(handle: Any) -> dict[str, Any]:
+    """Price and description of a launch handle's resources; None where the handle does not tell."""
+    resources = getattr(handle, "launched_resources", None)
+    nodes = int(getattr(handle, "launched_nodes", None) or 1)
+    if resources is None:
+        return {}
+    try:
+        price = _price(resources.get_cost(3600) * nodes)
+    except Exception:  # e.g. a Kubernetes or SSH node pool has no price
+        price = None
+    return {"price_per_hour": price, "resources": f"{nodes}x {resources}"}
