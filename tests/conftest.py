@@ -19,6 +19,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TINY = "artcloud/tiny-random"
+_REPO = Path(__file__).resolve().parents[1]
 
 
 def _cuda() -> bool:
@@ -115,3 +116,32 @@ def seaweed(tmp_path_factory):
     server = SeaweedS3(tmp_path_factory.mktemp("seaweed")).start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def sky_env(tmp_path, monkeypatch):
+    """A temporary HOME, state registry and stand-in cloud; no AWS settings from the real machine."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {
+        "HOME": str(home),
+        "ARTCLOUD_HOME": str(tmp_path / "artcloud-state"),
+        "ARTCLOUD_SKY_API": "tests.sky_standin:LocalSky",
+        "ARTCLOUD_STANDIN_ROOT": str(tmp_path / "cloud"),
+        "ARTCLOUD_STANDIN_MINUTE_S": "0.5",
+        "ARTCLOUD_STANDIN_CLOUDS": "local",
+        "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
+        "PYTHONPATH": os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),  # CLI runs
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                "ARTCLOUD_S3_ACCESS_KEY_ID", "ARTCLOUD_S3_SECRET_ACCESS_KEY", "ARTCLOUD_S3_ENDPOINT_URL"):
+        monkeypatch.delenv(key, raising=False)
+    root = tmp_path / "cloud"
+    yield root
+    # Whatever a test did, nothing it launched may outlive it; what a test left up it asserts on itself.
+    from tests.sky_standin import down_all, leftover_processes
+
+    down_all(root)
+    assert leftover_processes(root) == {}

@@ -21,7 +21,7 @@ from artcloud.storage.seaweed import SeaweedS3
 from tests.sky_standin import leftover_processes
 from tests.test_modal import one_step
 from tests.test_run import s3_steps
-from tests.test_sky import sky_env, use_s3  # noqa: F401  (fixture)
+from tests.test_sky import use_s3
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

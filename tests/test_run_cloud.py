@@ -17,7 +17,7 @@ import pytest
 from tests.sky_standin import leftover_processes
 from tests.test_modal import fake  # noqa: F401  (fixture)
 from tests.test_run import TINY_ARGS, TRAIN, s3_steps
-from tests.test_sky import recording, sky_env, use_s3  # noqa: F401  (fixture)
+from tests.test_sky import recording, use_s3
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

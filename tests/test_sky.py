@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -22,37 +21,10 @@ import artcloud
 from artcloud.backends.sky import SkyBackend, SkyError
 from artcloud.backends.state import StateDir
 from artcloud.storage.seaweed import ACCESS_KEY, SECRET_KEY
-from tests.sky_standin import cluster_pids, down_all, leftover_processes, read_calls
+from tests.sky_standin import cluster_pids, read_calls
 
 TINY = "artcloud/tiny-random"
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def sky_env(tmp_path, monkeypatch):
-    """A temporary HOME, state registry and stand-in cloud; no AWS settings from the real machine."""
-    home = tmp_path / "home"
-    home.mkdir()
-    env = {
-        "HOME": str(home),
-        "ARTCLOUD_HOME": str(tmp_path / "artcloud-state"),
-        "ARTCLOUD_SKY_API": "tests.sky_standin:LocalSky",
-        "ARTCLOUD_STANDIN_ROOT": str(tmp_path / "cloud"),
-        "ARTCLOUD_STANDIN_MINUTE_S": "0.5",
-        "ARTCLOUD_STANDIN_CLOUDS": "local",
-        "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),  # CLI runs
-    }
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-                "ARTCLOUD_S3_ACCESS_KEY_ID", "ARTCLOUD_S3_SECRET_ACCESS_KEY", "ARTCLOUD_S3_ENDPOINT_URL"):
-        monkeypatch.delenv(key, raising=False)
-    root = tmp_path / "cloud"
-    yield root
-    # Whatever a test did, nothing it launched may outlive it; what a test left up it asserts on itself.
-    down_all(root)
-    assert leftover_processes(root) == {}
 
 
 def recording(monkeypatch, fault: str | None = None) -> None:

@@ -16,7 +16,7 @@ import pytest
 from artcloud.backends.sky import SkyBackend, SkyError
 from artcloud.backends.state import StateDir
 from tests.sky_standin import LocalSky
-from tests.test_sky import calls, recording, sky_env  # noqa: F401  (sky_env is a fixture)
+from tests.test_sky import calls, recording
 
 SCRIPT = "import time\ntime.sleep(600)\n"
 
