@@ -5,7 +5,7 @@
     artcloud logs NAME [-f]                                the server's output (setup, then run)
     artcloud down NAME | --all                             tear down (a sandbox already gone is fine)
 
-The commands register themselves on `artcloud.cli.app`; heavy imports (the SkyPilot SDK) happen inside
+The commands register themselves on the CLI app (artcloud/cli/_app.py); heavy imports (the SkyPilot SDK) happen inside
 them, so `artcloud --help` stays fast.
 """
 
@@ -21,23 +21,13 @@ from typing import List, Optional
 
 import typer
 
-from artcloud.cli import CLIError, app
+from artcloud.cli._app import CLIError, app, env_pairs
 
 
 def _console(stderr: bool = False):
     from rich.console import Console
 
     return Console(stderr=stderr, highlight=False, soft_wrap=True)  # piped output keeps whole lines
-
-
-def _env_pairs(pairs: list[str]) -> dict[str, str]:
-    env = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise CLIError(f"--env takes KEY=VALUE, not {pair!r}")
-        env[key] = value
-    return env
 
 
 def _money(value: float | None) -> str:
@@ -87,7 +77,7 @@ def launch(
         used = [flag for flag, value in sky_only.items() if value]
         if used:
             raise CLIError(f"{', '.join(used)} {'is' if len(used) == 1 else 'are'} for --provider sky, not modal")
-        return _launch_modal(gpu=gpu, name=name, lease=lease, max_duration=max_duration, s3=s3, env=_env_pairs(env),
+        return _launch_modal(gpu=gpu, name=name, lease=lease, max_duration=max_duration, s3=s3, env=env_pairs(env),
                              secrets=list(secret), engine=engine, startup_timeout=startup_timeout, dry_run=dry_run)
     if provider != "sky":
         raise CLIError(f"--provider is sky or modal, not {provider!r}")
@@ -95,7 +85,7 @@ def launch(
     try:
         backend = SkyBackend(
             gpu=gpu, cloud=cloud, region=region, use_spot=spot, cluster_name=name, idle_minutes=idle_minutes,
-            lease=lease, max_duration=max_duration, s3=s3, env=_env_pairs(env), secrets=list(secret), image=image,
+            lease=lease, max_duration=max_duration, s3=s3, env=env_pairs(env), secrets=list(secret), image=image,
             disk_size=disk_size, engine=engine, startup_timeout=startup_timeout, retry_until_up=retry_until_up,
         )
     except ValueError as e:
