@@ -175,3 +175,61 @@ def test_each_cli_module_imports_alone_registers_every_command_and_stays_light(m
     assert out.returncode == 0, out.stderr
     commands, heavy = out.stdout.splitlines()
     assert set(ast.literal_eval(commands)) == COMMANDS and ast.literal_eval(heavy) == []
+
+
+# --- a laptop install without an extra: one line that says what to install ------------------------------------
+
+ROOT = ARTCLOUD.parent
+
+
+def artcloud_cli(tmp_path, *args: str, block: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """The CLI in a subprocess, from the repo root (where `sky/`, the templates folder, is importable as a
+    namespace package), with the modules in `block` made unimportable."""
+    code = f"import sys; sys.modules.update(dict.fromkeys({list(block)!r})); from artcloud.cli import main; main()"
+    env = {**os.environ, "ARTCLOUD_HOME": str(tmp_path / "state"), "HOME": str(tmp_path / "home"),
+           "PYTHONPATH": str(ROOT), "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", "SKYPILOT_DISABLE_LOCAL_API_SERVER": "1",
+           "COLUMNS": "200"}
+    env.pop("ARTCLOUD_SKY_API", None)
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _sky_record(tmp_path, name: str = "gpu-box") -> None:
+    from artcloud.backends.state import SandboxRecord, StateDir
+
+    StateDir(tmp_path / "state").save(SandboxRecord(name=name, provider="sky", state="up", gpu="L4"))
+
+
+@pytest.mark.parametrize("args", [
+    ["launch", "--gpu", "L4", "--dry-run"],
+    ["launch", "--gpu", "L4", "--name", "gpu-box"],
+    ["run", "examples/ci/train.py", "--backend", "sky", "--s3", "s3://bucket/runs"],
+    ["run", "examples/ci/train.py", "--backend", "sky", "--s3", "s3://bucket/runs", "--detach"],
+    ["logs", "gpu-box"],
+    ["down", "gpu-box"],
+])
+def test_without_skypilot_a_sky_command_says_what_to_install(tmp_path, args):
+    from artcloud.backends.deps import installed
+
+    assert not installed("sky"), "this test runs where SkyPilot is not installed (the server's venv)"
+    _sky_record(tmp_path)
+    summary = tmp_path / "run.json"
+    if args[0] == "run":
+        args = [*args, "--summary", str(summary)]
+    one_line_error(artcloud_cli(tmp_path, *args), "pip install 'artcloud[sky]'")
+    assert not summary.exists()  # refused before anything started
+
+
+def test_without_skypilot_status_lists_the_sandbox_and_says_what_to_install(tmp_path):
+    _sky_record(tmp_path)
+    result = artcloud_cli(tmp_path, "status")
+    one_line_error(result, "pip install 'artcloud[sky]'")
+    assert "gpu-box" in result.stdout and "not installed here" in result.stdout
+    as_json = artcloud_cli(tmp_path, "status", "--json")
+    one_line_error(as_json, "pip install 'artcloud[sky]'")
+    assert '"name": "gpu-box"' in as_json.stdout
+
+
+def test_without_boto3_pull_says_what_to_install(tmp_path):
+    one_line_error(artcloud_cli(tmp_path, "pull", "mail/agent-1", "--s3", "s3://bucket/runs", block=("boto3",)),
+                   "pip install 'artcloud[s3]'")

@@ -47,3 +47,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as e:
+        # artcloud.backends.deps.MissingDependency (and the like), from whichever command met it: its message
+        # names the pip extra to install. Matched by its stable code, so that this module imports no backend.
+        if getattr(e, "code", None) != "missing_dependency":
+            raise
+        print(f"artcloud: error: {e}", file=sys.stderr)
+        sys.exit(2)
