@@ -40,6 +40,18 @@ def env_pairs(pairs: list[str]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from artcloud.backends.sky_server import LocalSkyServer
+
+    sky_server = LocalSkyServer()  # SkyPilot's SDK may start its local API server; we stop what we started
+    try:
+        _main(argv)
+    finally:
+        said = sky_server.after()
+        if said:
+            print(said, file=sys.stderr)
+
+
+def _main(argv: list[str] | None) -> None:
     try:
         app(args=argv, standalone_mode=True)
     except CLIError as e:
