@@ -28,7 +28,7 @@ CI = ROOT / "examples" / "ci"
 WORKFLOW = CI / "nightly.yml"
 MODAL_CRON = CI / "modal_cron.py"
 
-# Every flag `artcloud run` takes (artcloud/cli_run.py must accept each of them).
+# Every flag `artcloud run` takes (artcloud/cli/run.py must accept each of them).
 def _run_flags() -> frozenset[str]:
     """Every option `artcloud run` takes, read from the CLI itself."""
     import typer.main

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
+import pytest
 from conftest import Server
 
 from artcloud.tls import client_ssl_context, make_launch_secrets
@@ -115,3 +118,118 @@ def test_behind_an_https_proxy_needs_the_launchers_token(tmp_path):
     key.write_text(secrets.server_key)
     one_line_error(serve("--path", str(tmp_path), "--behind-https-proxy", "--tls-cert", str(cert), "--tls-key", str(key),
                          env={"ARTCLOUD_TOKEN": "t" * 32}), "drop --tls-cert")
+
+
+# --- the CLI's modules: no import cycle, each importable alone, all light -------------------------------------
+
+ARTCLOUD = Path(__file__).resolve().parents[1] / "artcloud"
+COMMANDS = {"serve", "pull", "launch", "status", "logs", "down", "run"}
+
+
+def _cli_modules() -> dict[str, Path]:
+    """Every module of the command line: artcloud/cli.py, cli_*.py or the artcloud/cli/ package."""
+    found = {f"artcloud.{p.stem}": p for p in ARTCLOUD.glob("cli*.py")}
+    for p in (ARTCLOUD / "cli").glob("*.py"):
+        found["artcloud.cli" if p.stem == "__init__" else f"artcloud.cli.{p.stem}"] = p
+    return found
+
+
+def _imports_at_load(path: Path, modules: set[str]) -> set[str]:
+    """The CLI modules `path` imports when it is loaded (module level, not inside functions)."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out & modules
+
+
+def test_cli_modules_import_each_other_in_no_cycle():
+    modules = _cli_modules()
+    graph = {name: _imports_at_load(path, set(modules)) - {name} for name, path in modules.items()}
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"import cycle: {' -> '.join(path + (name,))}"
+        if name not in done:
+            for dep in graph[name]:
+                visit(dep, path + (name,))
+            done.add(name)
+
+    for name in graph:
+        visit(name, ())
+    commands = {n for n in modules if n.startswith("artcloud.cli.") and not n.rsplit(".", 1)[1].startswith("_")}
+    assert commands, "artcloud/cli/ holds one module per command group"
+    for name in commands:  # a command module imports the app, never another command module
+        assert graph[name] <= {"artcloud.cli._app"}, (name, graph[name])
+
+
+@pytest.mark.parametrize("module", ["artcloud.cli._app", "artcloud.cli.run", "artcloud.cli.sandbox", "artcloud.cli.serve"])
+def test_each_cli_module_imports_alone_registers_every_command_and_stays_light(module):
+    code = (f"import sys, importlib, typer.main; importlib.import_module({module!r}); from artcloud.cli import app; "
+            "print(sorted(typer.main.get_command(app).commands)); "
+            "print([m for m in ('sky', 'modal', 'boto3', 'torch', 'transformers') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    commands, heavy = out.stdout.splitlines()
+    assert set(ast.literal_eval(commands)) == COMMANDS and ast.literal_eval(heavy) == []
+
+
+# --- a laptop install without an extra: one line that says what to install ------------------------------------
+
+ROOT = ARTCLOUD.parent
+
+
+def artcloud_cli(tmp_path, *args: str, block: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """The CLI in a subprocess, from the repo root (where `sky/`, the templates folder, is importable as a
+    namespace package), with the modules in `block` made unimportable."""
+    code = f"import sys; sys.modules.update(dict.fromkeys({list(block)!r})); from artcloud.cli import main; main()"
+    env = {**os.environ, "ARTCLOUD_HOME": str(tmp_path / "state"), "HOME": str(tmp_path / "home"),
+           "PYTHONPATH": str(ROOT), "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", "SKYPILOT_DISABLE_LOCAL_API_SERVER": "1",
+           "COLUMNS": "200"}
+    env.pop("ARTCLOUD_SKY_API", None)
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _sky_record(tmp_path, name: str = "gpu-box") -> None:
+    from artcloud.backends.state import SandboxRecord, StateDir
+
+    StateDir(tmp_path / "state").save(SandboxRecord(name=name, provider="sky", state="up", gpu="L4"))
+
+
+@pytest.mark.parametrize("args", [
+    ["launch", "--gpu", "L4", "--dry-run"],
+    ["launch", "--gpu", "L4", "--name", "gpu-box"],
+    ["run", "examples/ci/train.py", "--backend", "sky", "--s3", "s3://bucket/runs"],
+    ["run", "examples/ci/train.py", "--backend", "sky", "--s3", "s3://bucket/runs", "--detach"],
+    ["logs", "gpu-box"],
+    ["down", "gpu-box"],
+])
+def test_without_skypilot_a_sky_command_says_what_to_install(tmp_path, args):
+    from artcloud.backends.deps import installed
+
+    assert not installed("sky"), "this test runs where SkyPilot is not installed (the server's venv)"
+    _sky_record(tmp_path)
+    summary = tmp_path / "run.json"
+    if args[0] == "run":
+        args = [*args, "--summary", str(summary)]
+    one_line_error(artcloud_cli(tmp_path, *args), "pip install 'artcloud[sky]'")
+    assert not summary.exists()  # refused before anything started
+
+
+def test_without_skypilot_status_lists_the_sandbox_and_says_what_to_install(tmp_path):
+    _sky_record(tmp_path)
+    result = artcloud_cli(tmp_path, "status")
+    one_line_error(result, "pip install 'artcloud[sky]'")
+    assert "gpu-box" in result.stdout and "not installed here" in result.stdout
+    as_json = artcloud_cli(tmp_path, "status", "--json")
+    one_line_error(as_json, "pip install 'artcloud[sky]'")
+    assert '"name": "gpu-box"' in as_json.stdout
+
+
+def test_without_boto3_pull_says_what_to_install(tmp_path):
+    one_line_error(artcloud_cli(tmp_path, "pull", "mail/agent-1", "--s3", "s3://bucket/runs", block=("boto3",)),
+                   "pip install 'artcloud[s3]'")

@@ -9,9 +9,9 @@ import zipfile
 import pytest
 
 from artcloud._version import __version__
-from artcloud.backends.sky import parse_gpu, pick_offer
+from artcloud.backends.sky import SkyBackend, parse_gpu, pick_offer
 from artcloud.backends.sky_api import GPUOffer
-from artcloud.backends.state import SandboxRecord, StateDir
+from artcloud.backends.state import SandboxRecord, StateDir, check_name
 from artcloud.backends.wheel import build_wheel
 from artcloud.durations import format_duration, parse_duration
 
@@ -60,6 +60,36 @@ def test_state_registry_keeps_secrets_private_and_survives_down(tmp_path):
 def test_state_registry_refuses_odd_names(tmp_path):
     with pytest.raises(ValueError, match="must start with a letter"):
         StateDir(tmp_path).save(SandboxRecord(name="../etc", provider="sky"))
+
+
+# Names SkyPilot and Modal take (a-z first, a-z 0-9 last, '-' between, 63 at most); then names one of them refuses
+# ("box-": SkyPilot, after the wheel was built) or that are no DNS label.
+GOOD_NAMES = ["a", "box-1", "mail-agent", "a" * 63, "a--b", "run-20260101-120000", "artcloud-0f3a9c"]
+BAD_NAMES = ["box-", "a-", "-box", "1box", "123", "Box", "box_1", "box.1", "", "a" * 64, "a b", "../etc", "box1\n"]
+
+
+@pytest.mark.parametrize("name", GOOD_NAMES)
+def test_check_name_takes_names_every_provider_takes(name):
+    assert check_name(name) == name
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_check_name_refuses_what_a_provider_refuses_before_anything_is_built(name):
+    with pytest.raises(ValueError, match="must start with a letter, end with a letter or digit"):
+        check_name(name)
+    if name:  # no name: a fresh artcloud-XXXXXX
+        with pytest.raises(ValueError, match="sandbox name"):  # at construction: before a wheel or a launch
+            SkyBackend(gpu="L4", cluster_name=name, api=object())
+
+
+@pytest.mark.parametrize("name", GOOD_NAMES + BAD_NAMES)
+def test_modal_takes_every_name_check_name_takes(name):
+    name_utils = pytest.importorskip("modal._utils.name_utils")
+    try:
+        check_name(name)
+    except ValueError:
+        return
+    assert name_utils.is_valid_object_name(name)  # what modal.Sandbox.create(name=...) checks
 
 
 def test_wheel_of_this_artcloud(tmp_path):

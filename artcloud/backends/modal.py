@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from artcloud._version import __version__
+from artcloud.backends.deps import require
 from artcloud.backends.launch import check_s3, user_secrets
 from artcloud.backends.remote import ArtcloudError, SandboxBackend, ServerGone, engine_args_env
 from artcloud.backends.state import SandboxRecord, StateDir, check_name
@@ -132,6 +133,7 @@ class ModalBackend(SandboxBackend):
         state_dir: str | Path | None = None,
         **kwargs: Any,
     ):
+        require("modal", "a Modal sandbox")  # modal itself is imported lazily, where it is used
         check_gpu(gpu)
         self.timeout_s = parse_duration(timeout, what="timeout")
         if self.timeout_s > MAX_TIMEOUT_S:
@@ -375,6 +377,9 @@ def _lookup_sync(record: SandboxRecord):
 
 class ModalSandboxes:
     """What the CLI asks of Modal for a registry record (sync; `artcloud status/logs/down`)."""
+
+    def __init__(self) -> None:
+        require("modal", "a Modal sandbox")
 
     def status(self, record: SandboxRecord) -> str | None:
         sandbox = _lookup_sync(record)

@@ -106,6 +106,11 @@ class SkyPilotAPI:
     function): those two come from `sky.client.sdk`.
     """
 
+    def __init__(self) -> None:
+        from artcloud.backends.deps import require
+
+        require("sky", "a SkyPilot sandbox")  # one line that says what to install, not a traceback at first use
+
     def launch(self, task: dict[str, Any], *, secrets: dict[str, str], cluster_name: str,
                idle_minutes: int | None, retry_until_up: bool = False) -> Launched:
         import sky

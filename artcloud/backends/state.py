@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 ENV_HOME = "ARTCLOUD_HOME"
-_NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+# SkyPilot's rule is [a-zA-Z]([-_.a-zA-Z0-9]*[a-zA-Z0-9])? (sky/skylet/constants.py CLUSTER_NAME_VALID_REGEX), Modal's
+# for a sandbox [a-zA-Z0-9-_.]{1,64} (modal/_utils/name_utils.py): this is stricter than both, and a DNS label.
+_NAME = re.compile(r"^[a-z](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 
 
 def state_root() -> Path:
@@ -27,9 +29,11 @@ def state_root() -> Path:
 
 
 def check_name(name: str) -> str:
-    """Cluster names as every provider accepts them: lower case, digits and dashes, a letter first."""
-    if not _NAME.match(name):
-        raise ValueError(f"sandbox name {name!r} must start with a letter and hold only a-z, 0-9 and '-' (63 at most)")
+    """Cluster names as every provider accepts them: lower case, digits and dashes, a letter first, no dash last.
+    Checked before anything is built or launched."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"sandbox name {name!r} must start with a letter, end with a letter or digit and hold only "
+                         "a-z, 0-9 and '-' (63 at most), e.g. 'mail-agent-1'")
     return name
 
 

@@ -122,8 +122,11 @@ class CheckpointStore:
     @property
     def s3(self) -> Any:
         if self._s3 is None:
-            import boto3
-            from botocore.config import Config
+            try:
+                import boto3
+                from botocore.config import Config
+            except ImportError as e:  # a laptop install without the extra: one line, not a traceback
+                raise StorageError("S3 needs boto3, which is not installed here: pip install 'artcloud[s3]'") from e
 
             self._s3 = boto3.client(
                 "s3",

@@ -5,7 +5,7 @@
     artcloud logs NAME [-f]                                the server's output (setup, then run)
     artcloud down NAME | --all                             tear down (a sandbox already gone is fine)
 
-The commands register themselves on `artcloud.cli.app`; heavy imports (the SkyPilot SDK) happen inside
+The commands register themselves on the CLI app (artcloud/cli/_app.py); heavy imports (the SkyPilot SDK) happen inside
 them, so `artcloud --help` stays fast.
 """
 
@@ -21,23 +21,13 @@ from typing import List, Optional
 
 import typer
 
-from artcloud.cli import CLIError, app
+from artcloud.cli._app import CLIError, app, env_pairs
 
 
 def _console(stderr: bool = False):
     from rich.console import Console
 
     return Console(stderr=stderr, highlight=False, soft_wrap=True)  # piped output keeps whole lines
-
-
-def _env_pairs(pairs: list[str]) -> dict[str, str]:
-    env = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise CLIError(f"--env takes KEY=VALUE, not {pair!r}")
-        env[key] = value
-    return env
 
 
 def _money(value: float | None) -> str:
@@ -87,7 +77,7 @@ def launch(
         used = [flag for flag, value in sky_only.items() if value]
         if used:
             raise CLIError(f"{', '.join(used)} {'is' if len(used) == 1 else 'are'} for --provider sky, not modal")
-        return _launch_modal(gpu=gpu, name=name, lease=lease, max_duration=max_duration, s3=s3, env=_env_pairs(env),
+        return _launch_modal(gpu=gpu, name=name, lease=lease, max_duration=max_duration, s3=s3, env=env_pairs(env),
                              secrets=list(secret), engine=engine, startup_timeout=startup_timeout, dry_run=dry_run)
     if provider != "sky":
         raise CLIError(f"--provider is sky or modal, not {provider!r}")
@@ -95,7 +85,7 @@ def launch(
     try:
         backend = SkyBackend(
             gpu=gpu, cloud=cloud, region=region, use_spot=spot, cluster_name=name, idle_minutes=idle_minutes,
-            lease=lease, max_duration=max_duration, s3=s3, env=_env_pairs(env), secrets=list(secret), image=image,
+            lease=lease, max_duration=max_duration, s3=s3, env=env_pairs(env), secrets=list(secret), image=image,
             disk_size=disk_size, engine=engine, startup_timeout=startup_timeout, retry_until_up=retry_until_up,
         )
     except ValueError as e:
@@ -226,13 +216,17 @@ def status(
 
     state = StateDir()
     state.prune()
-    rows, gone, asked = [], [], {}
+    rows, gone, asked, missing = [], [], {}, {}
     for record in state.live():
         try:
             provider = asked.setdefault(record.provider, sandboxes(record.provider))
             live = provider.status(record)
         except Exception as e:  # the provider cannot be asked: say so, forget nothing
-            rows.append((record, f"unknown ({type(e).__name__})"))
+            if getattr(e, "code", None) == "missing_dependency":  # the table still lists it; stderr says what to install
+                missing[str(e)] = None
+                rows.append((record, "unknown (not installed here)"))
+            else:
+                rows.append((record, f"unknown ({type(e).__name__})"))
             continue
         if live is None:
             state.mark_down(record.name)
@@ -246,6 +240,7 @@ def status(
                               "url": record.url, "launched_at": record.launched_at, "age_s": round(record.age_s(now)),
                               "price_per_hour": record.price_per_hour, "cost_so_far": record.cost_so_far(now),
                               "run": record.extra.get("run")}))
+        _fail_on_missing(missing)
         return
     from rich.table import Table
 
@@ -267,6 +262,14 @@ def status(
     out.print(f"estimated cost so far: {_money(total)} (catalog prices; the cloud's bill is the truth)")
     if gone:
         out.print(f"gone by themselves since last time: {', '.join(gone)}")
+    _fail_on_missing(missing)
+
+
+def _fail_on_missing(missing: dict[str, None]) -> None:
+    """After the table: a sandbox whose provider's package is missing here could not be asked, so its status
+    is not known. Exit 2 with the line(s) that say what to install."""
+    if missing:
+        raise CLIError("; ".join(missing))
 
 
 def _known(name: str):
@@ -290,10 +293,14 @@ def logs(
     tail: int = typer.Option(0, "--tail", min=0, help="Only the last N lines (0: all)."),
 ) -> None:
     """The server's output: the setup (installing artcloud) and the run (`artcloud serve`)."""
+    from artcloud.backends.deps import MissingDependency
     from artcloud.backends.providers import sandboxes
 
     record = _known(name)
-    provider = sandboxes(record.provider)
+    try:
+        provider = sandboxes(record.provider)
+    except MissingDependency as e:
+        raise CLIError(str(e)) from e
     if provider.status(record) is None:
         raise CLIError(f"{name} is gone (went {'down' if record.state == 'down' else 'away by itself'}): "
                        "its logs went with the machine")
@@ -338,14 +345,21 @@ def down(
             typer.confirm(f"tear down {', '.join(r.name for r in records)}?", abort=True)
     else:
         records = [_known(name) for name in names]
+    from artcloud.backends.deps import MissingDependency
+
     failed, unconfirmed, asked = [], [], {}
     for record in records:
+        try:  # before the final push: a server asked to stop that cannot then be torn down helps nobody
+            provider = asked.setdefault(record.provider, sandboxes(record.provider))
+        except MissingDependency as e:
+            failed.append(f"{record.name} ({e})")
+            continue
         stopped, lines, not_pushed = _final_push(state, record)
         for line in lines:
             print(f"{record.name}: {line}", flush=True)
         unconfirmed += [f"{record.name}/{label}" for label in not_pushed]
         try:
-            existed = asked.setdefault(record.provider, sandboxes(record.provider)).down(record)
+            existed = provider.down(record)
         except Exception as e:
             failed.append(f"{record.name} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
             continue

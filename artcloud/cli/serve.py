@@ -1,41 +1,17 @@
-"""The `artcloud` command line.
-
-    artcloud serve --path DIR [--host H] [--port P]     the training + inference server (HTTPS)
-    artcloud pull PROJECT/MODEL [--step N] [--to DIR]    a checkpoint from S3, verified
-    artcloud launch [--gpu H100:1] [--s3 ...]            the server on a cloud GPU (SkyPilot); see cli_sandbox.py
-    artcloud status | logs NAME [-f] | down NAME|--all   what this machine launched, and tearing it down
-    artcloud run SCRIPT [--backend sky] [--detach]       a training script on a sandbox of its own; see cli_run.py
-"""
+"""`artcloud serve` (the training + inference server) and `artcloud pull` (a checkpoint from S3)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from artcloud.cli._app import CLIError, app
 from artcloud.server.limits import Limits
-
-app = typer.Typer(
-    name="artcloud",
-    help="Train LLM agents with GRPO on LoRA adapters, on GPUs that live only as long as the job.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
-
-class CLIError(Exception):
-    """Printed as one line on stderr; the process exits with status 2."""
-
-
-@app.callback()
-def _root() -> None:
-    """artcloud: a training server you can run here or on a short-lived cloud GPU."""
 
 
 @app.command()
@@ -141,21 +117,3 @@ def pull(
     except (StorageError, CorruptCheckpoint) as e:
         raise CLIError(str(e)) from e
     print(f"pulled {target} step {folder.name} into {folder}")
-
-
-# launch, status, logs, down, run: they register themselves on `app`.
-from artcloud import cli_run, cli_sandbox  # noqa: E402,F401
-
-
-def main(argv: list[str] | None = None) -> None:
-    try:
-        app(args=argv, standalone_mode=True)
-    except CLIError as e:
-        print(f"artcloud: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
-
-
-if __name__ == "__main__":
-    main()

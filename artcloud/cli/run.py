@@ -9,8 +9,7 @@ from typing import List, Optional
 
 import typer
 
-from artcloud.cli import CLIError, app
-from artcloud.cli_sandbox import _env_pairs
+from artcloud.cli._app import CLIError, app, env_pairs
 
 EXIT_CODES = """Exit codes: 0 the script finished; the script's own status when it failed; 2 bad options;
 3 the sandbox could not be started; 4 --budget-usd reached; 5 the sandbox could not be confirmed gone
@@ -64,7 +63,7 @@ def run(
             script=script, args=list(ctx.args), backend=backend or "local", gpu=gpu, cloud=cloud, s3=s3,
             max_duration_s=parse_duration(max_duration, what="--max-duration"), budget_usd=budget_usd,
             price_per_hour=price_per_hour, lease_s=parse_duration(lease, what="--lease"), name=name, summary=summary,
-            env=_env_pairs(env), secrets=list(secret), engine=engine, path=path, billing_since=billing_since,
+            env=env_pairs(env), secrets=list(secret), engine=engine, path=path, billing_since=billing_since,
             detached_inner=detached_inner,
         )
         opts.check()

@@ -1,0 +1,3 @@
+from artcloud.cli import main
+
+main()

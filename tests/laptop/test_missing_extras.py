@@ -1,0 +1,60 @@
+"""A laptop install with artcloud[sky,s3] and no modal: a Modal command ends in one line that says
+`pip install 'artcloud[modal]'`, exit 2, and no traceback."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from artcloud.backends.state import SandboxRecord, StateDir
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ARTCLOUD_HOME": str(tmp_path / "state"), "HOME": str(tmp_path / "home"),
+           "PYTHONPATH": str(REPO), "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", "SKYPILOT_DISABLE_LOCAL_API_SERVER": "1",
+           "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "artcloud", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def one_line_error(result: subprocess.CompletedProcess, *words: str) -> str:
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("artcloud: error:"), result.stderr
+    for w in words:
+        assert w in lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def modal_record(tmp_path):
+    assert importlib.util.find_spec("modal") is None, "this test runs where Modal's client is not installed"
+    StateDir(tmp_path / "state").save(SandboxRecord(name="modal-box", provider="modal", state="up", gpu="H100",
+                                                    extra={"sandbox_id": "sb-123"}))
+
+
+@pytest.mark.parametrize("args", [
+    ["launch", "--provider", "modal", "--gpu", "H100"],
+    ["launch", "--provider", "modal", "--gpu", "H100", "--dry-run"],
+    ["run", "examples/ci/train.py", "--backend", "modal", "--s3", "s3://bucket/runs"],
+    ["run", "examples/ci/train.py", "--backend", "modal", "--s3", "s3://bucket/runs", "--detach"],
+    ["logs", "modal-box"],
+    ["down", "modal-box"],
+    ["status"],
+])
+def test_without_modal_a_modal_command_says_what_to_install(tmp_path, modal_record, args):
+    summary = tmp_path / "run.json"
+    if args[0] == "run":
+        args = [*args, "--summary", str(summary)]
+    result = cli(tmp_path, *args)
+    one_line_error(result, "pip install 'artcloud[modal]'")
+    assert not summary.exists()  # refused before anything started
+    if args == ["status"]:
+        assert "modal-box" in result.stdout  # still listed, its status unknown
