@@ -24,6 +24,7 @@ import artcloud
 from artcloud.backends import modal as modal_backend
 from artcloud.backends.modal import ModalBackend, ModalError
 from artcloud.backends.state import StateDir
+from artcloud.backends.wheel import build_wheel, wheel_requirements
 from artcloud.storage.seaweed import ACCESS_KEY, SECRET_KEY
 from tests.modal_fake import FakeModal
 
@@ -182,12 +183,12 @@ def a_wheel(folder: Path, code: str) -> Path:
 
 def test_the_wheels_requirements_with_its_extras_resolved_for_the_image(tmp_path):
     wheel = a_wheel(tmp_path, "")
-    assert modal_backend.wheel_requirements(wheel, extras=["gpu"], python="3.11") == [
+    assert wheel_requirements(wheel, extras=["gpu"], python="3.11") == [
         "httpx>=0.27", "uvloop", "fastapi>=0.110", "transformers>=5.24", "vllm==0.32.0"]
-    assert modal_backend.wheel_requirements(wheel, extras=["gpu"], python="3.10")[3] == "transformers>=5.20"
-    from artcloud.backends.wheel import build_wheel  # and this artcloud's own wheel
+    assert wheel_requirements(wheel, extras=["gpu"], python="3.10")[3] == "transformers>=5.20"
+    # and this artcloud's own wheel
 
-    own = modal_backend.wheel_requirements(build_wheel(tmp_path / "own"), extras=["gpu"], python="3.11")
+    own = wheel_requirements(build_wheel(tmp_path / "own"), extras=["gpu"], python="3.11")
     names = {r.split("[")[0].split(">")[0].split("=")[0].split("<")[0] for r in own}
     assert {"httpx", "fastapi", "torch", "vllm"} <= names and "pytest" not in names and "artcloud" not in names
 
