@@ -125,7 +125,8 @@ class ModalBackend(SandboxBackend):
     timeout: Modal's hard cap on the sandbox's life (at most 24 h); the server stops 5 minutes before it.
     idle_timeout: Modal's idle timer, if wanted; Modal counts only requests through the tunnel (and exec,
         stdin) as activity, so it must be over lease + 5 min, and a detached run cannot have one.
-    lease: the server pushes its last checkpoint and exits when no request or heartbeat came for this long. s3, env, secrets: as for SkyBackend (secrets travel as a modal.Secret).
+    lease: the server pushes its last checkpoint and exits when no request or heartbeat came for this long.
+    s3, env, secrets: as for SkyBackend (secrets travel as a modal.Secret).
     image: a modal.Image to run instead of the default recipe (`server_image`).
     tunnel_ca: the CA bundle that signs the tunnel's certificate; default: the public CAs.
     """
