@@ -21,17 +21,27 @@ behind each call is real where it can be:
   (`FakeModal.edge_ca_pem`), forwarding plain TCP to the sandbox's local port; `unencrypted_ports` get a plain
   TCP proxy. A tunnel exists from creation on, before the server listens (as on Modal): a connection that
   arrives before the process listens is accepted and then closed.
+- Scheduling: `FakeModal(root, schedule_delay_s=S)` (or the attribute, before a create) makes each new
+  sandbox wait S seconds for its container, as a GPU being scheduled does: the task id is there at once (1.6.4's
+  `Sandbox.create` waits for it), but the process starts only after S, and until then `SandboxGetTunnels`
+  waits up to its request's `timeout` and answers GENERIC_STATUS_TIMEOUT, which the client raises as
+  `SandboxTimeoutError` (as real Modal does while the container is not yet scheduled). One call waits at most
+  `tunnels_wait_cap_s` (50 s) whatever timeout it asks: how long Modal's server holds this long poll is not
+  documented, so a client must ask again rather than count on one call's timeout.
 - Timers as on Modal: `timeout` kills the process (result TIMEOUT: `returncode` 124, and `wait()` raises
   `SandboxTimeoutError` even with `raise_on_termination=False`). `idle_timeout`: the 1.6.4 proto only says
   "If set, the sandbox will be terminated after being idle for this duration"; Modal's guide counts as
-  activity an open TCP connection through a tunnel, a running `exec` and stdin writes. This fake counts tunnel
-  connections and the bytes through them: no open tunnel connection and no traffic for `idle_timeout`
-  seconds -> terminated (result TERMINATED, `returncode` 137; what real Modal reports here is not verified).
+  activity ONLY an open TCP connection through a tunnel, a running `exec` and stdin writes. So does this
+  fake: an open tunnel connection (and its traffic) and `SandboxStdinWrite` reset the timer; the sandbox's
+  own CPU work and output do not (a busy process with no tunnel connection is killed). `exec` is not
+  implemented (it answers UNIMPLEMENTED). Idle for `idle_timeout` seconds -> terminated (result
+  TERMINATED, `returncode` 137; what real Modal reports here is not verified).
 - `SandboxTerminate` marks the result TERMINATED (returncode 137), closes the tunnels, and kills the whole
   process group (SIGTERM, then SIGKILL after 5 s) before it answers. A process that exits by itself ends
   the sandbox with its exit code (result SUCCESS for 0, FAILURE otherwise); what it left in its process
   group is killed, as a container's end would.
-- GPU types are checked as the server would (the 1.6.4 client only upper-cases the string): an unknown type is
+- GPU types and counts are checked as the server would (the 1.6.4 client only upper-cases the string and
+  parses the count): an unknown type, or more than Modal's per-sandbox cap (8; A10 4: Modal's GPU guide), is
   answered INVALID_ARGUMENT, which the client raises as `modal.exception.InvalidError`.
 
 Sandbox implementations: 1.6.4 creates a sandbox WITH a GPU through the V1 calls (`SandboxCreate`,
@@ -91,6 +101,7 @@ IMAGE_BUILDER_VERSION = "2025.06"
 # Modal's GPU types (https://modal.com/docs/guide/gpu), upper-cased as the client sends them.
 GPU_TYPES = ("T4", "L4", "A10", "A10G", "L40S", "A100", "A100-40GB", "A100-80GB", "H100", "H100!", "H200",
              "B200", "B200+", "RTX-PRO-6000")
+GPU_MAX_COUNT = {"A10": 4, "A10G": 4}  # per sandbox; every other type: 8
 KILL_GRACE_S = 5.0
 _ALNUM = string.digits + string.ascii_letters
 _G = api_pb2.GenericResult
@@ -162,6 +173,13 @@ class _Sandbox:
     open_conns: int = 0
     monitor: asyncio.Task | None = None
     killing: asyncio.Task | None = None
+    scheduled_at: float = 0.0  # time.monotonic() at which its container "starts" (schedule_delay_s)
+    launch: tuple[list[str], dict[str, str]] | None = None  # (args, env) until the process is started
+
+    @property
+    def started(self) -> bool:
+        """Its container runs (or ran): the process was started, or the sandbox ended."""
+        return self.proc is not None or self.result is not None
 
     @property
     def stdout_path(self) -> Path:
@@ -332,8 +350,31 @@ class _Servicer(ModalClientBase):
 
     async def rpc_SandboxGetTunnels(self, req, md):
         sb = self.fake._get(req.sandbox_id)
+        deadline = time.monotonic() + max(min(req.timeout, self.fake.tunnels_wait_cap_s), 0)
+        while not sb.started and time.monotonic() < deadline:  # a container still being scheduled
+            await asyncio.sleep(0.05)
+        if not sb.started:
+            return api_pb2.SandboxGetTunnelsResponse(result=_G(status=_G.GENERIC_STATUS_TIMEOUT))
         return api_pb2.SandboxGetTunnelsResponse(result=_G(status=_G.GENERIC_STATUS_SUCCESS),
                                                  tunnels=_tunnel_protos(sb))
+
+    async def rpc_SandboxStdinWrite(self, req, md):
+        """Stdin writes count as activity for idle_timeout (as on Modal); the bytes go to the process."""
+        sb = self.fake._get(req.sandbox_id)
+        if sb.result is not None:
+            raise GRPCError(Status.FAILED_PRECONDITION, "Sandbox has already finished")
+        sb.touch()
+        stdin = sb.proc.stdin if sb.proc is not None else None
+        if stdin is not None and not stdin.closed:
+            try:
+                if req.input:
+                    stdin.write(req.input)
+                    stdin.flush()
+                if req.eof:
+                    stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
+        return api_pb2.SandboxStdinWriteResponse()
 
     async def rpc_SandboxWait(self, req, md):
         sb = self.fake._get(req.sandbox_id)
@@ -451,6 +492,8 @@ class _RouterServicer(TaskCommandRouterBase):
 
 def _tunnel_protos(sb: "_Sandbox") -> list:
     out = []
+    if not sb.started:  # no container yet: no tunnel to report
+        return out
     for t in sb.tunnels.values():
         if t.encrypted:
             out.append(api_pb2.TunnelData(host="127.0.0.1", port=t.port, container_port=t.container_port))
@@ -545,8 +588,11 @@ IMPLEMENTED_ROUTER = sorted(n[4:] for n in dir(_RouterServicer) if n.startswith(
 class FakeModal:
     """The fake control plane: `FakeModal(root).start()`, then `.env()` for a client; `.stop()` at the end."""
 
-    def __init__(self, root: Path, *, token_id: str = TOKEN_ID, token_secret: str = TOKEN_SECRET):
+    def __init__(self, root: Path, *, token_id: str = TOKEN_ID, token_secret: str = TOKEN_SECRET,
+                 schedule_delay_s: float = 0.0):
         self.root = Path(root)
+        self.schedule_delay_s = schedule_delay_s  # how long a new sandbox's container takes to be scheduled
+        self.tunnels_wait_cap_s = 50.0  # the longest one SandboxGetTunnels call waits for a container
         self.root.mkdir(parents=True, exist_ok=True)
         self.token_id, self.token_secret = token_id, token_secret
         self.port = 0
@@ -717,7 +763,7 @@ class FakeModal:
             out[sb.id] = {
                 "id": sb.id, "task_id": sb.task_id, "app_id": sb.app_id, "name": sb.name, "dir": str(sb.dir),
                 "args": list(sb.definition.entrypoint_args), "pid": sb.proc.pid if sb.proc else None,
-                "running": sb.proc is not None and sb.proc.poll() is None,
+                "running": sb.proc is not None and sb.proc.poll() is None, "started": sb.started,
                 "status": _G.GenericStatus.Name(r.status) if r is not None else None,
                 "returncode": _returncode(r), "exception": r.exception if r is not None else None,
                 "tunnel_ports": {p: t.port for p, t in sb.tunnels.items()},
@@ -793,6 +839,10 @@ class FakeModal:
         if gpu and gpu not in GPU_TYPES:
             raise GRPCError(Status.INVALID_ARGUMENT,
                             f"Unknown GPU type {gpu!r} (fake Modal); known types: {', '.join(GPU_TYPES)}")
+        count, cap = d.resources.gpu_config.count, GPU_MAX_COUNT.get(gpu, 8)
+        if gpu and not 1 <= count <= cap:
+            raise GRPCError(Status.INVALID_ARGUMENT, f"{gpu} supports 1 to {cap} GPUs per container, not {count} "
+                                                     "(fake Modal)")
         if d.image_id and d.image_id not in self._images:
             raise GRPCError(Status.NOT_FOUND, f"Image {d.image_id} not found")
         if d.name and any(s.app_id == app_id and s.name == d.name and s.result is None
@@ -823,22 +873,39 @@ class FakeModal:
             sb.tunnels[spec.port] = tunnel
         env["MODAL_SANDBOX_ID"], env["MODAL_TASK_ID"] = sb.id, sb.task_id
         sb.env_names = sorted(env)
-        args = list(d.entrypoint_args) or ["sleep", "infinity"]
-        with open(sb.stdout_path, "wb") as out, open(sb.stderr_path, "wb") as err:
-            try:
-                sb.proc = subprocess.Popen(args, cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                           stderr=err, start_new_session=True)
-            except OSError as e:  # no such executable: the container's entrypoint fails
-                err.write(f"{e}\n".encode())
-                self._sandboxes[sb.id] = sb
-                await self._finish(sb, _G(status=_G.GENERIC_STATUS_FAILURE, exitcode=127, exception=str(e)))
-                return sb
+        sb.launch = (list(d.entrypoint_args) or ["sleep", "infinity"], env)
+        sb.scheduled_at = time.monotonic() + self.schedule_delay_s
         self._sandboxes[sb.id] = sb
+        if self.schedule_delay_s <= 0 and not await self._start_process(sb):
+            return sb
         sb.monitor = asyncio.get_running_loop().create_task(self._watch(sb))
         return sb
 
+    async def _start_process(self, sb: _Sandbox) -> bool:
+        """The container's entrypoint as a local process; False when it could not start (the sandbox ended)."""
+        args, env = sb.launch
+        sb.launch = None
+        with open(sb.stdout_path, "wb") as out, open(sb.stderr_path, "wb") as err:
+            try:
+                sb.proc = subprocess.Popen(args, cwd=sb.dir, env=env, stdin=subprocess.PIPE, stdout=out,
+                                           stderr=err, start_new_session=True)
+            except OSError as e:  # no such executable: the container's entrypoint fails
+                err.write(f"{e}\n".encode())
+                await self._finish(sb, _G(status=_G.GENERIC_STATUS_FAILURE, exitcode=127, exception=str(e)))
+                return False
+        sb.touch()
+        return True
+
     async def _watch(self, sb: _Sandbox) -> None:
         d = sb.definition
+        while sb.proc is None:  # the container is being scheduled
+            if sb.result is not None:
+                return
+            if time.monotonic() >= sb.scheduled_at:
+                if not await self._start_process(sb):
+                    return
+                break
+            await asyncio.sleep(0.05)
         deadline = time.monotonic() + d.timeout_secs
         idle = d.idle_timeout_secs if d.HasField("idle_timeout_secs") and d.idle_timeout_secs > 0 else None
         while sb.result is None:
@@ -866,6 +933,11 @@ class FakeModal:
             sb.finished_at = time.time()
             for t in sb.tunnels.values():
                 _close_tunnel(t)
+            if sb.proc is not None and sb.proc.stdin is not None:
+                try:
+                    sb.proc.stdin.close()
+                except OSError:
+                    pass
             sb.killing = asyncio.get_running_loop().create_task(_terminate_group(sb.proc))
         if sb.killing is not None:
             await asyncio.shield(sb.killing)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +24,7 @@ import artcloud
 from artcloud.backends import modal as modal_backend
 from artcloud.backends.modal import ModalBackend, ModalError
 from artcloud.backends.state import StateDir
+from artcloud.backends.wheel import build_wheel, wheel_requirements
 from artcloud.storage.seaweed import ACCESS_KEY, SECRET_KEY
 from tests.modal_fake import FakeModal
 
@@ -50,6 +53,14 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "artcloud", *args], capture_output=True, text=True, timeout=timeout)
 
 
+def fresh_image():
+    """An image object of its own: `modal` keeps the id of a default image it loaded, which the next test's
+    fake does not know."""
+    import modal
+
+    return modal.Image.debian_slim(python_version="3.11")
+
+
 async def one_step(backend, name: str) -> artcloud.TrainResult:
     model = artcloud.TrainableModel(name=name, project="modal", base_model=TINY, config=artcloud.LoraConfig(rank=4))
     await model.register(backend)
@@ -75,6 +86,48 @@ def test_unknown_gpu_and_timeouts_over_the_cap_are_refused_before_anything_runs(
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "Modal has no GPU 'X100'" in result.stderr
 
 
+def test_gpu_counts_over_modals_per_type_cap_are_refused():
+    with pytest.raises(ValueError, match=r"at most 4 A10 GPUs in one sandbox, not 5: ask for 'A10:4' or fewer"):
+        ModalBackend(gpu="A10:5")
+    with pytest.raises(ValueError, match=r"at most 8 H100 GPUs in one sandbox, not 9"):
+        ModalBackend(gpu="H100:9")
+    with pytest.raises(ValueError, match=r"Modal has no GPU 'H100:'"):
+        ModalBackend(gpu="H100:")
+    assert ModalBackend(gpu="A10:4").gpu == "A10:4" and ModalBackend(gpu="L40S:8").gpu == "L40S:8"
+
+
+def test_idle_timeout_must_outlast_the_lease_and_its_push():
+    # Modal's idle timer sees only tunnel traffic: a paused client's server must hit its lease (which pushes the
+    # last checkpoint) before Modal kills it
+    with pytest.raises(ValueError, match=r"idle_timeout '20m' must be over lease \+ 5m \(15m \+ 5m\).*"
+                                         r"Use idle_timeout='21m' or more, or leave it unset"):
+        ModalBackend(idle_timeout="20m", lease="15m")
+    with pytest.raises(ValueError, match="idle_timeout='11m'"):
+        ModalBackend(idle_timeout=5, lease="5m")
+    backend = ModalBackend(idle_timeout="21m", lease="15m")
+    assert backend.idle_timeout_s > backend.lease_s + modal_backend.PUSH_MARGIN_S > backend.heartbeat_every_s
+
+
+def test_a_detached_run_cannot_have_an_idle_timeout_since_modal_would_kill_it(fake, tmp_path):
+    import modal
+
+    # Why: a detached run has no tunnel and nobody connected; however busy, to Modal it is idle (the fake is as
+    # strict), so a sandbox sent as launch_job would send it is killed idle_timeout after it starts.
+    app = modal.App.lookup("artcloud", create_if_missing=True)
+    job = modal.Sandbox.create("sh", "-c", "while :; do echo step; sleep 0.1; done", app=app, gpu="H100",
+                               timeout=60, idle_timeout=1, encrypted_ports=[], image=fresh_image())
+    job.wait(raise_on_termination=False)
+    assert job.returncode == 137 and "idle" in fake.sandboxes()[job.object_id]["exception"]
+
+    script = tmp_path / "train.py"
+    script.write_text("print('training')\n")
+    backend = ModalBackend(gpu="H100", name="det-idle", idle_timeout="30m", lease="5m")
+    with pytest.raises(ModalError, match=r"a detached run cannot have an idle_timeout.*Leave idle_timeout unset") as e:
+        asyncio.run(backend.launch_job(script, lambda price: ["--backend", "local"]))
+    assert e.value.code == "idle_timeout_detached" and e.value.field == "idle_timeout"
+    assert len(fake.calls("SandboxCreate")) == 1 and StateDir().load("det-idle") is None  # nothing launched
+
+
 def test_no_modal_token_says_what_to_do(fake, monkeypatch):
     monkeypatch.delenv("MODAL_TOKEN_ID")
     monkeypatch.delenv("MODAL_TOKEN_SECRET")
@@ -95,6 +148,74 @@ def test_s3_without_credentials_or_a_bad_secret_name_creates_nothing(fake, monke
     with pytest.raises(ModalError, match="ARTCLOUD_TOKEN is artcloud's own secret"):
         asyncio.run(ModalBackend(gpu="H100", name="badsecret", secrets={"ARTCLOUD_TOKEN": "x"}).start())
     assert fake.calls("SandboxCreate") == [] and StateDir().all() == []
+
+
+# ----------------------------------------------------------------------------------------- the image
+
+METADATA = """Metadata-Version: 2.1
+Name: artcloud
+Version: 0.1.0
+Requires-Dist: httpx>=0.27
+Requires-Dist: uvloop; sys_platform == "linux"
+Requires-Dist: pywin32; sys_platform == "win32"
+Provides-Extra: server
+Requires-Dist: fastapi>=0.110; extra == "server"
+Requires-Dist: transformers>=5.24; python_version >= "3.11" and extra == "server"
+Requires-Dist: transformers>=5.20; python_version < "3.11" and extra == "server"
+Provides-Extra: gpu
+Requires-Dist: artcloud[server]; extra == "gpu"
+Requires-Dist: vllm==0.32.0; extra == "gpu"
+Provides-Extra: dev
+Requires-Dist: pytest>=8; extra == "dev"
+"""
+
+
+def a_wheel(folder: Path, code: str) -> Path:
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / "artcloud-0.1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("artcloud/__init__.py", code)
+        zf.writestr("artcloud-0.1.0.dist-info/METADATA", METADATA)
+    return wheel
+
+
+def test_the_wheels_requirements_with_its_extras_resolved_for_the_image(tmp_path):
+    wheel = a_wheel(tmp_path, "")
+    assert wheel_requirements(wheel, extras=["gpu"], python="3.11") == [
+        "httpx>=0.27", "uvloop", "fastapi>=0.110", "transformers>=5.24", "vllm==0.32.0"]
+    assert wheel_requirements(wheel, extras=["gpu"], python="3.10")[3] == "transformers>=5.20"
+    # and this artcloud's own wheel
+
+    own = wheel_requirements(build_wheel(tmp_path / "own"), extras=["gpu"], python="3.11")
+    names = {r.split("[")[0].split(">")[0].split("=")[0].split("<")[0] for r in own}
+    assert {"httpx", "fastapi", "torch", "vllm"} <= names and "pytest" not in names and "artcloud" not in names
+
+
+def test_a_code_change_keeps_the_dependency_layer_and_installs_the_wheel_without_deps(fake, tmp_path):
+    import modal
+
+    app = modal.App.lookup("artcloud", create_if_missing=True)
+    layers = []
+    for i, code in enumerate(["VERSION = 1\n", "VERSION = 2  # a code change\n"]):
+        wheel = a_wheel(tmp_path / str(i), code)
+        n = len(fake.calls("ImageGetOrCreate"))
+        sb = modal.Sandbox.create("true", app=app, image=modal_backend.server_image(wheel, python="3.11"), timeout=30,
+                                  gpu="T4")
+        sb.wait(raise_on_termination=False)
+        layers.append([c["request"]["image"] for c in fake.calls("ImageGetOrCreate")[n:]])
+    one, two = layers
+    deps_one, deps_two = ([layer for layer in built if any("vllm==0.32.0" in c for c in layer["dockerfile_commands"])]
+                          for built in layers)
+    assert len(deps_one) == 1 and deps_one == deps_two  # the same definition: Modal's cache keeps torch and vLLM
+    install = " ".join(deps_one[0]["dockerfile_commands"])
+    assert "vllm==0.32.0" in install and "fastapi>=0.110" in install and "pytest" not in install
+    for built in layers:  # the wheel comes last, with --no-deps
+        assert built[-1]["dockerfile_commands"] == ["FROM base",
+                                                    "RUN pip install --no-deps '/opt/artcloud/artcloud-0.1.0-py3-none-any.whl'"]
+        assert built.index(deps_one[0]) < len(built) - 2  # the deps layer comes before the wheel's file
+    assert one[-2] != two[-2]  # the wheel's own layer changed
 
 
 # ----------------------------------------------------------------------------------------- for real
@@ -204,6 +325,72 @@ def test_a_sandbox_that_exits_during_start_up_fails_with_its_logs(fake):
         asyncio.run(ModalBackend(gpu="H100", name="dies", engine="bogus", tunnel_ca=fake.edge_ca_path).start())
     assert e.value.code == "server_exited"
     assert fake.live_pids() == [] and StateDir().load("dies").state == "down"
+
+
+@pytest.mark.slow
+def test_start_up_waits_for_a_gpu_being_scheduled(fake, monkeypatch):
+    # Modal answers tunnels() with SandboxTimeoutError while the container waits for a GPU; one call waits a
+    # while (here the fake's cap: 1 s), and start() must ask again until its startup_timeout.
+    fake.schedule_delay_s, fake.tunnels_wait_cap_s = 4.0, 1.0
+
+    async def main():
+        async with ModalBackend(gpu="H100", name="sched", tunnel_ca=fake.edge_ca_path) as backend:
+            assert (await backend.health())["ready"]
+            return backend
+
+    backend = asyncio.run(main())
+    assert len(fake.calls("SandboxGetTunnels")) >= 3  # timed out while scheduling, then answered
+    assert fake.sandboxes()[backend.sandbox_id]["status"] == "GENERIC_STATUS_TERMINATED"
+
+
+@pytest.mark.slow
+def test_a_gpu_never_scheduled_fails_at_startup_timeout(fake):
+    fake.schedule_delay_s, fake.tunnels_wait_cap_s = 600.0, 1.0
+    with pytest.raises(ModalError, match=r"Modal did not start nosched within startup_timeout \(no H100 container"):
+        asyncio.run(ModalBackend(gpu="H100", name="nosched", startup_timeout="3s", tunnel_ca=fake.edge_ca_path).start())
+    (sandbox,) = fake.sandboxes().values()
+    assert sandbox["pid"] is None and sandbox["status"] == "GENERIC_STATUS_TERMINATED"
+    assert StateDir().load("nosched").state == "down"
+
+
+@pytest.mark.slow
+def test_start_up_failure_shows_stdout_and_stderr_lines_apart(fake, monkeypatch):
+    # stdout's last line without a newline must not run into stderr's first
+    monkeypatch.setattr(modal_backend, "server_command",
+                        lambda **kw: ["sh", "-c", "printf last-stdout; echo the-error >&2; exit 2"])
+    with pytest.raises(ModalError, match=r"ended \(exit code 2\)") as e:
+        asyncio.run(ModalBackend(gpu="H100", name="tail", tunnel_ca=fake.edge_ca_path).start())
+    assert "  last-stdout\n  the-error" in str(e.value)
+
+
+@pytest.mark.slow
+def test_logs_follow_shows_stderr_of_a_running_sandbox(fake):
+    import modal
+
+    # the server logs to stderr, and the sandbox runs on: `artcloud logs -f` must not wait for stdout's end
+    app = modal.App.lookup("artcloud", create_if_missing=True)
+    sb = modal.Sandbox.create("sh", "-c", "echo first-out; sleep 1; echo to-stderr >&2; sleep 1; echo second-out; "
+                              "exec sleep 600", app=app, gpu="H100", timeout=120, name="follow", image=fresh_image())
+    StateDir().save(modal_backend.SandboxRecord(name="follow", provider="modal", state="up",
+                                                extra={"app": "artcloud", "sandbox_id": sb.object_id}))
+    follow = subprocess.Popen([sys.executable, "-m", "artcloud", "logs", "follow", "-f"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    arrived: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [arrived.put(line.rstrip("\n")) for line in follow.stdout], daemon=True).start()
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(lines) < 3 and time.monotonic() < deadline:
+            try:
+                lines.append(arrived.get(timeout=1))
+            except queue.Empty:
+                pass
+        assert lines == ["first-out", "to-stderr", "second-out"], lines  # both streams, in arrival order
+        assert sb.poll() is None  # while it still runs
+    finally:
+        sb.terminate()
+        out, err = follow.communicate(timeout=60)  # the stream ends with the sandbox
+    assert follow.returncode == 0, err
 
 
 @pytest.mark.slow

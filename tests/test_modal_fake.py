@@ -22,6 +22,7 @@ import textwrap
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import modal  # a dev dependency (pinned): a missing install fails here, it is never skipped
 import pytest
@@ -94,6 +95,10 @@ def test_gpu_strings(modal_fake, app):
         modal.Sandbox.create("true", app=app, gpu="h1000")
     assert modal_fake.calls("SandboxCreate")[-1]["request"]["definition"]["resources"]["gpu_config"] == {
         "gpu_type": "H1000", "count": 1}
+    with pytest.raises(InvalidError, match="A10 supports 1 to 4 GPUs per container, not 5"):  # Modal's cap for A10
+        modal.Sandbox.create("true", app=app, gpu="A10:5")
+    with pytest.raises(InvalidError, match="H100 supports 1 to 8 GPUs per container, not 9"):
+        modal.Sandbox.create("true", app=app, gpu="H100:9")
 
 
 def test_no_token_configured(modal_fake, tmp_path):
@@ -224,6 +229,55 @@ def test_idle_timeout_counts_open_tunnel_connections(modal_fake, app):
     assert 0.5 < time.monotonic() - t0 < 5
     assert sb.returncode == 137
     assert "idle" in fake.sandboxes()[sb.object_id]["exception"]
+
+
+@pytest.mark.slow
+def test_idle_timeout_counts_stdin_writes_but_not_the_sandboxs_own_work(modal_fake, app):
+    # Modal's activity is exec, stdin writes and tunnel connections: a busy process printing away is idle
+    busy = modal.Sandbox.create("sh", "-c", "while :; do echo busy; i=0; while [ $i -lt 2000 ]; do i=$((i+1)); done; "
+                                "done", app=app, gpu="H100", timeout=60, idle_timeout=1)
+    fed = modal.Sandbox.create("sh", "-c", "cat > fed.txt; exec sleep 600", app=app, gpu="H100", timeout=60,
+                               idle_timeout=1)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 3:  # stdin writes every 0.3 s keep `fed` alive past its idle_timeout
+        fed.stdin.write(b"x")
+        fed.stdin.drain()
+        time.sleep(0.3)
+    assert fed.poll() is None
+    busy.wait(raise_on_termination=False)
+    assert busy.returncode == 137 and "idle" in modal_fake.sandboxes()[busy.object_id]["exception"]
+    assert "busy" in busy.stdout.read()  # it was working, and writing, all along
+    t1 = time.monotonic()
+    fed.wait(raise_on_termination=False)  # no more writes: idle
+    assert fed.returncode == 137 and time.monotonic() - t1 < 5
+    assert (Path(modal_fake.sandboxes()[fed.object_id]["dir"]) / "fed.txt").read_text().startswith("xxxxx")
+
+
+@pytest.mark.slow
+def test_tunnels_time_out_while_a_gpu_is_being_scheduled(modal_fake, app):
+    modal_fake.schedule_delay_s = 3.0
+    try:
+        sb = modal.Sandbox.create("sh", "-c", HTTP_SERVER, app=app, gpu="H100", timeout=60, encrypted_ports=[8443])
+    finally:
+        modal_fake.schedule_delay_s = 0.0
+    try:
+        assert sb.object_id and not modal_fake.sandboxes()[sb.object_id]["started"]
+        with pytest.raises(SandboxTimeoutError):  # what real Modal answers while the container is not scheduled
+            sb.tunnels(timeout=1)
+        assert sb.poll() is None and modal_fake.sandboxes()[sb.object_id]["pid"] is None
+        modal_fake.tunnels_wait_cap_s = 0.5  # one call waits at most this long, whatever timeout it asks
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(SandboxTimeoutError):
+                sb.tunnels(timeout=30)
+            assert time.monotonic() - t0 < 5
+        finally:
+            modal_fake.tunnels_wait_cap_s = 50.0
+        url = sb.tunnels(timeout=10)[8443].url  # scheduled: the tunnel, then the server behind it
+        assert modal_fake.sandboxes()[sb.object_id]["started"]
+        assert _get(url + "/", modal_fake.edge_ca_pem) == 200
+    finally:
+        sb.terminate()
 
 
 @pytest.mark.slow

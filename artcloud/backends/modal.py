@@ -13,7 +13,10 @@ credentials travel as a `modal.Secret`, never in the image. The sandbox id goes 
 
 Teardown in layers: `down()` / `async with` (terminate); the server's lease; its max duration, set a
 little under the sandbox's `timeout`, Modal's hard cap (24 h at most), so the last checkpoint is pushed
-before Modal kills it; `idle_timeout` when given.
+before Modal kills it; `idle_timeout` when given. Modal's idle timer counts only exec calls, stdin
+writes and open TCP connections through a tunnel as activity, not the sandbox's own work: so it must
+outlast the lease plus the push margin (the lease pushes the last checkpoint first), and a detached run
+(no tunnel, nobody connected) cannot have one at all.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
 import secrets as _secrets
 import shlex
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -34,7 +39,7 @@ from artcloud.backends.deps import require
 from artcloud.backends.launch import check_s3, user_secrets
 from artcloud.backends.remote import ArtcloudError, SandboxBackend, ServerGone, engine_args_env
 from artcloud.backends.state import SandboxRecord, StateDir, check_name
-from artcloud.durations import parse_duration
+from artcloud.durations import format_duration, parse_duration
 from artcloud.tls import new_token
 
 log = logging.getLogger("artcloud.modal")
@@ -43,9 +48,13 @@ PROVIDER = "modal"
 SERVER_PORT = 8443
 MAX_TIMEOUT_S = 24 * 3600.0  # Modal's cap on a sandbox's lifetime
 PUSH_MARGIN_S = 300.0  # the server stops this long before Modal's timeout, to push its last checkpoint
-# Modal's GPU types (modal.gpu docs); "NAME:COUNT" asks for several.
+TUNNEL_WAIT_S = 50.0  # how long one `tunnels()` call waits for a container still being scheduled (Modal's default)
+# Modal's GPU types (modal.gpu docs); "NAME:COUNT" asks for several: up to 8 in one sandbox, A10 up to 4
+# (https://modal.com/docs/guide/gpu, "Specifying GPU count"; A10G is A10's older name).
 GPU_TYPES = ("T4", "L4", "A10", "A10G", "L40S", "A100", "A100-40GB", "A100-80GB", "RTX-PRO-6000", "H100", "H100!",
              "H200", "B200", "B200+")
+GPU_MAX_COUNT = {"A10": 4, "A10G": 4}
+DEFAULT_GPU_MAX_COUNT = 8
 
 
 class ModalError(ArtcloudError):
@@ -55,10 +64,15 @@ class ModalError(ArtcloudError):
 def check_gpu(gpu: str | None) -> None:
     if gpu is None:
         return
-    name, _, count = gpu.partition(":")
-    if name.upper() not in GPU_TYPES or (count and not (count.isdigit() and 1 <= int(count) <= 8)):
-        raise ValueError(f"Modal has no GPU {gpu!r}: use one of {', '.join(GPU_TYPES)}, optionally with :COUNT (1-8), "
-                         "e.g. 'H100' or 'A100-80GB:2'")
+    name, colon, count = gpu.partition(":")
+    if name.upper() not in GPU_TYPES or (colon and not (count.isdigit() and int(count) >= 1)):
+        raise ValueError(f"Modal has no GPU {gpu!r}: use one of {', '.join(GPU_TYPES)}, optionally with :COUNT "
+                         f"(1-{DEFAULT_GPU_MAX_COUNT}, A10 1-4), e.g. 'H100' or 'A100-80GB:2'")
+    cap = GPU_MAX_COUNT.get(name.upper(), DEFAULT_GPU_MAX_COUNT)
+    if colon and int(count) > cap:
+        other = f", or a type that allows up to {DEFAULT_GPU_MAX_COUNT} (e.g. L40S)" if cap < DEFAULT_GPU_MAX_COUNT else ""
+        raise ValueError(f"Modal puts at most {cap} {name.upper()} GPUs in one sandbox, not {count}: ask for "
+                         f"'{name}:{cap}' or fewer{other}")
 
 
 def server_command(*, lease_s: float, max_duration_s: float, s3: str | None, engine: str) -> list[str]:
@@ -85,7 +99,10 @@ MAX_SCRIPT_BYTES = 64 * 1024  # it travels in an environment variable (Linux cap
 
 def server_image(wheel: Path | None, *, extras: str = "gpu", python: str | None = None):
     """The image recipe: Debian slim, and artcloud[gpu] from this client's own wheel (same version,
-    local changes included) or, with no wheel, from PyPI at this client's version."""
+    local changes included) or, with no wheel, from PyPI at this client's version.
+
+    With a wheel, its dependencies (torch, vLLM: minutes to install) are a layer of their own, before the
+    wheel's: a code change rebuilds only the last layer, `pip install --no-deps` of the new wheel."""
     import modal
 
     python = python or f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -93,7 +110,11 @@ def server_image(wheel: Path | None, *, extras: str = "gpu", python: str | None 
     if wheel is None:
         return image.pip_install(f"artcloud[{extras}]=={__version__}")
     remote = f"/opt/artcloud/{wheel.name}"
-    return image.add_local_file(wheel, remote, copy=True).run_commands(f"pip install '{remote}[{extras}]'")
+    from artcloud.backends.wheel import wheel_requirements
+
+    deps = wheel_requirements(wheel, extras=extras.split(","), python=python)
+    image = image.pip_install(*deps) if deps else image
+    return image.add_local_file(wheel, remote, copy=True).run_commands(f"pip install --no-deps '{remote}'")
 
 
 class ModalBackend(SandboxBackend):
@@ -103,8 +124,10 @@ class ModalBackend(SandboxBackend):
     name: the sandbox's name in the app (default artcloud-XXXXXX); a running one of that name that this
         machine launched is attached to.
     timeout: Modal's hard cap on the sandbox's life (at most 24 h); the server stops 5 minutes before it.
-    idle_timeout: Modal's idle timer, if wanted. lease: the server exits when no request or heartbeat
-        came for this long. s3, env, secrets: as for SkyBackend (secrets travel as a modal.Secret).
+    idle_timeout: Modal's idle timer, if wanted; Modal counts only requests through the tunnel (and exec,
+        stdin) as activity, so it must be over lease + 5 min, and a detached run cannot have one.
+    lease: the server pushes its last checkpoint and exits when no request or heartbeat came for this long.
+    s3, env, secrets: as for SkyBackend (secrets travel as a modal.Secret).
     image: a modal.Image to run instead of the default recipe (`server_image`).
     tunnel_ca: the CA bundle that signs the tunnel's certificate; default: the public CAs.
     """
@@ -140,6 +163,14 @@ class ModalBackend(SandboxBackend):
             raise ValueError(f"timeout {timeout!r} is over Modal's 24 h cap: use at most 24h (resume on a new sandbox from S3)")
         self.idle_timeout_s = parse_duration(idle_timeout, what="idle_timeout") if idle_timeout is not None else None
         self.lease_s = parse_duration(lease, what="lease")
+        if self.idle_timeout_s is not None and self.idle_timeout_s <= self.lease_s + PUSH_MARGIN_S:
+            least = f"{int((self.lease_s + PUSH_MARGIN_S) // 60) + 1}m"
+            raise ValueError(
+                f"idle_timeout {idle_timeout!r} must be over lease + {format_duration(PUSH_MARGIN_S)} "
+                f"({format_duration(self.lease_s)} + {format_duration(PUSH_MARGIN_S)}): Modal's idle timer sees only "
+                "requests through the tunnel, so it would kill a paused client's server before the lease pushes "
+                f"its last checkpoint. Use idle_timeout={least!r} or more, or leave it unset (the lease ends an "
+                "idle server)")
         self.startup_timeout_s = parse_duration(startup_timeout, what="startup_timeout")
         if s3 is not None and not (s3.startswith("s3://") and len(s3) > 5):
             raise ValueError(f"s3 must look like s3://BUCKET/PREFIX, not {s3!r}")
@@ -205,6 +236,11 @@ class ModalBackend(SandboxBackend):
         if script.stat().st_size > MAX_SCRIPT_BYTES:
             raise ModalError(f"{script} is over {MAX_SCRIPT_BYTES // 1024} kB: a detached run ships one script; put the "
                              "rest in a package the image installs (image=)", code="script_too_big", field="script")
+        if self.idle_timeout_s is not None:
+            raise ModalError("a detached run cannot have an idle_timeout: Modal counts only exec calls, stdin writes "
+                             "and connections through a tunnel as activity, and a detached run has none, so Modal "
+                             "would kill it idle_timeout after it starts. Leave idle_timeout unset (the sandbox ends "
+                             "with the loop; timeout caps it)", code="idle_timeout_detached", field="idle_timeout")
         record = self.state.load(self.name)
         if record is not None and record.state != "down":
             raise ModalError(f"{self.name} is a live sandbox of this machine: choose another name for the run",
@@ -268,8 +304,7 @@ class ModalBackend(SandboxBackend):
 
     async def _wait_ready(self, record: SandboxRecord, *, deadline: float) -> None:
         """The tunnel exists before the server listens: poll /health through it until ready."""
-        tunnels = await self._sandbox.tunnels.aio(timeout=int(max(1.0, min(300.0, deadline - time.monotonic()))))
-        url = tunnels[SERVER_PORT].url.rstrip("/")
+        url = await self._tunnel_url(deadline)
         if url != self.base_url:
             await self.close()
             self.base_url = url
@@ -290,6 +325,27 @@ class ModalBackend(SandboxBackend):
                                  f"model, or see `artcloud logs {self.name}`", code="startup_timeout")
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 5.0)
+
+    async def _tunnel_url(self, deadline: float) -> str:
+        """`tunnels()` raises SandboxTimeoutError while Modal still schedules the container (a GPU can take
+        minutes): ask again until the startup deadline."""
+        import modal
+
+        while True:
+            try:
+                wait = int(max(1.0, min(TUNNEL_WAIT_S, deadline - time.monotonic())))
+                tunnels = await self._sandbox.tunnels.aio(timeout=wait)
+            except modal.exception.SandboxTimeoutError:
+                tunnels = {}
+            if SERVER_PORT in tunnels:
+                return tunnels[SERVER_PORT].url.rstrip("/")
+            await self._check_alive()
+            if time.monotonic() > deadline:
+                raise ModalError(f"Modal did not start {self.name} within startup_timeout (no {self.gpu or 'CPU'} "
+                                 "container was free): try again later, another gpu, or a longer startup_timeout",
+                                 code="startup_timeout")
+            if tunnels:  # an answer without our port: ask again, not in a tight loop
+                await asyncio.sleep(1.0)
 
     async def _fail_start(self, cause: BaseException) -> None:
         if isinstance(cause, ArtcloudError):
@@ -315,11 +371,12 @@ class ModalBackend(SandboxBackend):
         if sandbox is None or await sandbox.poll.aio() is None:
             return []
         try:
-            text = (await sandbox.stdout.read.aio()) + (await sandbox.stderr.read.aio())
+            streams = [await sandbox.stdout.read.aio(), await sandbox.stderr.read.aio()]
         except Exception as e:
             log.debug("no logs for %s: %s", self.name, e)
             return []
-        return [line for line in text.splitlines() if line.strip()][-lines:]
+        # each stream on its own: stdout's last line may lack its newline
+        return [line for text in streams for line in text.splitlines() if line.strip()][-lines:]
 
     # ------------------------------------------------------------------------------------- liveness, down
 
@@ -404,11 +461,34 @@ class ModalSandboxes:
         return _lines(sandbox)
 
 
+_DONE = object()
+
+
 def _lines(sandbox) -> Iterator[str]:
-    for line in sandbox.stdout:
-        yield line.rstrip("\n")
-    for line in sandbox.stderr:
-        yield line.rstrip("\n")
+    """stdout and stderr followed at once, lines in the order they arrive (the server logs to stderr, and a
+    stream is read to its end only when the sandbox ends)."""
+    lines: queue.Queue = queue.Queue()
+
+    def pump(stream) -> None:
+        try:
+            for line in stream:
+                lines.put(line.rstrip("\n"))
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            lines.put(e)
+        finally:
+            lines.put(_DONE)
+
+    for stream in (sandbox.stdout, sandbox.stderr):
+        threading.Thread(target=pump, args=(stream,), name="artcloud-modal-logs", daemon=True).start()
+    open_streams = 2
+    while open_streams:
+        item = lines.get()
+        if item is _DONE:
+            open_streams -= 1
+        elif isinstance(item, Exception):
+            raise item
+        else:
+            yield item
 
 
 def _modal_hint(e: BaseException) -> str:

@@ -14,6 +14,7 @@ import hashlib
 import zipfile
 from importlib import metadata
 from pathlib import Path
+from typing import Iterable
 
 from artcloud._version import __version__
 
@@ -90,3 +91,42 @@ def _with_version(meta: str) -> str:
     header, sep, body = meta.partition("\n\n")
     lines = [f"Version: {__version__}" if line.startswith("Version:") else line for line in header.splitlines()]
     return "\n".join(lines) + "\n" + (sep[1:] + body if sep else "")
+
+
+def wheel_requirements(wheel: Path, *, extras: Iterable[str], python: str) -> list[str]:
+    """What `pip install 'WHEEL[EXTRAS]'` would install directly, from the wheel's METADATA Requires-Dist:
+    the extras resolved (self-references like artcloud[server] included) and every marker evaluated for the
+    image (Linux, x86_64, CPython `python`), so the list, and so the layer, is the same on any laptop."""
+    from email.parser import Parser
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    with zipfile.ZipFile(wheel) as zf:
+        name = next((n for n in zf.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")), None)
+        if name is None:
+            raise ValueError(f"{wheel} has no .dist-info/METADATA: not a wheel (build one with build_wheel)")
+        meta = Parser().parsestr(zf.read(name).decode())
+    own = canonicalize_name(meta["Name"])
+    reqs = [Requirement(line) for line in meta.get_all("Requires-Dist") or []]
+    env = {**default_environment(), "implementation_name": "cpython", "platform_python_implementation": "CPython",
+           "os_name": "posix", "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+           "python_version": python, "python_full_version": f"{python}.0", "implementation_version": f"{python}.0"}
+
+    def wanted(req: Requirement, chosen: set[str]) -> bool:
+        return req.marker is None or any(req.marker.evaluate({**env, "extra": e}) for e in chosen)
+
+    chosen, before = {"", *extras}, set()
+    while chosen != before:  # artcloud[gpu] asks for artcloud[server], which may ask for more
+        before = set(chosen)
+        for req in reqs:
+            if canonicalize_name(req.name) == own and wanted(req, chosen):
+                chosen |= req.extras
+    out = []
+    for req in reqs:
+        if canonicalize_name(req.name) != own and wanted(req, chosen):
+            req.marker = None
+            if str(req) not in out:
+                out.append(str(req))
+    return out
