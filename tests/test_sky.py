@@ -187,7 +187,9 @@ def test_dry_run_shows_the_plan_and_a_validated_task_without_secrets(sky_env, mo
     assert "nothing was launched" in out and "plan" in out and "(spot)" in out
     assert "not by SkyPilot (pip install 'artcloud[sky]')" in out  # this venv has the server, not skypilot:
     # tests/laptop/test_sky_contract.py runs the same dry run where skypilot is installed.
-    assert "$" in out and "/h" in out  # the stand-in catalog's spot price
+    # The machine SkyPilot would choose among the enabled clouds (only 'local' here), spot, and the most it costs.
+    assert "H100:1 (spot) on local local-h100-1 in local, $1.25/h" in out
+    assert "at most $10.00 if it runs its whole max_duration (8h00m)" in out
     assert "MY_SECRET: <redacted>" in out and "ARTCLOUD_TOKEN: <redacted>" in out and "FOO: bar" in out
     assert "hunter2" not in out + result.stderr and "BEGIN PRIVATE KEY" not in out
     assert not (sky_env / "clusters").exists() or not any((sky_env / "clusters").iterdir())
@@ -232,6 +234,7 @@ def test_launch_train_checkpoint_to_s3_reconnect_and_down(sky_env, monkeypatch, 
             status = cli("status", "--json")
             row = json.loads(status.stdout.splitlines()[0])
             assert row["name"] == "e2e" and row["status"] == "UP" and row["gpu"] == "H100:1" and row["cost_so_far"] > 0
+            assert row["resources"] == "1x Local(local-h100-1, {'H100': 1})" and row["price_per_hour"] == 2.49
             logs = cli("logs", "e2e", "--tail", "200")
             assert "serving on https://" in logs.stdout
             assert backend._token not in logs.stdout and "PRIVATE KEY" not in logs.stdout

@@ -16,7 +16,7 @@ import pytest
 from artcloud.backends.sky import SkyBackend, SkyError
 from artcloud.backends.state import StateDir
 from tests.sky_standin import LocalSky
-from tests.test_sky import calls, recording
+from tests.test_sky import calls, cli, recording
 
 SCRIPT = "import time\ntime.sleep(600)\n"
 
@@ -91,6 +91,8 @@ def test_a_stopped_cluster_is_gone_and_torn_down(sky_env, tmp_path):
     backend = detached(tmp_path, "stopped")
     LocalSky().stop("stopped")
     assert LocalSky().status("stopped").status == "STOPPED"
+    shown = cli("status")
+    assert " STOPPED" in shown.stdout and "disks may bill: `artcloud down stopped`" in shown.stdout
     assert asyncio.run(backend.gone()) is True
     assert LocalSky().status("stopped") is None and StateDir().load("stopped").state == "down"
 

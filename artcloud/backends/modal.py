@@ -225,7 +225,8 @@ class ModalBackend(SandboxBackend):
 
     def _launch_secrets(self, token: str) -> dict[str, str]:
         """The bearer token, the user's secrets and, for S3, this machine's AWS credentials: one modal.Secret."""
-        found = user_secrets(self._user_secrets, reserved=["ARTCLOUD_TOKEN"], s3=self.s3, error=ModalError)
+        found = user_secrets(self._user_secrets, reserved=["ARTCLOUD_TOKEN"], s3=self.s3, error=ModalError,
+                             valid_for_s=self.timeout_s)
         return {"ARTCLOUD_TOKEN": token, **found}
 
     async def launch_job(self, script: Path, run_args: Callable[[float | None], list[str]]) -> None:

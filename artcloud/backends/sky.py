@@ -251,16 +251,13 @@ class SkyBackend(SandboxBackend):
         return user_secrets(self._user_secrets, reserved=SECRET_NAMES, s3=self.s3, error=SkyError,
                             valid_for_s=self.max_duration_s)
 
-    def preflight(self) -> None:
-        """Everything that can be checked before a machine is paid for (blocking; run in a thread)."""
-        if self.cloud:
-            reason = self.api.check_cloud(self.cloud)
-            if reason:
-                raise SkyError(f"{self.cloud} is not enabled in SkyPilot: {reason} (then run `sky check {self.cloud}`)",
-                               code="cloud_not_enabled", field="cloud")
-        self._price()
+    def preflight(self) -> Plan:
+        """Everything that can be checked before a machine is paid for (blocking; run in a thread): the cloud,
+        the GPU and its price (the plan), the S3 location and credentials."""
+        plan = self.plan()
         if self.s3:
             check_s3(self.s3, error=SkyError)
+        return plan
 
     def _price(self) -> str:
         """The offer SkyPilot's optimizer would take (the cheapest fitting one on an enabled cloud): sets

@@ -150,10 +150,12 @@ async def _start_and_leave(backend) -> None:
 
 
 def _dry_run(backend, out, teardown: str) -> None:
+    from artcloud.backends.sky_task import SERVER_PORT
     from artcloud.backends.wheel import build_wheel
+    from artcloud.durations import format_duration
     from artcloud.tls import make_launch_secrets
 
-    backend.preflight()
+    plan = backend.preflight()
     placeholder = make_launch_secrets()  # thrown away: only the names show
     launch_secrets = {"ARTCLOUD_TOKEN": placeholder.token, "ARTCLOUD_TLS_CERT": placeholder.server_cert,
                       "ARTCLOUD_TLS_KEY": placeholder.server_key, **backend._launch_secrets()}
@@ -165,15 +167,29 @@ def _dry_run(backend, out, teardown: str) -> None:
                    f"this machine's artcloud as {wheel.name} ({wheel.stat().st_size // 1024} kB) + artcloud[gpu]")
     out.print("[bold]artcloud launch --dry-run[/]: nothing was launched")
     out.print(f"  cluster   {backend.cluster_name}", markup=False)
-    where = f"{backend.cloud}/{backend.region}" if backend.region else (backend.cloud or "the cheapest enabled cloud")
-    out.print(f"  machine   {backend.gpu or 'no GPU'}{' (spot)' if backend.use_spot else ''} on {where}, "
-              f"{_money(backend.price_per_hour)}/h", markup=False)
-    out.print(f"  server    {shipped}, HTTPS on port 8443, engine {backend.engine}", markup=False)
+    what = f"{backend.gpu or 'no GPU'}{' (spot)' if backend.use_spot else ''}"
+    if plan.offer is not None:
+        offer = plan.offer
+        out.print(f"  machine   {what} on {offer.cloud} {offer.instance_type}"
+                  f"{' in ' + offer.region if offer.region else ''}, {_money(plan.price_per_hour)}/h"
+                  f"{' (' + plan.note + ')' if plan.note else ''}", markup=False)
+        out.print(f"  cost      at most {_money(plan.max_cost)} if it runs its whole max_duration "
+                  f"({format_duration(backend.max_duration_s)}); the launch records what SkyPilot really chose",
+                  markup=False)
+    else:
+        where = f"{backend.cloud}/{backend.region}" if backend.region else (backend.cloud or "the cheapest enabled cloud")
+        out.print(f"  machine   {what} on {where}, price unknown ({plan.note})", markup=False)
+    out.print(f"  server    {shipped}, HTTPS on port {SERVER_PORT}, engine {backend.engine}", markup=False)
     out.print(f"  teardown  {teardown}", markup=False)
     out.print(f"  secrets   {', '.join(task.secrets)} (values never shown or written)", markup=False)
     out.print(f"  checked   {checked}", markup=False)
     out.print("--- the SkyPilot task (secrets redacted) ---")
     out.print(task.render(), markup=False, end="")
+
+
+def _live(status: str) -> str:
+    """A provider's status, with what it means for the bill where that is not obvious."""
+    return {"STOPPED": "STOPPED (disks bill)", "INIT": "INIT (starting, or unhealthy)"}.get(status, status)
 
 
 def _validate_with_skypilot(config: dict) -> str:
@@ -238,6 +254,7 @@ def status(
         for record, live in rows:
             print(json.dumps({"name": record.name, "provider": record.provider, "status": live, "gpu": record.gpu,
                               "url": record.url, "launched_at": record.launched_at, "age_s": round(record.age_s(now)),
+                              "resources": record.extra.get("resources"),
                               "price_per_hour": record.price_per_hour, "cost_so_far": record.cost_so_far(now),
                               "run": record.extra.get("run")}))
         _fail_on_missing(missing)
@@ -249,17 +266,23 @@ def status(
         out.print("no live sandboxes" + (f" ({', '.join(gone)} went away by themselves)" if gone else ""))
         return
     table = Table(box=None, header_style="bold")
-    for column in ("NAME", "PROVIDER", "STATUS", "GPU", "AGE", "$/H", "COST SO FAR", "URL"):
+    for column in ("NAME", "PROVIDER", "STATUS", "MACHINE", "AGE", "$/H", "COST SO FAR", "URL"):
         table.add_column(column, justify="right" if column in ("AGE", "$/H", "COST SO FAR") else "left")
     total = 0.0
     for record, live in rows:
         cost = record.cost_so_far(now)
         total += cost or 0.0
-        table.add_row(record.name, record.provider, live, record.gpu or "-", format_duration(record.age_s(now)),
+        machine = record.extra.get("resources") or record.gpu or "-"  # what SkyPilot launched, once known
+        table.add_row(record.name, record.provider, _live(live), machine, format_duration(record.age_s(now)),
                       _money(record.price_per_hour), _money(cost),
                       record.url or (f"detached run of {record.extra['run']}" if record.extra.get("run") else "-"))
     out.print(table)
-    out.print(f"estimated cost so far: {_money(total)} (catalog prices; the cloud's bill is the truth)")
+    out.print(f"estimated cost so far: {_money(total)} (the launched machine at SkyPilot's catalog price; "
+              "the cloud's bill is the truth)")
+    dead = [record.name for record, live in rows if live in ("STOPPED", "INIT")]
+    if dead:
+        out.print(f"{', '.join(dead)}: stopped or unhealthy, serving nothing while disks may bill: "
+                  f"`artcloud down {dead[0]}`" + (" (and the others)" if len(dead) > 1 else ""))
     if gone:
         out.print(f"gone by themselves since last time: {', '.join(gone)}")
     _fail_on_missing(missing)
