@@ -380,7 +380,7 @@ class Runner:
         summary = {
             "schema": 1, "run": self.name, "script": str(self.opts.script), "args": list(self.opts.args),
             "backend": self.opts.backend, "gpu": self.opts.gpu if self.opts.backend != "local" else None,
-            "sandbox": getattr(self.backend, "sandbox_name", None),
+            "sandbox": getattr(self.backend, "sandbox_name", None) if self.opts.backend != "local" else None,
             "detached": self.opts.detached_inner or ending.outcome == "detached",
             "outcome": ending.outcome, "exit_code": ending.exit_code, "reason": ending.reason,
             "script_exit_code": self.script_exit,

@@ -127,7 +127,7 @@ def test_a_failing_server_job_fails_fast_with_its_logs(sky_env, monkeypatch):
 
 def test_health_that_never_comes_times_out_and_tears_down(sky_env, monkeypatch):
     recording(monkeypatch, "no_health")
-    with pytest.raises(SkyError, match=r"not ready in time \(startup_timeout\).*torn down") as e:
+    with pytest.raises(SkyError, match=r"not ready in time \(startup_timeout 4s\).*torn down") as e:
         asyncio.run(SkyBackend(cluster_name="silent", startup_timeout="4s").start())
     assert e.value.code == "startup_timeout"
     assert "down" in calls(sky_env) and cluster_pids(sky_env, "silent") == set()

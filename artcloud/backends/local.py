@@ -15,11 +15,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone, engine_args_env
+from artcloud.backends.remote import ArtcloudError, ServerGone, engine_args_env
+from artcloud.backends.sandbox import SandboxBackend
 from artcloud.tls import make_launch_secrets
 
 DEFAULT_PATH = Path(".artcloud") / "local"
@@ -34,7 +34,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass  # not Linux: --parent-pid polling still ends the server
 
 
-class LocalBackend(RemoteBackend):
+class LocalBackend(SandboxBackend):
     """Runs the training server here. Checkpoints live under `path` (default ./.artcloud/local), so a new
     LocalBackend on the same path resumes the models.
 
@@ -42,6 +42,9 @@ class LocalBackend(RemoteBackend):
     engine's settings (artcloud serve --engine-args). s3: push checkpoints to
     s3://BUCKET/PREFIX too (credentials from this environment). lease, max_duration: as `artcloud serve`.
     """
+
+    provider = "local"  # not in the registry: the child dies with this process
+    poll_s = (0.1, 0.5)
 
     def __init__(
         self,
@@ -65,7 +68,8 @@ class LocalBackend(RemoteBackend):
         self.path = Path(path) if path is not None else DEFAULT_PATH
         self.port = port
         self.host = host
-        self.startup_timeout = startup_timeout
+        self.startup_timeout = self.startup_timeout_s = startup_timeout
+        self._offset = 0  # where this start's lines begin in the (appended) log
         self.log_level = log_level
         self.engine, self.s3 = engine, s3
         self.engine_env = engine_args_env(engine_args)
@@ -79,6 +83,10 @@ class LocalBackend(RemoteBackend):
     def __repr__(self) -> str:
         state = f"{self.base_url}, pid {self._proc.pid}" if self.running else "stopped"
         return f"LocalBackend(path={str(self.path)!r}, {state})"
+
+    @property
+    def sandbox_name(self) -> str:
+        return f"the local server under {self.path}"
 
     @property
     def running(self) -> bool:
@@ -95,9 +103,14 @@ class LocalBackend(RemoteBackend):
     async def start(self) -> None:
         if self.running:
             return
-        self._shut_down = False
+        self._owns = False  # a child that exited is not ours to attach to: start a new one
+        await super().start()
+
+    # ------------------------------------------------------------------------------------- SandboxBackend's hooks
+
+    async def _provision(self, job: Any) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        offset = self.log_file.stat().st_size if self.log_file.exists() else 0
+        self._offset = self.log_file.stat().st_size if self.log_file.exists() else 0
         env = {
             **os.environ,
             "ARTCLOUD_TLS_CERT": self._secrets.server_cert,
@@ -120,27 +133,21 @@ class LocalBackend(RemoteBackend):
                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
             )
         atexit.register(self._stop_now)
-        try:
-            self.base_url = await self._read_url(offset)
-            self._version_checked = False
-            await self._wait_ready()
-        except BaseException:
-            self._stop_now()
-            raise
+        self._record_launch(None, ca_cert=None, token=self._secrets.token)
 
-    async def _read_url(self, offset: int) -> str:
-        deadline = time.monotonic() + self.startup_timeout
-        while True:
-            text = self.log_file.read_bytes()[offset:].decode(errors="replace")
-            found = re.findall(r"serving on (https://\S+)", text)
-            if found:
-                return found[-1]
-            if self._proc.poll() is not None:
-                raise ArtcloudError(self._died_message(text), code="server_exited")
-            if time.monotonic() > deadline:
-                raise ArtcloudError(f"the local server did not start in {self.startup_timeout:.0f} s; its log:\n{self.tail()}",
-                                    code="startup_timeout")
-            await asyncio.sleep(0.1)
+    async def _endpoint(self, deadline: float) -> str | None:
+        """The URL the server printed (it picks a free port when port=0)."""
+        text = self.log_file.read_bytes()[self._offset:].decode(errors="replace")
+        found = re.findall(r"serving on (https://\S+)", text)
+        return found[-1] if found else None
+
+    def _not_ready(self, url: str | None) -> ArtcloudError:
+        what = "did not start" if url is None else "was not ready"
+        return ArtcloudError(f"the local server {what} in {self.startup_timeout_s:.0f} s; its log:\n{self.tail()}",
+                             code="startup_timeout")
+
+    async def _destroy(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._stop_now)
 
     def _died_message(self, text: str) -> str:
         lines = [line for line in text.splitlines() if line.strip()]
@@ -149,29 +156,16 @@ class LocalBackend(RemoteBackend):
             return errors[-1].removeprefix("artcloud: error: ")
         return f"the local server exited with status {self._proc.returncode}; its last lines:\n" + "\n".join(lines[-20:])
 
-    async def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        while True:
-            if self._proc.poll() is not None:
-                raise ArtcloudError(self._died_message(self.tail(40)), code="server_exited")
-            try:
-                if (await self.health()).get("ready"):
-                    return
-            except ArtcloudError as e:
-                if e.code == "version_mismatch":
-                    raise
-            if time.monotonic() > deadline:
-                raise ArtcloudError(f"the local server was not ready after {self.startup_timeout:.0f} s; its log:\n{self.tail()}",
-                                    code="startup_timeout")
-            await asyncio.sleep(0.2)
-
     async def _check_alive(self) -> None:
-        if self._proc is not None and self._proc.poll() is not None:
-            raise ServerGone(
-                f"the local server exited (status {self._proc.returncode}) while we were talking to it; "
-                f"its checkpoints under {self.path} are intact. Its last lines:\n{self.tail()}",
-                code="server_exited",
-            )
+        if self._proc is None or self._proc.poll() is None:
+            return
+        if not self._version_checked:  # it never answered: say why it would not start
+            raise ServerGone(self._died_message(self.tail(40)), code="server_exited")
+        raise ServerGone(
+            f"the local server exited (status {self._proc.returncode}) while we were talking to it; "
+            f"its checkpoints under {self.path} are intact. Its last lines:\n{self.tail()}",
+            code="server_exited",
+        )
 
     async def register(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         await self.start()

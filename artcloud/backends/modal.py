@@ -37,7 +37,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 from artcloud._version import __version__
 from artcloud.backends.deps import require
 from artcloud.backends.launch import check_s3, user_secrets
-from artcloud.backends.remote import ArtcloudError, SandboxBackend, ServerGone, engine_args_env
+from artcloud.backends.remote import ArtcloudError, ServerGone, engine_args_env
+from artcloud.backends.sandbox import SandboxBackend
 from artcloud.backends.state import SandboxRecord, StateDir, check_name
 from artcloud.durations import format_duration, parse_duration
 from artcloud.tls import new_token
@@ -132,6 +133,10 @@ class ModalBackend(SandboxBackend):
     tunnel_ca: the CA bundle that signs the tunnel's certificate; default: the public CAs.
     """
 
+    provider = PROVIDER
+    error = ModalError
+    teardown_word = "terminated"
+
     def __init__(
         self,
         gpu: str | None = "H100",
@@ -183,7 +188,7 @@ class ModalBackend(SandboxBackend):
         self.state = StateDir(Path(state_dir) if state_dir is not None else None)
         self.sandbox_id: str | None = None
         self._sandbox: Any = None
-        self._owns = False
+        self._tunnel: str | None = None  # the tunnel's URL, once Modal gives it
         kwargs.setdefault("heartbeat_every_s", min(60.0, self.lease_s / 3))
         super().__init__("https://pending.invalid", token="", ca_cert=tunnel_ca, **kwargs)
 
@@ -194,34 +199,22 @@ class ModalBackend(SandboxBackend):
     def max_duration_s(self) -> float:
         return max(60.0, self.timeout_s - PUSH_MARGIN_S) if self.timeout_s > 2 * PUSH_MARGIN_S else self.timeout_s
 
-    # ------------------------------------------------------------------------------------- start
+    # ------------------------------------------------------------------------------------- start (SandboxBackend's hooks)
 
-    async def start(self) -> None:
-        if self._owns:
-            return
-        self._shut_down = False
-        record = self.state.load(self.name)
+    async def _existing(self, record: SandboxRecord | None) -> bool:
         if record is not None and record.provider != PROVIDER and record.state != "down":
             raise ModalError(f"{self.name} is a live {record.provider} sandbox of this machine: choose another name",
                              code="name_taken", field="name")
         if record is not None and record.provider == PROVIDER and record.state != "down":
             sandbox = await _lookup(record)
             if sandbox is not None and await sandbox.poll.aio() is None:
-                await self._attach(record, sandbox)
-                self._start_heartbeats()
-                return
-            self.state.mark_down(self.name)
-        await self._launch()
-        self._start_heartbeats()
+                self._sandbox = sandbox
+                return True
+        return False
 
-    async def _attach(self, record: SandboxRecord, sandbox: Any) -> None:
-        creds = self.state.credentials(self.name)
-        if creds is None:
-            raise ModalError(f"the token of {self.name} is not in {self.state.root}: `artcloud down {self.name}` and launch again",
-                             code="no_credentials", field="name")
-        self._token = creds[1]
-        self._sandbox, self.sandbox_id, self._owns = sandbox, sandbox.object_id, True
-        await self._wait_ready(record, deadline=time.monotonic() + min(self.startup_timeout_s, 300.0))
+    async def _adopt(self, record: SandboxRecord, creds: tuple[str, str]) -> None:
+        self._token = creds[1]  # the CA stays the tunnel's: Modal's edge ends TLS
+        self.sandbox_id, self._tunnel = self._sandbox.object_id, None
 
     def _launch_secrets(self, token: str) -> dict[str, str]:
         """The bearer token, the user's secrets and, for S3, this machine's AWS credentials: one modal.Secret."""
@@ -249,7 +242,7 @@ class ModalBackend(SandboxBackend):
         self._shut_down = True  # no server of ours to ask for a final push: the loop pushes its own
         await self._launch(job=(script, run_args(None)))
 
-    async def _launch(self, job: tuple[Path, list[str]] | None = None) -> None:
+    async def _provision(self, job: tuple[Path, list[str]] | None) -> None:
         import base64
 
         import modal
@@ -278,92 +271,52 @@ class ModalBackend(SandboxBackend):
         else:
             command = server_command(lease_s=self.lease_s, max_duration_s=self.max_duration_s, s3=self.s3,
                                      engine=self.engine)
-        self.state.save(record, ca_cert="", token=token)  # before the sandbox exists: see the module docstring
-        self._owns = True
-        try:
-            with tempfile.TemporaryDirectory(prefix="artcloud-wheel-") as tmp:
-                image = self.image if self.image is not None else server_image(build_wheel(Path(tmp)))
-                self._sandbox = await modal.Sandbox.create.aio(
-                    *command,
-                    app=app, name=self.name, tags={"artcloud": __version__}, image=image, env=env or None,
-                    secrets=[modal.Secret.from_dict(secret_env)], gpu=self.gpu, cpu=self.cpu, memory=self.memory,
-                    region=self.region, timeout=int(self.timeout_s),
-                    idle_timeout=int(self.idle_timeout_s) if self.idle_timeout_s else None,
-                    encrypted_ports=[SERVER_PORT] if job is None else [],
-                )
-            self.sandbox_id = self._sandbox.object_id
-            record.extra["sandbox_id"] = self.sandbox_id
-            if job is not None:
-                record.state = "up"
-            self.state.save(record)
-            log.info("created Modal sandbox %s (%s) for %s", self.sandbox_id, self.gpu, self.name)
-            if job is not None:
-                return
-            await self._wait_ready(record, deadline=time.monotonic() + self.startup_timeout_s)
-        except BaseException as e:
-            await self._fail_start(e)
+        self._record_launch(record, ca_cert="", token=token)  # before the sandbox exists: see the module docstring
+        self._tunnel = None
+        with tempfile.TemporaryDirectory(prefix="artcloud-wheel-") as tmp:
+            image = self.image if self.image is not None else server_image(build_wheel(Path(tmp)))
+            self._sandbox = await modal.Sandbox.create.aio(
+                *command,
+                app=app, name=self.name, tags={"artcloud": __version__}, image=image, env=env or None,
+                secrets=[modal.Secret.from_dict(secret_env)], gpu=self.gpu, cpu=self.cpu, memory=self.memory,
+                region=self.region, timeout=int(self.timeout_s),
+                idle_timeout=int(self.idle_timeout_s) if self.idle_timeout_s else None,
+                encrypted_ports=[SERVER_PORT] if job is None else [],
+            )
+        self.sandbox_id = self._sandbox.object_id
+        record.extra["sandbox_id"] = self.sandbox_id
+        self.state.save(record)
+        log.info("created Modal sandbox %s (%s) for %s", self.sandbox_id, self.gpu, self.name)
 
-    async def _wait_ready(self, record: SandboxRecord, *, deadline: float) -> None:
-        """The tunnel exists before the server listens: poll /health through it until ready."""
-        url = await self._tunnel_url(deadline)
-        if url != self.base_url:
-            await self.close()
-            self.base_url = url
-        if record.url != url:
-            record.url, record.state = url, "up"
-            self.state.save(record)
-        delay = 0.5
-        while True:
-            try:
-                if (await self.health()).get("ready"):
-                    return
-            except ArtcloudError as e:
-                if e.code == "version_mismatch":
-                    raise
-            await self._check_alive()
-            if time.monotonic() > deadline:
-                raise ModalError(f"the server in {self.name} was not ready in time (startup_timeout): raise it for a big "
-                                 f"model, or see `artcloud logs {self.name}`", code="startup_timeout")
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 5.0)
-
-    async def _tunnel_url(self, deadline: float) -> str:
-        """`tunnels()` raises SandboxTimeoutError while Modal still schedules the container (a GPU can take
-        minutes): ask again until the startup deadline."""
+    async def _endpoint(self, deadline: float) -> str | None:
+        """The tunnel's URL. It exists before the server listens, but `tunnels()` raises SandboxTimeoutError
+        while Modal still schedules the container (a GPU can take minutes): then None, and the ready poll
+        asks again until the startup deadline."""
         import modal
 
-        while True:
+        if self._tunnel is None:
             try:
                 wait = int(max(1.0, min(TUNNEL_WAIT_S, deadline - time.monotonic())))
                 tunnels = await self._sandbox.tunnels.aio(timeout=wait)
             except modal.exception.SandboxTimeoutError:
-                tunnels = {}
+                return None
             if SERVER_PORT in tunnels:
-                return tunnels[SERVER_PORT].url.rstrip("/")
-            await self._check_alive()
-            if time.monotonic() > deadline:
-                raise ModalError(f"Modal did not start {self.name} within startup_timeout (no {self.gpu or 'CPU'} "
-                                 "container was free): try again later, another gpu, or a longer startup_timeout",
-                                 code="startup_timeout")
-            if tunnels:  # an answer without our port: ask again, not in a tight loop
-                await asyncio.sleep(1.0)
+                self._tunnel = tunnels[SERVER_PORT].url.rstrip("/")
+        return self._tunnel
 
-    async def _fail_start(self, cause: BaseException) -> None:
-        if isinstance(cause, ArtcloudError):
-            message, code = str(cause), cause.code
-        else:
-            message, code = f"the Modal sandbox {self.name} did not come up: {_modal_hint(cause)}", "startup_failed"
-        lines = await self.log_tail(40) if self._sandbox is not None and not isinstance(cause, ServerGone) else []
-        if not self.keep:
-            await self._teardown()
-            message += " (terminated; keep=True leaves it up to debug)"
-        else:
-            message += f" (kept up: `artcloud logs {self.name}`, then `artcloud down {self.name}`)"
-        if lines:
-            message += "\nthe server's last lines:\n" + "\n".join("  " + line for line in lines)
-        if isinstance(cause, (KeyboardInterrupt, asyncio.CancelledError)):
-            raise cause
-        raise ModalError(message, code=code) from cause
+    def _not_ready(self, url: str | None) -> ArtcloudError:
+        if url is None:
+            return ModalError(f"Modal did not start {self.name} within startup_timeout (no {self.gpu or 'CPU'} "
+                              "container was free): try again later, another gpu, or a longer startup_timeout",
+                              code="startup_timeout")
+        return ModalError(f"the server in {self.name} was not ready in time (startup_timeout): raise it for a big "
+                          f"model, or see `artcloud logs {self.name}`", code="startup_timeout")
+
+    def _failure(self, cause: BaseException, launching: bool) -> tuple[str, str]:
+        return f"the Modal sandbox {self.name} did not come up: {_modal_hint(cause)}", "startup_failed"
+
+    async def _last_lines(self, lines: int) -> list[str]:
+        return await self.log_tail(lines)
 
     async def log_tail(self, lines: int = 40) -> list[str]:
         """The last lines of the sandbox's output (stdout, then stderr); only once it has exited, since
@@ -390,13 +343,9 @@ class ModalBackend(SandboxBackend):
             raise ServerGone(f"the Modal sandbox {self.name} ended (exit code {code}); training resumes from the last "
                              f"checkpoint on S3 in a new one. Its last lines:\n{tail}", code="server_exited")
 
-    async def _teardown(self) -> None:
-        await self.close()
+    async def _destroy(self) -> None:
         if self._sandbox is not None:
             await self._sandbox.terminate.aio()
-        if self._owns or self.state.load(self.name) is not None:
-            self.state.mark_down(self.name)
-        self._owns = False
 
     async def gone(self) -> bool:
         sandbox = self._sandbox

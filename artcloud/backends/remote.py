@@ -20,7 +20,6 @@ import httpx
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from artcloud._version import __version__
-from artcloud.durations import format_duration
 from artcloud.tls import client_ssl_context
 
 log = logging.getLogger("artcloud.client")
@@ -229,8 +228,8 @@ class RemoteBackend:
         """Check the server: its version must equal this client's."""
         await self.health()
 
-    async def health(self) -> dict[str, Any]:
-        body = await self._call("GET", "/health")
+    async def health(self, *, retry: bool = True) -> dict[str, Any]:
+        body = await self._call("GET", "/health", retry=retry)
         server_version = body.get("version")
         if server_version != __version__:
             raise VersionMismatch(
@@ -431,36 +430,3 @@ class RemoteBackend:
                 "is what a new server resumes from", code="server_unreachable") from cause
         log.info("event stream of %s silent for %.0f s (%s) but /health answers %d: reconnecting",
                  job_id, self.event_read_timeout_s, type(cause).__name__, response.status_code)
-
-
-class SandboxBackend(RemoteBackend):
-    """A RemoteBackend that owns the machine its server runs on (SkyBackend, ModalBackend). Subclasses
-    add how it starts, `_teardown()` (close, tear down, mark down in the registry) and `gone()`."""
-
-    sandbox_name: str  # the cluster or sandbox name `artcloud status / logs / down` know it by
-    keep: bool = False  # leave it up on leaving `async with` (the lease and the provider's timers still apply)
-    lease_s: float
-
-    async def _teardown(self) -> None:
-        raise NotImplementedError
-
-    async def down(self) -> None:
-        """Have the server push its last checkpoint and exit (best effort: a server already gone has
-        nothing left to push), then tear the machine down (idempotent) and mark it down."""
-        try:
-            answer = await self.final_push()
-        except ArtcloudError as e:
-            log.warning("%s: no final push (the server at %s did not answer: %s); tearing down anyway",
-                        self.sandbox_name, self.base_url, e)
-        else:
-            for verdict in push_verdicts(answer or {}):
-                (log.info if verdict.confirmed else log.warning)("%s: %s", self.sandbox_name, verdict.line(on_sandbox=True))
-        await self._teardown()
-
-    async def __aexit__(self, *exc: Any) -> None:
-        if self.keep:
-            await self.close()
-            log.warning("keep=True: %s stays up until its lease (%s without a client) or `artcloud down %s`",
-                        self.sandbox_name, format_duration(self.lease_s), self.sandbox_name)
-        else:
-            await self.down()

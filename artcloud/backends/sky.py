@@ -4,8 +4,8 @@
     async with backend:                      # launch (or attach), wait for /health; down on exit
         await model.register(backend)
 
-This module adds only how the server comes to life and goes away; once it answers, everything is the
-RemoteBackend protocol. Starting:
+This module adds only how the server comes to life and goes away (SandboxBackend's hooks: the lifecycle
+itself is in sandbox.py); once it answers, everything is the RemoteBackend protocol. Starting:
 
 1. attach: a cluster of that name that this machine launched (CA and token in the state registry) is
    reused, not launched twice;
@@ -29,13 +29,13 @@ import os
 import secrets as _secrets
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from artcloud.backends.launch import check_s3, user_secrets
-from artcloud.backends.remote import ArtcloudError, SandboxBackend, ServerGone, engine_args_env
+from artcloud.backends.remote import ArtcloudError, ServerGone, engine_args_env
+from artcloud.backends.sandbox import SandboxBackend
 from artcloud.backends.sky_api import ClusterInfo, GPUOffer, Launched, SkyAPI, sky_api
 from artcloud.backends.sky_task import SECRET_NAMES, SERVER_PORT, ServerTask, build_task, describe
 from artcloud.backends.state import SandboxRecord, StateDir, check_name
@@ -140,6 +140,9 @@ class SkyBackend(SandboxBackend):
     keep: leave the cluster up when start-up fails and on leaving `async with` (lease and autodown still apply).
     """
 
+    provider = PROVIDER
+    error = SkyError
+
     def __init__(
         self,
         gpu: str | None = "H100:1",
@@ -193,7 +196,6 @@ class SkyBackend(SandboxBackend):
         self.offer: GPUOffer | None = None  # the catalog's guess before launching
         self.resources: str | None = None  # what SkyPilot launched, e.g. "1x AWS(p5.4xlarge, {'H100': 1})"
         self._job_id: int | None = None
-        self._owns_cluster = False
         self._seen_up = False  # launched, or attached as up: an INIT status now means unhealthy
         kwargs.setdefault("heartbeat_every_s", min(60.0, self.lease_s / 3))
         # The launch CA signs one certificate and its key is thrown away: the CA alone identifies the
@@ -202,49 +204,37 @@ class SkyBackend(SandboxBackend):
         super().__init__("https://pending.invalid", token="", ca_cert="", **kwargs)
 
     def __repr__(self) -> str:
-        where = self.base_url if self._owns_cluster else "not started"
+        where = self.base_url if self._owns else "not started"
         return f"SkyBackend(cluster_name={self.cluster_name!r}, gpu={self.gpu!r}, {where})"
 
-    # ------------------------------------------------------------------------------------- start
+    # ------------------------------------------------------------------------------------- start (SandboxBackend's hooks)
 
-    async def start(self) -> None:
-        if self._owns_cluster:
-            return
-        self._shut_down = False
+    async def _existing(self, record: SandboxRecord | None) -> bool:
+        """A cluster of this name that this machine launched and that still serves: attach to it. One of ours
+        that is dead (stopped, or unhealthy once up) is torn down first: it serves nothing and may bill."""
         name = self.cluster_name
         info = await asyncio.to_thread(self.api.status, name)
-        record = self.state.load(name)
-        if info is not None and record is not None and record.provider == PROVIDER:
+        if info is None:
+            return False
+        ours = record is not None and record.provider == PROVIDER
+        if ours:
             reason = self._dead(info, seen_up=record.state == "up")
-            if reason is not None:  # ours, but it serves nothing and may bill: down it, start afresh
+            if reason is not None:
                 log.warning("the cluster %s is %s: tearing it down and launching a new one", name, reason)
                 await asyncio.to_thread(self.api.down, name)
                 self.state.mark_down(name)
-                info = None
-        if info is not None:
-            await self._attach(record, info.status)
-        else:
-            if record is not None and record.state != "down":  # gone since (autodown, lease, `sky down`)
-                self.state.mark_down(name)
-            await self._launch()
-        # Hold the lease from now on, not only once a model is registered: a client that spends a while
-        # preparing data keeps its GPU; a client that dies lets it go within the lease.
-        self._start_heartbeats()
-
-    async def _attach(self, record: SandboxRecord | None, status: str) -> None:
-        name = self.cluster_name
-        creds = self.state.credentials(name)
-        if record is None or record.provider != PROVIDER or creds is None:
+                return False
+        if not ours or self.state.credentials(name) is None:
             raise SkyError(
                 f"a SkyPilot cluster named {name!r} exists, but artcloud did not launch it from this machine: "
                 "choose another cluster_name (or remove it with `sky down " + name + "` if it is yours to remove)",
                 code="name_taken", field="cluster_name")
+        return True
+
+    async def _adopt(self, record: SandboxRecord, creds: tuple[str, str]) -> None:
         self.ca_cert, self._token = creds
-        self._owns_cluster = True
         self._seen_up = record.state == "up"
         self.price_per_hour, self.resources = record.price_per_hour, record.extra.get("resources")
-        log.info("attaching to the running artcloud cluster %s", name)
-        await self._wait_ready(record, deadline=time.monotonic() + min(self.startup_timeout_s, 300.0))
 
     def _launch_secrets(self) -> dict[str, str]:
         """The user's secrets (values read here, now) and, for S3, this machine's AWS credentials."""
@@ -312,13 +302,13 @@ class SkyBackend(SandboxBackend):
         --backend local ...`, its own server on the same machine) instead of serving this client.
         `run_args(price_per_hour)` gives that command's arguments once the catalog's price is known.
         Returns once SkyPilot has the job; the cluster goes `idle_minutes` after the loop ends."""
-        if self._owns_cluster or await asyncio.to_thread(self.api.status, self.cluster_name) is not None:
+        if self._owns or await asyncio.to_thread(self.api.status, self.cluster_name) is not None:
             raise SkyError(f"a cluster named {self.cluster_name} exists: choose another name for the run",
                            code="name_taken", field="cluster_name")
         self._shut_down = True  # no server of ours to ask for a final push: the loop pushes its own
         await self._launch(job=(Path(script), run_args))
 
-    async def _launch(self, job: tuple[Path, Callable[[float | None], list[str]]] | None = None) -> None:
+    async def _provision(self, job: tuple[Path, Callable[[float | None], list[str]]] | None) -> None:
         from artcloud.backends.wheel import build_wheel
 
         name = self.cluster_name
@@ -343,15 +333,10 @@ class SkyBackend(SandboxBackend):
             task = self.task(launch_secrets=launch_secrets, wheel=wheel, run_args=run_args,
                              workdir=Path(tmp) if job is not None else None)
             log.info("launching %s: %s", name, describe(task))
-            self.state.save(record, ca_cert=tls.ca_cert, token=tls.token)  # before SkyPilot is asked: see above
-            self._owns_cluster = True
-            try:
-                launched: Launched = await asyncio.to_thread(
-                    self.api.launch, task.config, secrets=task.secrets, cluster_name=name,
-                    idle_minutes=self.idle_minutes, retry_until_up=self.retry_until_up)
-            except BaseException as e:
-                await self._fail_start(f"SkyPilot could not launch {name}: {_one_line(e)}", e, code="launch_failed")
-                raise AssertionError("unreachable") from e
+            self._record_launch(record, ca_cert=tls.ca_cert, token=tls.token)
+            launched: Launched = await asyncio.to_thread(
+                self.api.launch, task.config, secrets=task.secrets, cluster_name=name,
+                idle_minutes=self.idle_minutes, retry_until_up=self.retry_until_up)
         self._job_id, self._seen_up = launched.job_id, True
         if launched.price_per_hour is not None:  # what was launched, not the catalog's guess
             if self.price_per_hour is not None and abs(launched.price_per_hour - self.price_per_hour) > 0.005:
@@ -361,62 +346,28 @@ class SkyBackend(SandboxBackend):
         if launched.resources:
             self.resources = record.extra["resources"] = launched.resources
         self.state.save(record)
-        if job is not None:
-            record.state = "up"
-            self.state.save(record)
-            return
-        try:
-            await self._wait_ready(record, deadline=time.monotonic() + self.startup_timeout_s)
-        except BaseException as e:
-            message = str(e) if isinstance(e, ArtcloudError) else f"the server on {name} did not come up: {_one_line(e)}"
-            code = e.code if isinstance(e, ArtcloudError) else "startup_failed"
-            await self._fail_start(message, e, code=code, with_logs=not isinstance(e, ServerGone))  # ServerGone has them
 
-    async def _wait_ready(self, record: SandboxRecord, *, deadline: float) -> None:
-        """Wait for the port, then for /health to say ready, with backoff; fail fast when the job or the
-        cluster is gone."""
-        name, delay = self.cluster_name, 0.5
-        while True:
-            endpoint = await asyncio.to_thread(self.api.endpoint, name, SERVER_PORT)
-            if endpoint and ("://" in endpoint or "/" in endpoint):
-                raise SkyError(
-                    f"SkyPilot exposes port {SERVER_PORT} of {name} as {endpoint}, an HTTP ingress path (Kubernetes "
-                    "with `ports: ingress`, or kind / `sky local up`), which cannot carry artcloud's own TLS: set "
-                    "`kubernetes: ports: loadbalancer` in ~/.sky/config.yaml, or launch on another cloud",
-                    code="endpoint_unusable", field="cloud")
-            if endpoint:
-                url = f"https://{endpoint}"
-                if url != self.base_url or record.url != url:
-                    await self.close()  # the HTTP client is bound to the old URL
-                    self.base_url = url
-                    record.url, record.state = url, "up"
-                    self.state.save(record)
-                try:
-                    if (await self.health()).get("ready"):
-                        return
-                except ArtcloudError as e:
-                    if e.code == "version_mismatch":
-                        raise
-            await self._check_alive()
-            if time.monotonic() > deadline:
-                raise SkyError(f"the server on {name} was not ready in time (startup_timeout): "
-                               "raise startup_timeout if the model is big, or see `artcloud logs " + name + "`",
-                               code="startup_timeout")
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 5.0)
+    async def _endpoint(self, deadline: float) -> str | None:
+        name = self.cluster_name
+        endpoint = await asyncio.to_thread(self.api.endpoint, name, SERVER_PORT)
+        if endpoint and ("://" in endpoint or "/" in endpoint):
+            raise SkyError(
+                f"SkyPilot exposes port {SERVER_PORT} of {name} as {endpoint}, an HTTP ingress path (Kubernetes "
+                "with `ports: ingress`, or kind / `sky local up`), which cannot carry artcloud's own TLS: set "
+                "`kubernetes: ports: loadbalancer` in ~/.sky/config.yaml, or launch on another cloud",
+                code="endpoint_unusable", field="cloud")
+        return f"https://{endpoint}" if endpoint else None
 
-    async def _fail_start(self, message: str, cause: BaseException, *, code: str, with_logs: bool = True) -> None:
-        lines = await asyncio.to_thread(self.log_tail, 40)
-        if not self.keep:
-            await self._teardown()
-            message += " (torn down; keep=True leaves it up to debug)"
-        else:
-            message += f" (kept up: `artcloud logs {self.cluster_name}`, then `artcloud down {self.cluster_name}`)"
-        if lines and with_logs:
-            message += "\nthe server's last lines:\n" + "\n".join("  " + line for line in lines)
-        if isinstance(cause, (KeyboardInterrupt, asyncio.CancelledError)):
-            raise cause
-        raise SkyError(message, code=code) from cause
+    def _failure(self, cause: BaseException, launching: bool) -> tuple[str, str]:
+        if launching:
+            return f"SkyPilot could not launch {self.cluster_name}: {_one_line(cause)}", "launch_failed"
+        return f"the server on {self.cluster_name} did not come up: {_one_line(cause)}", "startup_failed"
+
+    async def _last_lines(self, lines: int) -> list[str]:
+        return await asyncio.to_thread(self.log_tail, lines)
+
+    async def _destroy(self) -> None:
+        await asyncio.to_thread(self.api.down, self.cluster_name)
 
     def log_tail(self, lines: int = 40) -> list[str]:
         try:
@@ -443,7 +394,7 @@ class SkyBackend(SandboxBackend):
         log.warning("the cluster %s is %s: tearing it down", self.cluster_name, reason)
         await asyncio.to_thread(self.api.down, self.cluster_name)
         self.state.mark_down(self.cluster_name)
-        self._owns_cluster = False
+        self._owns = False
 
     async def _check_alive(self) -> None:
         name = self.cluster_name
@@ -465,16 +416,6 @@ class SkyBackend(SandboxBackend):
 
     # ------------------------------------------------------------------------------------- down
 
-    async def _teardown(self) -> None:
-        await self.close()
-        name = self.cluster_name
-        # Only a cluster artcloud launched (this object, or this machine's registry says so): never
-        # someone else's cluster that happens to have the name.
-        if self._owns_cluster or self.state.load(name) is not None:
-            await asyncio.to_thread(self.api.down, name)
-            self.state.mark_down(name)
-        self._owns_cluster = False
-
     async def gone(self) -> bool:
         """True when nothing of the cluster is left. A cluster of ours that exists but is dead (stopped, or
         unhealthy after being up) is torn down first: it serves nothing and may still bill."""
@@ -482,7 +423,7 @@ class SkyBackend(SandboxBackend):
         if info is None:
             return True
         reason = self._dead(info, seen_up=self._seen_up)
-        if reason is None or not (self._owns_cluster or self.state.load(self.cluster_name) is not None):
+        if reason is None or not (self._owns or self.state.load(self.cluster_name) is not None):
             return False
         await self._reap(reason)
         return await asyncio.to_thread(self.api.status, self.cluster_name) is None

@@ -97,6 +97,7 @@ def build_task(
     if cloud:
         res["infra"] = f"{cloud}/{region}" if region else cloud
     res["use_spot"] = bool(use_spot)
+    config["envs"]["ARTCLOUD_WATCH_PREEMPTION"] = "1" if use_spot else "0"
     if disk_size is not None:
         res["disk_size"] = int(disk_size)
     res["ports"] = SERVER_PORT

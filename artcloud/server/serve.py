@@ -215,6 +215,7 @@ def run(
     behind_https_proxy: bool = False,
     limits=None,
     claim_timeout_s: float | None = None,
+    watch_preemption: bool = False,
     announce=print,
 ) -> None:
     started = time.time()  # --max-duration counts from here: loading a model is paid-for time too
@@ -287,6 +288,10 @@ def run(
     if lease_s is not None or max_duration_s is not None:
         lease.touch()  # the lease starts when we serve, not when we began
         lease.watch(server, is_ready=lambda: registry.ready)
+    if watch_preemption:  # a spot machine: its cloud's notice takes the same way out as the lease
+        from artcloud.server.preemption import watch
+
+        watch(lambda what: setattr(server, "should_exit", True))
     server.run(sockets=[sock])
     # An engine thread may still be inside a training step that will never be committed; the interpreter
     # would wait for it at exit (minutes, on a big model). Leave now: nothing on disk is half-written.

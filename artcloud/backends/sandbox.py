@@ -1,0 +1,233 @@
+"""SandboxBackend: the lifecycle of a server on a machine artcloud starts and ends, written once.
+
+LocalBackend (a child process), SkyBackend (a SkyPilot cluster) and ModalBackend (a Modal Sandbox) differ only
+in how a machine comes to life, where its server answers, how it is known dead, and how it goes away. What they
+share lives here:
+
+    start()   attach to a live sandbox of this name that this machine launched (the registry holds its CA and
+              token), or launch one: provider checks → the registry record, saved BEFORE the provider is asked
+              (a laptop that dies mid-launch still leaves a name `artcloud down` finds) → provision → ready;
+              then heartbeats hold the server's lease.
+    ready     poll the endpoint, then /health, with backoff, until ready; between polls ask whether the machine
+              or its server died (fail fast, with its last lines) and give up at startup_timeout.
+    failure   a start that fails is torn down (unless keep=True), and the error says why, what to do, and
+              what the server printed last.
+    down()    the server pushes its last checkpoint and exits, the machine is destroyed, the record marked down.
+
+A provider supplies these (async unless said):
+
+    _existing(record) -> bool     a live sandbox of this name to attach to? (raise if the name is someone else's)
+    _adopt(record, creds)         take over an attached sandbox (its token, its handle)
+    _provision(job)               create the machine and start the server (or a detached `job`); it calls
+                                  _record_launch(...) just before asking the provider for anything that bills
+    _endpoint(deadline) -> url    the server's https:// URL once known, else None (raise to fail fast)
+    _check_alive()                raise ServerGone when the machine or its server is known dead
+    _destroy()                    tear the machine down (idempotent)
+    _last_lines(n) -> lines       what the server printed last, for error messages
+    _failure(cause, launching)    (message, code) for an error that is not already an ArtcloudError
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone, push_verdicts
+from artcloud.backends.state import SandboxRecord, StateDir
+from artcloud.durations import format_duration
+
+log = logging.getLogger("artcloud.sandbox")
+
+ATTACH_TIMEOUT_S = 300.0  # an attached server was ready once: it should answer within this
+
+
+class SandboxBackend(RemoteBackend):
+    """A RemoteBackend that owns the machine its server runs on. See the module docstring."""
+
+    provider: str = "?"  # the registry's name for it: sky, modal (LocalBackend keeps no record)
+    error: type[ArtcloudError] = ArtcloudError  # the error class its failures are raised as
+    keep: bool = False  # leave it up on a failed start and on leaving `async with` (lease and timers still apply)
+    lease_s: float
+    startup_timeout_s: float
+    state: StateDir | None = None  # the registry (None: this sandbox is not registered, e.g. a local child)
+    teardown_word = "torn down"
+    poll_s = (0.5, 5.0)  # the ready poll's first and longest wait
+
+    _owns = False  # this object started it or attached to it: down() may destroy it
+    _record: SandboxRecord | None = None
+
+    @property
+    def sandbox_name(self) -> str:
+        """The name `artcloud status / logs / down` know it by."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------- start
+
+    async def start(self) -> None:
+        if self._owns:
+            return
+        self._shut_down = False
+        record = self.state.load(self.sandbox_name) if self.state is not None else None
+        if await self._existing(record):
+            await self._attach(record)
+        else:
+            if record is not None and record.state != "down":  # gone since (autodown, lease, by hand)
+                self.state.mark_down(self.sandbox_name)
+            await self._launch()
+        # Hold the lease from now on, not only once a model is registered: a client that spends a while
+        # preparing data keeps its GPU; a client that dies lets it go within the lease.
+        self._start_heartbeats()
+
+    async def _attach(self, record: SandboxRecord) -> None:
+        creds = self.state.credentials(self.sandbox_name) if self.state is not None else None
+        if creds is None:
+            raise self.error(f"the token of {self.sandbox_name} is not in {self.state.root}: `artcloud down "
+                             f"{self.sandbox_name}` and launch again", code="no_credentials")
+        await self._adopt(record, creds)
+        self._owns, self._record = True, record
+        log.info("attaching to the running artcloud sandbox %s", self.sandbox_name)
+        await self._wait_ready(record, deadline=time.monotonic() + min(self.startup_timeout_s, ATTACH_TIMEOUT_S))
+
+    async def _launch(self, job: Any = None) -> None:
+        """Provision, then (for a server, not a detached job) wait until it is ready. A failure after anything
+        was asked of the provider tears it down; one before (bad input, a preflight check) only raises."""
+        try:
+            await self._provision(job)
+        except BaseException as e:
+            if not self._owns:
+                raise
+            await self._fail_start(e, launching=True)
+        record = self._record
+        if job is not None:
+            if record is not None:
+                record.state = "up"
+                self.state.save(record)
+            return
+        try:
+            await self._wait_ready(record, deadline=time.monotonic() + self.startup_timeout_s)
+        except BaseException as e:
+            await self._fail_start(e, launching=False)
+
+    def _record_launch(self, record: SandboxRecord | None, *, ca_cert: str | None, token: str) -> None:
+        """Called by _provision just before the provider is asked: from here on the sandbox is ours to
+        tear down, and the registry knows its name and credentials."""
+        if self.state is not None and record is not None:
+            self.state.save(record, ca_cert=ca_cert, token=token)
+        self._record, self._owns = record, True
+
+    async def _wait_ready(self, record: SandboxRecord | None, *, deadline: float) -> None:
+        delay, longest = self.poll_s
+        while True:
+            url = await self._endpoint(deadline)
+            if url:
+                if url != self.base_url:
+                    await self.close()  # the HTTP client is bound to the old URL
+                    self.base_url, self._version_checked = url, False
+                if record is not None and self.state is not None and (record.url != url or record.state != "up"):
+                    record.url, record.state = url, "up"
+                    self.state.save(record)
+                try:  # one try: this loop is the retry, and it asks _check_alive between tries
+                    if (await self.health(retry=False)).get("ready"):
+                        return
+                except ArtcloudError as e:
+                    if e.code == "version_mismatch":
+                        raise
+            await self._check_alive()
+            if time.monotonic() > deadline:
+                raise self._not_ready(url)
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, longest)
+
+    def _not_ready(self, url: str | None) -> ArtcloudError:
+        return self.error(f"the server on {self.sandbox_name} was not ready in time (startup_timeout "
+                          f"{format_duration(self.startup_timeout_s)}): raise startup_timeout if the model is big, or "
+                          f"see `artcloud logs {self.sandbox_name}`", code="startup_timeout")
+
+    async def _fail_start(self, cause: BaseException, *, launching: bool) -> None:
+        if isinstance(cause, ArtcloudError):
+            message, code = str(cause), cause.code
+        else:
+            message, code = self._failure(cause, launching)
+        # ServerGone already carries the last lines; an interrupt has no time for them.
+        quick = isinstance(cause, (ServerGone, KeyboardInterrupt, asyncio.CancelledError))
+        lines = [] if quick else await self._last_lines(40)
+        if not self.keep:
+            await self._teardown()
+            if self.state is not None:
+                message += f" ({self.teardown_word}; keep=True leaves it up to debug)"
+        else:
+            message += f" (kept up: `artcloud logs {self.sandbox_name}`, then `artcloud down {self.sandbox_name}`)"
+        if lines:
+            message += "\nthe server's last lines:\n" + "\n".join("  " + line for line in lines)
+        if isinstance(cause, (KeyboardInterrupt, asyncio.CancelledError)):
+            raise cause
+        raise self.error(message, code=code) from cause
+
+    # ------------------------------------------------------------------------------------- down
+
+    async def _teardown(self) -> None:
+        """Close, destroy the machine (only one artcloud launched: this object, or this machine's registry
+        says so), mark it down."""
+        await self.close()
+        name = self.sandbox_name
+        registered = self.state is not None and self.state.load(name) is not None
+        if self._owns or registered:
+            await self._destroy()
+            if self.state is not None:
+                self.state.mark_down(name)
+        self._owns = False
+
+    async def down(self) -> None:
+        """Have the server push its last checkpoint and exit (best effort: a server already gone has
+        nothing left to push), then tear the machine down (idempotent) and mark it down."""
+        try:
+            answer = await self.final_push()
+        except ArtcloudError as e:
+            log.warning("%s: no final push (the server at %s did not answer: %s); tearing down anyway",
+                        self.sandbox_name, self.base_url, e)
+        else:
+            for verdict in push_verdicts(answer or {}):
+                (log.info if verdict.confirmed else log.warning)("%s: %s", self.sandbox_name, verdict.line(on_sandbox=True))
+        await self._teardown()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self.keep:
+            await self.close()
+            log.warning("keep=True: %s stays up until its lease (%s without a client) or `artcloud down %s`",
+                        self.sandbox_name, format_duration(self.lease_s), self.sandbox_name)
+        else:
+            await self.down()
+
+    # ------------------------------------------------------------------------------------- provider hooks
+
+    async def _existing(self, record: SandboxRecord | None) -> bool:
+        return False
+
+    async def _adopt(self, record: SandboxRecord, creds: tuple[str, str]) -> None:
+        self.ca_cert, self._token = creds
+
+    async def _provision(self, job: Any) -> None:
+        raise NotImplementedError
+
+    async def _endpoint(self, deadline: float) -> str | None:
+        raise NotImplementedError
+
+    async def _destroy(self) -> None:
+        raise NotImplementedError
+
+    async def _last_lines(self, lines: int) -> list[str]:
+        return []
+
+    def _failure(self, cause: BaseException, launching: bool) -> tuple[str, str]:
+        text = str(cause).strip().splitlines()
+        what = f"{type(cause).__name__}: {text[0] if text else ''}".rstrip(": ")
+        if launching:
+            return f"could not launch {self.sandbox_name}: {what}", "launch_failed"
+        return f"the server on {self.sandbox_name} did not come up: {what}", "startup_failed"
+
+
+def state_dir(path: str | Path | None) -> StateDir:
+    return StateDir(Path(path) if path is not None else None)
