@@ -331,7 +331,7 @@ class Runner:
                 notes.append("final checkpoint pushed")
             else:
                 notes.append("server stopped")
-        what = getattr(backend, "sandbox_name", "the local server")
+        what = getattr(backend, "sandbox_name", None) if self.opts.backend != "local" else "the local server"
         try:
             await asyncio.wait_for(asyncio.shield(backend.down()), 900.0)
             gone = await backend.gone()

@@ -39,7 +39,7 @@ from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone, p
 from artcloud.backends.state import SandboxRecord, StateDir
 from artcloud.durations import format_duration
 
-log = logging.getLogger("artcloud.sandbox")
+log = logging.getLogger("artcloud.client")  # what the client says about its sandbox
 
 ATTACH_TIMEOUT_S = 300.0  # an attached server was ready once: it should answer within this
 
