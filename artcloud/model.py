@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
@@ -17,6 +18,8 @@ from artcloud.types import LoraConfig, TrainConfig, TrajectoryGroup
 
 if TYPE_CHECKING:
     from artcloud.backends.remote import RemoteBackend
+
+log = logging.getLogger("artcloud")
 
 
 @dataclass
@@ -141,9 +144,32 @@ class TrainableModel(Model):
         if self._pending is not None:
             await self._pending
             self._pending = None
-        job = await backend.start_train(self.name, body)
-        with _Progress(self.name, config.gradient_steps, enabled=progress) as bar:
-            events = await backend.follow_job(job["job_id"], on_event=bar.update)
+        from artcloud.backends.remote import ServerGone
+
+        before = self.step
+        while True:
+            generation = backend.generation
+            try:
+                job = await backend.start_train(self.name, body)
+                with _Progress(self.name, config.gradient_steps, enabled=progress) as bar:
+                    events = await backend.follow_job(job["job_id"], on_event=bar.update)
+                break
+            except ServerGone as e:
+                # A preempted spot machine: the backend brings up a new one, which resumes from S3 at the last
+                # committed step. The step was either committed and pushed before the machine went (then it is
+                # not trained again) or lost with it (then the same groups train on the new machine).
+                if not await backend.recover(e, generation):
+                    raise
+                info = await backend.model_info(self.name)
+                if info["step"] > before:
+                    self.step = info["step"]
+                    log.warning("%s: step %d was pushed before the machine went; not training it again",
+                                self.name, self.step)
+                    await self._push_temperature()
+                    history = {h.get("step"): h for h in info.get("history", [])}
+                    return TrainResult(step=self.step, trained=True, metrics=history.get(self.step, {}), events=[])
+                log.warning("%s: training step %d again on the new machine", self.name, before + 1)
+                body["idempotency_key"] = uuid.uuid4().hex
         last = events[-1]
         if last["type"] == "error":
             from artcloud.backends.remote import ArtcloudError

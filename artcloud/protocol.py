@@ -46,6 +46,12 @@ class RegisterRequest(BaseModel):
         description="vLLM engine settings for this model's base model (e.g. max_model_len, gpu_memory_utilization, "
                     "load_in_4bit), used when the base model is first loaded; see artcloud serve --engine-args",
     )
+    take_over: bool = Field(
+        False,
+        description="Take over the model's S3 claim even if its last holder renewed it recently: the caller has "
+                    "torn that server's machine down (a preempted spot machine dies without releasing it). Should "
+                    "the old server live on, its next renewal finds the claim taken and it stops writing.",
+    )
 
 
 class TemperatureRequest(BaseModel):

@@ -45,6 +45,7 @@ EXIT_TEARDOWN = 5  # the sandbox could not be confirmed gone: run `artcloud down
 EXIT_PUSH_UNCONFIRMED = 6  # S3 does not hold each model's newest step (also `artcloud down`'s code for it)
 EXIT_TIMEOUT = 124  # --max-duration reached (as timeout(1))
 SERVER_MARGIN_S = 600.0  # the server's own --max-duration is the run's plus this: the runner stops it first
+REPLACE_CHECK_S = 10.0  # how often a spot run asks whether its machine is still there
 SNAPSHOT_EVERY_S = 5.0
 
 
@@ -72,6 +73,7 @@ class RunOptions:
     path: Path | None = None  # the local backend's folder (default: a fresh temporary one)
     billing_since: float | None = None  # a detached run counts its cost from the launch, not from here
     detached_inner: bool = False  # this runner is the loop of a --detach run, on the sandbox
+    spot: bool = False  # sky: a spot machine, replaced when preempted
     grace_s: float = 15.0  # how long the script has to exit after SIGTERM
     poll_every_s: float = 0.5
 
@@ -92,6 +94,8 @@ class RunOptions:
         if self.backend == "modal" and self.budget_usd is not None and self.price_per_hour is None:
             raise RunError("--budget-usd on modal needs --price-per-hour: the Modal client has no price list "
                            "(see modal.com/pricing for your GPU)")
+        if self.spot and self.backend != "sky":
+            raise RunError("--spot is for --backend sky (Modal has no spot machines to ask for)")
         if self.s3 and not (self.s3.startswith("s3://") and len(self.s3) > 5):
             raise RunError(f"--s3 must look like s3://BUCKET/PREFIX, not {self.s3!r}")
 
@@ -116,6 +120,8 @@ class Runner:
         self._signal: int | None = None
         self._snapshot_at = 0.0
         self.backend: Any = None
+        self._connection: Path | None = None  # where the script reads its server's address (spot runs)
+        self._checked_at = 0.0
 
     # ------------------------------------------------------------------------------------- money, time
 
@@ -162,6 +168,8 @@ class Runner:
                 done, _ = await asyncio.wait({task, stop}, timeout=self.opts.poll_every_s)
                 if task in done:
                     return None
+                if snapshots:
+                    await self._replace_if_lost()
                 if snapshots and time.monotonic() - self._snapshot_at > SNAPSHOT_EVERY_S:
                     await self._snapshot()
         finally:
@@ -205,6 +213,8 @@ class Runner:
         extra: dict[str, Any] = {}
         if o.backend == "local":
             extra["path"] = o.path or Path(tempfile.mkdtemp(prefix="artcloud-run-data-"))
+        if o.spot:
+            extra["use_spot"] = True
         if o.backend == "modal":
             from artcloud.backends.modal import MAX_TIMEOUT_S
 
@@ -262,7 +272,34 @@ class Runner:
         env.update({E.ENV_URL: backend.base_url, E.ENV_TOKEN_FILE: str(token_file), E.ENV_CA_FILE: ca,
                     E.ENV_CHECK_HOSTNAME: "1" if backend.check_hostname else "0", E.ENV_RUN_NAME: self.name,
                     "PYTHONUNBUFFERED": "1"})
+        if getattr(backend, "relaunch_on_loss", False):  # the script follows this runner to a replacement server
+            self._connection = workdir / "connection.json"
+            E.write_connection(self._connection, backend, replacing=False)
+            env[E.ENV_CONNECTION] = str(self._connection)
         return env
+
+    async def _replace_if_lost(self) -> None:
+        """A spot machine taken back: a new one in its place (the models resume from S3), and the script
+        told where (connection.json; its backend waits for it). At most every REPLACE_CHECK_S."""
+        from artcloud.backends import from_env as E
+        from artcloud.backends.remote import ServerGone
+
+        backend = self.backend
+        if self._connection is None or time.monotonic() - self._checked_at < REPLACE_CHECK_S:
+            return
+        self._checked_at = time.monotonic()
+        generation = backend.generation
+        try:
+            await backend._check_alive()
+            return
+        except ServerGone as e:
+            cause = e
+        E.write_connection(self._connection, backend, replacing=True)
+        self.say(f"{backend.sandbox_name} was lost ({str(cause).splitlines()[0][:160]}): starting a new machine")
+        replaced = await backend.recover(cause, generation)
+        E.write_connection(self._connection, backend, replacing=False, failed=not replaced)
+        if replaced:
+            self.say(f"{backend.sandbox_name} is back at {backend.base_url}; the script goes on from the last checkpoint")
 
     async def _run_script(self, workdir: Path) -> Ending:
         from artcloud.backends.local import _die_with_parent
@@ -389,6 +426,7 @@ class Runner:
             "estimated_cost_usd": None if cost is None else round(cost, 4),
             "budget_usd": self.opts.budget_usd, "max_duration_s": self.opts.max_duration_s,
             "s3": self.opts.s3, "models": models, "teardown": teardown,
+            "preemptions": list(getattr(self.backend, "replacements", None) or []),
         }
         json_path, md_path = write_summary(summary, self.opts.summary)
         summary["_paths"] = (str(json_path), str(md_path))

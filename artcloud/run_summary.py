@@ -179,6 +179,11 @@ def _facts(s: dict) -> list[tuple[str, str]]:
         wall += f" (limit {format_seconds(s['max_duration_s'])})"
     facts.append(("wall time", wall))
     facts.append(("estimated cost", _cost(s)))
+    lost = [p for p in (s.get("preemptions") or []) if isinstance(p, dict)]
+    if lost:
+        costs = [p["cost_usd"] for p in lost if _finite(p.get("cost_usd"))]
+        paid = f", {_usd(sum(costs))} of machine time before {'they were' if len(lost) > 1 else 'it was'} taken back" if costs else ""
+        facts.append(("preemptions", _cell(f"{len(lost)} (the run went on on a new machine from the last checkpoint on S3{paid})")))
     exit_line = f"{s.get('exit_code', '?')}"
     if s.get("script_exit_code") is not None and s.get("script_exit_code") != s.get("exit_code"):
         exit_line += f" (script: {s['script_exit_code']})"

@@ -171,6 +171,27 @@ def _locked(folder: Path) -> Iterator[None]:
         os.close(fd)
 
 
+class _name_lock:  # noqa: N801 (used as a context manager)
+    """SkyPilot's per-cluster lock: a launch of a name waits for its teardown (by hand or autodown) to end,
+    and a teardown never reaches a new cluster of the same name. Exiting twice is harmless."""
+
+    def __init__(self, root: Path, name: str):
+        self.path = Path(root) / "locks" / f"{name}.lock"
+        self.file: Any = None
+
+    def __enter__(self) -> "_name_lock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a")
+        fcntl.flock(self.file, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.file is not None:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
+            self.file = None
+
+
 def _update(folder: Path, change: Callable[[dict[str, Any]], Any]) -> Any:
     """Apply `change` to cluster.json under the lock; None (and nothing done) if the cluster is gone."""
     try:
@@ -371,6 +392,20 @@ class LocalSky:
         env_task = self._check_envs(task, secrets)
         resources_str, price = self._pick_resources(task, resources)
 
+        # SkyPilot's cluster lock while the cluster's record is made: a teardown of the name finishes first.
+        name_lock = _name_lock(self.root, cluster_name)
+        name_lock.__enter__()
+        try:
+            return self._launch_locked(task, secrets=secrets, cluster_name=cluster_name, idle_minutes=idle_minutes,
+                                       retry_until_up=retry_until_up, env_task=env_task, resources=resources,
+                                       resources_str=resources_str, price=price, folder=folder, name_lock=name_lock)
+        finally:
+            name_lock.__exit__(None, None, None)  # a second exit is a no-op (released once the record exists)
+
+    def _launch_locked(self, task: dict[str, Any], *, secrets: dict[str, str], cluster_name: str,
+                       idle_minutes: int | None, retry_until_up: bool, env_task: dict[str, str],
+                       resources: dict[str, Any], resources_str: str, price: float | None, folder: Path,
+                       name_lock: Any) -> Launched:
         existing = self._state(cluster_name)
         job_id = 1
         if existing is not None:
@@ -406,9 +441,12 @@ class LocalSky:
                      str(job_id): {"status": "INIT", "submitted_at": now, "exit_code": None}},
             "supervisor_pid": None,
             "retry_until_up": bool(retry_until_up),
+            "imds_port": (existing or {}).get("imds_port") or _free_port(),
+            "instance_id": (existing or {}).get("instance_id") or uuid.uuid4().hex,  # this machine, not the name
         }
         with _locked(folder):
             _write_json(folder / "cluster.json", state)
+        name_lock.__exit__(None, None, None)
 
         # "Provisioning": a node of the image, as SkyPilot leaves it (uv, ~/sky-user-env).
         image = sky_image.build(self.root)
@@ -417,6 +455,7 @@ class LocalSky:
             shutil.copytree(Path(task["workdir"]).expanduser(), workdir, dirs_exist_ok=True)
 
         env = self._environment(home, env_task, secrets, image, port_map, task)
+        env["AWS_EC2_METADATA_SERVICE_ENDPOINT"] = f"http://127.0.0.1:{state['imds_port']}"  # the node's IMDS
         self._set_status(cluster_name, "UP", job_status="SETTING_UP")
 
         setup = task.get("setup")
@@ -561,6 +600,28 @@ class LocalSky:
         self._set_status(cluster_name, "STOPPED")
         _kill_all(self.root, cluster_name, data.get("supervisor_pid"))
 
+    def preempt(self, cluster_name: str, *, notice_s: float = 120.0) -> None:
+        """What a cloud does to a spot VM: the notice on its metadata service (tests/sky_metadata.py), then,
+        `notice_s` later (AWS: 2 minutes; 0: no notice at all), the machine terminated: every process gone,
+        the cluster gone from `status`. Blocks until then; a test runs it in a thread. Returns early once the
+        cluster is gone anyway (the server exited and autodown took it)."""
+        now = time.time()
+        data = _update(self._dir(cluster_name), lambda d: d.__setitem__("preemption", {"at": now, "ends_at": now + notice_s}))
+        if data is None:
+            raise ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
+        machine = data.get("instance_id")
+
+        def same_machine() -> dict[str, Any] | None:  # a new cluster of the same name is another machine
+            found = self._state(cluster_name)
+            return found if found is not None and found.get("instance_id") == machine else None
+
+        deadline = now + notice_s
+        while time.time() < deadline and same_machine() is not None:
+            time.sleep(0.1)
+        data = same_machine()
+        if data is not None:
+            _teardown(self.root, cluster_name, data.get("supervisor_pid"))
+
     def break_cluster(self, cluster_name: str) -> None:
         """What SkyPilot's refresh does to a cluster whose node is broken: INIT (unhealthy), autostop cancelled;
         the node (and whatever bills on it) is still there."""
@@ -695,10 +756,11 @@ def _teardown(root: Path, name: str, supervisor_pid: int | None) -> None:
     folder = root / "clusters" / name
     trash = root / "trash" / f"{name}-{uuid.uuid4().hex[:8]}"
     trash.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        with _locked(folder):
-            folder.rename(trash)
-    _kill_all(root, name, supervisor_pid)
+    with _name_lock(root, name):
+        with contextlib.suppress(FileNotFoundError):
+            with _locked(folder):
+                folder.rename(trash)
+        _kill_all(root, name, supervisor_pid)
     shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -829,6 +891,11 @@ def supervise(root: Path, name: str, job_id: int) -> int:
     if data is None:
         return 0
     workdir = folder / "home" / "sky_workdir"
+    machine = data.get("instance_id")  # this node: a later cluster of the same name is another one
+    if data.get("imds_port"):  # the cloud's metadata service, for as long as the node lives
+        from tests import sky_metadata
+
+        sky_metadata.serve(int(data["imds_port"]), lambda: _read_json(folder / "cluster.json"))
 
     def started(d: dict[str, Any]) -> None:
         d["jobs"][str(job_id)].update(status="RUNNING", started_at=time.time())
@@ -850,8 +917,9 @@ def supervise(root: Path, name: str, job_id: int) -> int:
 
     while True:  # autostop: the cluster is idle from the job's end (or from when autostop was last set)
         data = _read_json(folder / "cluster.json")
-        if data is None or data.get("job_id") != job_id or data.get("status") != "UP":
-            return 0  # torn down, relaunched (a new supervisor runs the new job) or stopped
+        if (data is None or data.get("instance_id") != machine or data.get("job_id") != job_id
+                or data.get("status") != "UP"):
+            return 0  # torn down (maybe a new cluster of the name), relaunched (a new supervisor runs the job) or stopped
         autostop = data.get("autostop") or {}
         minutes = autostop.get("idle_minutes", -1)
         if minutes is not None and minutes >= 0:
@@ -859,7 +927,7 @@ def supervise(root: Path, name: str, job_id: int) -> int:
             if time.time() >= idle_since + minutes * float(data.get("minute_s", 60)):
                 if autostop.get("to_down"):
                     print(f"autodown: idle for {minutes} minute(s)", flush=True)
-                    _autodown(root, name)
+                    _autodown(root, name, machine)
                 else:
                     print(f"autostop: idle for {minutes} minute(s)", flush=True)
                     _update(folder, lambda d: d.__setitem__("status", "STOPPED"))
@@ -868,20 +936,24 @@ def supervise(root: Path, name: str, job_id: int) -> int:
         time.sleep(0.1)
 
 
-def _autodown(root: Path, name: str) -> None:
+def _autodown(root: Path, name: str, machine: str | None) -> None:
     """The supervisor tears its own cluster down: the other processes first, then the files, and the
     folder vanishes (a rename) only as this process's last act, so that once status() says None, no
     process of the cluster is left."""
     folder = root / "clusters" / name
-    _kill_all(root, name, None)
-    for part in ("home",):
-        shutil.rmtree(folder / part, ignore_errors=True)
-    trash = root / "trash" / f"{name}-{uuid.uuid4().hex[:8]}"
-    trash.parent.mkdir(parents=True, exist_ok=True)
-    sys.stdout.flush()
-    with contextlib.suppress(FileNotFoundError):
-        with _locked(folder):
-            folder.rename(trash)
+    with _name_lock(root, name):
+        data = _read_json(folder / "cluster.json")
+        if data is None or data.get("instance_id") != machine:
+            return  # torn down meanwhile, and maybe a new cluster of the name: not this supervisor's to touch
+        _kill_all(root, name, None)
+        for part in ("home",):
+            shutil.rmtree(folder / part, ignore_errors=True)
+        trash = root / "trash" / f"{name}-{uuid.uuid4().hex[:8]}"
+        trash.parent.mkdir(parents=True, exist_ok=True)
+        sys.stdout.flush()
+        with contextlib.suppress(FileNotFoundError):
+            with _locked(folder):
+                folder.rename(trash)
     os._exit(0)  # the few files left under ROOT/trash are not worth a window with a live process
 
 

@@ -13,10 +13,15 @@ with none of them set, a LocalBackend.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import os
+import time
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from artcloud.backends.remote import RemoteBackend
+from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone
 
 # Set by `artcloud run` for the script it starts (the token travels in a 0600 file, never in the env).
 ENV_URL = "ARTCLOUD_RUN_URL"
@@ -24,8 +29,14 @@ ENV_TOKEN_FILE = "ARTCLOUD_RUN_TOKEN_FILE"
 ENV_CA_FILE = "ARTCLOUD_RUN_CA_FILE"  # empty: the public CAs (Modal's HTTPS edge)
 ENV_CHECK_HOSTNAME = "ARTCLOUD_RUN_CHECK_HOSTNAME"
 ENV_RUN_NAME = "ARTCLOUD_RUN_NAME"
+# A spot run's server may be replaced (a preempted machine): the runner keeps the current address, token and
+# CA in this 0600 JSON file, and the script's backend reads it when its server is lost.
+ENV_CONNECTION = "ARTCLOUD_RUN_CONNECTION"
+PARENT_NOTICE_S = 60.0  # how long a script waits for the runner to notice a lost server
+REPLACE_WAIT_S = 45 * 60.0  # and for the runner to bring up a new one
 
 BACKENDS = ("local", "sky", "modal")
+log = logging.getLogger("artcloud.backends")
 
 
 def backend_from_env(default: Callable[[], RemoteBackend] | None = None) -> RemoteBackend:
@@ -40,8 +51,9 @@ def backend_from_env(default: Callable[[], RemoteBackend] | None = None) -> Remo
         except (KeyError, OSError) as e:
             raise RuntimeError(f"{ENV_URL} is set but the run's token file is not readable ({e}): "
                                "start the script with `artcloud run SCRIPT`") from e
-        return RemoteBackend(env[ENV_URL], token=token, ca_cert=env.get(ENV_CA_FILE) or None,
-                             check_hostname=env.get(ENV_CHECK_HOSTNAME, "1") != "0")
+        kind = RunnerBackend if env.get(ENV_CONNECTION) else RemoteBackend
+        return kind(env[ENV_URL], token=token, ca_cert=env.get(ENV_CA_FILE) or None,
+                    check_hostname=env.get(ENV_CHECK_HOSTNAME, "1") != "0")
     kind = env.get("ARTCLOUD_BACKEND")
     if kind:
         return make_backend(kind, gpu=env.get("ARTCLOUD_GPU"), s3=env.get("ARTCLOUD_S3"),
@@ -90,3 +102,68 @@ def make_backend(
         raise ValueError("cloud does not apply to the modal backend (Modal picks its own)")
     return ModalBackend(gpu=gpu or "H100", name=name, **({"timeout": max_duration} if max_duration is not None else {}),
                         **common)
+
+
+def write_connection(path: Path, backend: RemoteBackend, *, replacing: bool, failed: bool = False) -> None:
+    """The runner's side: where the script's server is now (atomically, 0600: it holds the token)."""
+    ca = backend.ca_cert if isinstance(backend.ca_cert, str) and "BEGIN CERTIFICATE" in backend.ca_cert else None
+    data = {"generation": backend.generation, "url": backend.base_url, "token": backend._token, "ca_pem": ca,
+            "check_hostname": backend.check_hostname, "replacing": replacing, "failed": failed}
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def _read_connection(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+class RunnerBackend(RemoteBackend):
+    """The script's backend under `artcloud run --spot`: when its server is lost, it waits for the runner
+    (which owns the machine) to bring up a new one, then goes there; the models register again and resume
+    from S3 (RemoteBackend.recover)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._connection = os.environ[ENV_CONNECTION]
+        self._runner_generation = (_read_connection(self._connection) or {}).get("generation", 0)
+
+    async def _check_alive(self) -> None:
+        found = _read_connection(self._connection) or {}
+        if found.get("replacing") or found.get("generation", 0) != self._runner_generation:
+            raise ServerGone(f"the server at {self.base_url} is being replaced by the runner", code="server_replaced")
+        try:
+            await self._call("GET", "/health", retry=False, timeout=10.0)
+        except ServerGone:
+            raise
+        except ArtcloudError:
+            return
+
+    async def _replace_server(self, cause: BaseException) -> dict[str, Any] | None:
+        loop = asyncio.get_running_loop()
+        noticed_by = loop.time() + PARENT_NOTICE_S  # the runner checks its machine every few seconds
+        replaced_by: float | None = None  # set once the runner says it is replacing it
+        while True:
+            found = _read_connection(self._connection) or {}
+            if found.get("failed"):
+                return None
+            if found.get("generation", 0) != self._runner_generation and not found.get("replacing"):
+                break
+            if found.get("replacing") and replaced_by is None:
+                replaced_by = loop.time() + REPLACE_WAIT_S
+            if loop.time() > (replaced_by or noticed_by):
+                return None
+            await asyncio.sleep(1.0)
+        await self.close()
+        self.base_url, self._token = found["url"], found["token"]
+        self.ca_cert, self.check_hostname = found.get("ca_pem"), bool(found.get("check_hostname", True))
+        self._version_checked = False
+        self._runner_generation = found["generation"]
+        log.warning("the runner replaced the server: now at %s", self.base_url)
+        return {"at": time.time(), "url": self.base_url, "reason": str(cause).splitlines()[0][:200] if str(cause) else ""}

@@ -185,6 +185,13 @@ class RemoteBackend:
         self._heartbeat: asyncio.Task | None = None
         self._version_checked = False
         self._shut_down = False  # the server was asked to push its last checkpoint and exit
+        # Replacing a lost server (a preempted spot machine): each replacement bumps the generation, so
+        # requests that failed on the old server know to go again; what was registered is registered again.
+        self._generation = 0
+        self._replacing: asyncio.Lock | None = None
+        self._registrations: dict[str, dict[str, Any]] = {}
+        self._temperatures: dict[str, float] = {}
+        self.replacements: list[dict[str, Any]] = []  # each lost server that was replaced: when, why, its cost
 
     def __repr__(self) -> str:  # never the token
         return f"{type(self).__name__}({self.base_url!r})"
@@ -320,6 +327,50 @@ class RemoteBackend:
         """Raise ServerGone if the server is known to be dead. A bare URL cannot tell: the event stream
         keeps reconnecting for a while instead. LocalBackend knows its child, SkyBackend its cluster."""
 
+    # ------------------------------------------------------------------------------------- replacing a lost server
+
+    @property
+    def generation(self) -> int:
+        """How many times the server was replaced; read it before a request, pass it to `recover`."""
+        return self._generation
+
+    async def recover(self, cause: BaseException, generation: int) -> bool:
+        """After `cause` (a ServerGone): True when the server has been replaced, by this call or by another
+        since `generation`, and every model registered through this backend registered again on the new one
+        (each resumes from its last committed checkpoint on S3); False when this backend cannot replace its
+        server, and the error stands."""
+        if self._replacing is None:
+            self._replacing = asyncio.Lock()
+        async with self._replacing:
+            if self._generation != generation:
+                return True
+            replaced = await self._replace_server(cause)
+            if replaced is None:
+                return False
+            self.replacements.append(replaced)
+            for kwargs in self._registrations.values():  # the lost server never released its S3 claims
+                await RemoteBackend.register(self, **kwargs, take_over=True)
+            for name, temperature in self._temperatures.items():
+                await RemoteBackend.set_temperature(self, name, temperature)
+            self._generation += 1
+            return True
+
+    async def recover_if_lost(self, error: BaseException, generation: int) -> bool:
+        """A request failed at the transport: True if it should go again, because the server was replaced
+        (since `generation`, or now, when it turns out to be lost)."""
+        if self._generation != generation:
+            return True
+        try:
+            await self._check_alive()
+        except ServerGone as gone:
+            return await self.recover(gone, generation)
+        return False
+
+    async def _replace_server(self, cause: BaseException) -> dict[str, Any] | None:
+        """Bring up a new server in place of the lost one; what was lost (for the run's summary), or None
+        when this backend cannot. A bare URL cannot."""
+        return None
+
     def _start_heartbeats(self) -> None:
         if self._heartbeat is None and self.heartbeat_every_s > 0:
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat(), name="artcloud-heartbeat")
@@ -335,13 +386,16 @@ class RemoteBackend:
     # ------------------------------------------------------------------------------------- models
 
     async def register(self, name: str, project: str, base_model: str, lora: dict[str, Any],
-                       engine_args: dict[str, Any] | None = None) -> dict[str, Any]:
+                       engine_args: dict[str, Any] | None = None, *, take_over: bool = False) -> dict[str, Any]:
         if not self._version_checked:
             await self.health()
         # The first model on a base model loads it, and a vLLM engine starts its process: minutes for a 14B model.
         info = await self._call("POST", "/artcloud/models", timeout=REGISTER_TIMEOUT_S,
                                 json_body={"name": name, "project": project, "base_model": base_model, "lora": lora,
-                                           **({"engine_args": engine_args} if engine_args else {})})
+                                           **({"engine_args": engine_args} if engine_args else {}),
+                                           **({"take_over": True} if take_over else {})})
+        self._registrations[name] = dict(name=name, project=project, base_model=base_model, lora=lora,
+                                         engine_args=engine_args)
         self._start_heartbeats()
         return info
 
@@ -350,15 +404,24 @@ class RemoteBackend:
 
     async def set_temperature(self, name: str, temperature: float) -> None:
         await self._call("PUT", f"/artcloud/models/{name}/temperature", json_body={"temperature": temperature})
+        self._temperatures[name] = temperature
 
     def openai_client(self, **kwargs: Any):
-        """An `openai.AsyncOpenAI` bound to this server: the launch's CA alone is trusted."""
+        """An `openai.AsyncOpenAI` bound to this backend's server: the launch's CA alone is trusted. It follows
+        the backend: when a lost server is replaced (a preempted spot machine), its requests go to the new
+        one, with the new token and CA, and a request cut off by the loss is sent again."""
+        import sys
+
         import openai
 
+        from artcloud.backends.following import following_transport
+
+        client_class = openai.DefaultAsyncHttpxClient  # httpx's AsyncClient, or httpx2's in newer openai releases
+        hx = sys.modules[client_class.__mro__[1].__module__.partition(".")[0]]
         return openai.AsyncOpenAI(
             base_url=self.base_url + "/v1",
             api_key=self._token,
-            http_client=openai.DefaultAsyncHttpxClient(verify=client_ssl_context(self.ca_cert, check_hostname=self.check_hostname)),
+            http_client=client_class(transport=following_transport(self, hx)),
             **kwargs,
         )
 

@@ -58,6 +58,10 @@ class SandboxBackend(RemoteBackend):
 
     _owns = False  # this object started it or attached to it: down() may destroy it
     _record: SandboxRecord | None = None
+    # A lost machine (a preempted spot VM) is replaced by a new one, at most this many times per backend;
+    # the models resume from S3. SkyBackend(use_spot=True, s3=...) turns it on.
+    relaunch_on_loss = False
+    max_relaunches = 5
 
     @property
     def sandbox_name(self) -> str:
@@ -201,6 +205,38 @@ class SandboxBackend(RemoteBackend):
         else:
             await self.down()
 
+    # ------------------------------------------------------------------------------------- replacing a lost machine
+
+    async def _replace_server(self, cause: BaseException) -> dict[str, Any] | None:
+        """A machine that was lost (not a server that merely failed) is torn down for good and a new one
+        launched under the same name; RemoteBackend.recover then registers the models again."""
+        if not self.relaunch_on_loss or not await self._lost_machine(cause):
+            return None
+        if len(self.replacements) >= self.max_relaunches:
+            log.error("%s was lost again, after %d relaunches: giving up (max_relaunches)", self.sandbox_name,
+                      len(self.replacements))
+            return None
+        record, now = self._record, time.time()
+        price = self.price_per_hour
+        lost = {"at": now, "sandbox": self.sandbox_name, "reason": _first_line(cause),
+                "machine": (record.extra.get("resources") if record is not None else None), "price_per_hour": price,
+                "up_s": round(now - record.launched_at, 1) if record is not None else None}
+        lost["cost_usd"] = (round(price * lost["up_s"] / 3600.0, 4) if price is not None and lost["up_s"] is not None
+                            else None)
+        log.warning("%s was lost (%s): launching a new machine; training resumes from the last checkpoint on S3",
+                    self.sandbox_name, lost["reason"])
+        self._shut_down = True  # nothing left to ask for a final push
+        await self._teardown()
+        self._shut_down = False
+        await self._launch()
+        self._start_heartbeats()
+        log.warning("%s is back at %s", self.sandbox_name, self.base_url)
+        return lost
+
+    async def _lost_machine(self, cause: BaseException) -> bool:
+        """Whether `cause` means the machine itself is gone (so a new one should take its place)."""
+        return False
+
     # ------------------------------------------------------------------------------------- provider hooks
 
     async def _existing(self, record: SandboxRecord | None) -> bool:
@@ -231,3 +267,8 @@ class SandboxBackend(RemoteBackend):
 
 def state_dir(path: str | Path | None) -> StateDir:
     return StateDir(Path(path) if path is not None else None)
+
+
+def _first_line(e: BaseException, limit: int = 200) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:limit]

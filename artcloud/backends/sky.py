@@ -45,6 +45,7 @@ from artcloud.tls import make_launch_secrets
 log = logging.getLogger("artcloud.sky")
 
 PROVIDER = "sky"
+PREEMPTION_LINE = "preemption notice ("  # what the server logs when its cloud announces the end (server/preemption.py)
 FAILED_JOB = ("FAILED", "FAILED_SETUP", "FAILED_DRIVER", "FAILED_PRECHECKS", "FAILED_NO_RESOURCE",
               "FAILED_CONTROLLER", "CANCELLED", "SUCCEEDED")  # SUCCEEDED: the server exited
 
@@ -197,6 +198,11 @@ class SkyBackend(SandboxBackend):
         self.resources: str | None = None  # what SkyPilot launched, e.g. "1x AWS(p5.4xlarge, {'H100': 1})"
         self._job_id: int | None = None
         self._seen_up = False  # launched, or attached as up: an INIT status now means unhealthy
+        # A spot machine may be taken away: with S3 to resume from, a new one takes its place (see recover).
+        self.relaunch_on_loss = bool(use_spot and s3)
+        if use_spot and not s3:
+            log.warning("use_spot=True without s3=: a preempted machine takes its checkpoints with it, and training "
+                        "cannot resume elsewhere; give s3='s3://BUCKET/PREFIX'")
         kwargs.setdefault("heartbeat_every_s", min(60.0, self.lease_s / 3))
         # The launch CA signs one certificate and its key is thrown away: the CA alone identifies the
         # server, whatever address the cloud gives it, so host names are not checked.
@@ -415,6 +421,15 @@ class SkyBackend(SandboxBackend):
             raise ServerGone(f"the server job on {name} ended ({status}); its last lines:\n{tail}", code="server_exited")
 
     # ------------------------------------------------------------------------------------- down
+
+    async def _lost_machine(self, cause: BaseException) -> bool:
+        """The cluster is gone or dead, or its server exited on the cloud's preemption notice (the machine goes
+        a little later). A server that failed on a machine that is still fine is not replaced."""
+        info = await asyncio.to_thread(self.api.status, self.cluster_name)
+        if info is None or self._dead(info, seen_up=True) is not None:
+            return True
+        lines = await asyncio.to_thread(self.log_tail, 400)
+        return any(PREEMPTION_LINE in line for line in lines)
 
     async def gone(self) -> bool:
         """True when nothing of the cluster is left. A cluster of ours that exists but is dead (stopped, or

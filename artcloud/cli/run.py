@@ -24,6 +24,7 @@ def run(
     script: Path = typer.Argument(..., help="The training script (Python, written with the artcloud SDK; it gets its backend from artcloud.backend_from_env()). Arguments after it (after `--` if they start with '-') go to the script."),
     backend: Optional[str] = typer.Option(None, "--backend", "-b", envvar="ARTCLOUD_BACKEND", show_default="local", help="local (this machine), sky (any cloud SkyPilot reaches) or modal (a Modal Sandbox). Default: $ARTCLOUD_BACKEND, else local."),
     gpu: Optional[str] = typer.Option(None, "--gpu", envvar="ARTCLOUD_GPU", help="GPU spec: H100:1, A100-80GB:2, L4 (sky); H100, A10G (modal). Default: $ARTCLOUD_GPU, else H100."),
+    spot: bool = typer.Option(False, "--spot", help="sky only: a spot machine (a third to half the price). If the cloud takes it back, the run goes on on a new one from the last checkpoint on S3; the summary counts each preemption and what the lost machine cost."),
     cloud: Optional[str] = typer.Option(None, "--cloud", help="sky only: pin a cloud (aws, gcp, ...). Default: the cheapest one `sky check` enabled."),
     s3: Optional[str] = typer.Option(None, "--s3", envvar="ARTCLOUD_S3", help="s3://BUCKET/PREFIX for every checkpoint (and a new sandbox resumes from it). Required for sky and modal. Credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, endpoint ARTCLOUD_S3_ENDPOINT_URL."),
     max_duration: str = typer.Option("8h", "--max-duration", envvar="ARTCLOUD_MAX_DURATION", help="The whole run's wall-clock cap (90m, 3h): then the script is stopped, the last checkpoint pushed and the sandbox torn down (exit 124)."),
@@ -64,7 +65,7 @@ def run(
             max_duration_s=parse_duration(max_duration, what="--max-duration"), budget_usd=budget_usd,
             price_per_hour=price_per_hour, lease_s=parse_duration(lease, what="--lease"), name=name, summary=summary,
             env=env_pairs(env), secrets=list(secret), engine=engine, path=path, billing_since=billing_since,
-            detached_inner=detached_inner,
+            detached_inner=detached_inner, spot=spot,
         )
         opts.check()
         if summary.suffix == ".md":

@@ -62,10 +62,11 @@ class Pusher:
 
     # ------------------------------------------------------------------------------------- claim
 
-    async def claim(self) -> None:
-        """Become the one writer of this model on S3 (StorageError if another live server is), and
-        keep renewing the claim while the server lives."""
-        await self._in_thread(self.store.claim, self.project, self.model, self.owner, self.claim_timeout_s)
+    async def claim(self, take_over: bool = False) -> None:
+        """Become the one writer of this model on S3 (StorageError if another live server is, unless
+        `take_over`), and keep renewing the claim while the server lives."""
+        await self._in_thread(self.store.claim, self.project, self.model, self.owner,
+                              0.0 if take_over else self.claim_timeout_s)
         if self._renewer is None:
             self._renewer = asyncio.get_running_loop().create_task(self._renew_forever(), name=f"s3-claim-{self.model}")
 

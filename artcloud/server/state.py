@@ -132,6 +132,7 @@ class Registry:
     async def register(self, spec: RegisterRequest) -> dict[str, Any]:
         """Register (or find again) a model. Its spec is saved only once it works, so a register that
         fails (a bad LoRA, a model locked by another server) leaves nothing that a restart would retry."""
+        take_over, spec = spec.take_over, spec.model_copy(update={"take_over": False})  # not part of the model's spec
         async with self._register_lock:
             current = self.models.get(spec.name)
             if current is not None:
@@ -165,7 +166,7 @@ class Registry:
             model.trainer = Trainer(model, store=self.store, owner=self.instance, retention=self.retention,
                                     limits=self.limits, claim_timeout_s=self.claim_timeout_s)
             try:
-                resumed = await model.trainer.resume()
+                resumed = await model.trainer.resume(take_over=take_over)
             except BaseException:
                 await model.trainer.abandon()
                 if not self._models_on(host):

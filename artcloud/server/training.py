@@ -74,14 +74,15 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------- resume
 
-    async def resume(self) -> bool:
-        """Resume from the newest complete checkpoint, or start at step 0. Returns True if it resumed."""
+    async def resume(self, take_over: bool = False) -> bool:
+        """Resume from the newest complete checkpoint, or start at step 0. Returns True if it resumed.
+        `take_over`: the S3 claim too, however fresh (the client tore its last holder down)."""
         model = self.model
         checkpoints.clean_partial(model.folder)
         remote = None
         if self.pusher is not None:
             try:
-                await self.pusher.claim()  # one writer per model and S3 location
+                await self.pusher.claim(take_over=take_over)  # one writer per model and S3 location
             except StorageError as e:
                 raise ApiError(409, "model_locked", str(e), "name") from e
             remote = await self._pull_if_newer()
@@ -105,6 +106,8 @@ class Trainer:
                 model.engine.set_rng_state(state["rng"])
             if self.pusher is not None and (remote is None or step > remote):
                 self.pusher.schedule(folder)  # this machine got further than S3 (its last push failed)
+            elif self.pusher is not None and self.pusher.pushed_step is None:
+                self.pusher.pushed_step = remote  # resumed from S3: that step is there already
             resumed = True
         self.jobs.load()
         self._worker = asyncio.get_running_loop().create_task(self._loop(), name=f"train-{self.name}")

@@ -1,0 +1,149 @@
+"""Spot machines: preempted mid-run, replaced, and training goes on from S3 with no step lost or trained twice.
+
+The stand-in (tests/sky_standin.py) preempts a cluster as a cloud does: the notice on the node's metadata service
+(tests/sky_metadata.py, AWS's IMDSv2 shape), then, a while later, the machine terminated. Everything else is real:
+the server watching the notice and pushing its last checkpoint to SeaweedFS, SkyBackend launching a new cluster,
+the new server resuming from S3, the model registered again, and the user's own OpenAI client and train loop
+carrying on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+
+import artcloud
+from artcloud.backends.sky import SkyBackend
+from artcloud.backends.state import StateDir
+from artcloud.storage.s3 import CheckpointStore, S3Config
+from tests.sky_standin import LocalSky, cluster_pids
+from tests.test_sky import TINY, use_s3
+
+
+def _preempt_soon(name: str, *, notice_s: float) -> threading.Thread:
+    thread = threading.Thread(target=LocalSky().preempt, args=(name,), kwargs={"notice_s": notice_s}, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monkeypatch, seaweed, caplog):
+    caplog.set_level(logging.WARNING)
+    s3 = use_s3(monkeypatch, seaweed, "spot")
+    store = CheckpointStore(S3Config.from_uri(s3))
+
+    async def main() -> SkyBackend:
+        backend = SkyBackend(gpu="H100:1", use_spot=True, cluster_name="spot", s3=s3, idle_minutes=1)
+        assert backend.relaunch_on_loss
+        async with backend:
+            model = artcloud.TrainableModel(name="agent", project="spot", base_model=TINY,
+                                            config=artcloud.LoraConfig(rank=4))
+            await model.register(backend)
+            client = model.openai_client()  # made once: it must follow the backend to the new machine
+
+            async def rollout(prompt: str) -> artcloud.Trajectory:
+                messages = [{"role": "user", "content": prompt}]
+                r = await client.chat.completions.create(model=model.name, messages=messages, max_tokens=5, logprobs=True)
+                choice = r.choices[0]
+                return artcloud.Trajectory(messages_and_choices=[*messages, choice],
+                                           reward=len(choice.message.content or "") / 10)
+
+            async def groups():
+                return await artcloud.gather_trajectory_groups(
+                    [artcloud.TrajectoryGroup(rollout(p) for _ in range(3)) for p in ("a", "b")], progress=False)
+
+            step1 = await model.train(await groups(), config=artcloud.TrainConfig(learning_rate=1e-3), progress=False)
+            assert step1.step == 1
+            first_url = backend.base_url
+
+            # 1. The cloud's notice while the loop gathers rollouts: the server pushes and exits; the next
+            #    request finds it gone, the backend brings up a new machine, and the same client goes on.
+            preemption = _preempt_soon("spot", notice_s=60)
+            while not any("preemption notice (" in line for line in backend.log_tail(400)):
+                await asyncio.sleep(0.5)
+            batch = await groups()
+            assert backend.base_url != first_url and len(backend.replacements) == 1
+            preemption.join(timeout=90)
+            assert (await backend.model_info("agent"))["step"] == 1  # resumed from S3
+            step2 = await model.train(batch, progress=False)
+            assert step2.step == 2 and step2.trained
+
+            # 2. No notice at all, in the middle of a training step: the machine just goes.
+            started = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            original = backend.follow_job
+
+            async def follow(job_id, on_event=None, **kw):
+                def seen(event):
+                    if event["type"] == "start":
+                        loop.call_soon_threadsafe(started.set)
+                    if on_event is not None:
+                        on_event(event)
+                return await original(job_id, on_event=seen, **kw)
+
+            backend.follow_job = follow
+            training = asyncio.ensure_future(model.train(await groups(), progress=False))
+            await started.wait()
+            await asyncio.to_thread(LocalSky().preempt, "spot", notice_s=0)
+            step3 = await training
+            assert step3.step == 3 and len(backend.replacements) == 2
+
+            history = (await backend.model_info("agent"))["history"]
+            assert [h["step"] for h in history] == [1, 2, 3]  # none lost, none trained twice
+        return backend
+
+    backend = asyncio.run(main())
+    assert store.committed_steps("spot", "agent") == [0, 1, 2, 3]
+    lost = backend.replacements
+    assert [r["sandbox"] for r in lost] == ["spot", "spot"]
+    assert lost[0]["reason"] and lost[0]["price_per_hour"] == 1.25 and lost[0]["cost_usd"] > 0  # local-h100-1 spot
+    assert LocalSky().status("spot") is None and cluster_pids(sky_env, "spot") == set()
+    assert StateDir().load("spot").state == "down"
+    warnings = "\n".join(r.getMessage() for r in caplog.records)
+    assert "spot was lost" in warnings and "training resumes from the last checkpoint on S3" in warnings
+    assert "NOT pushed" not in warnings  # the last server resumed its step from S3: it is there
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_artcloud_run_on_spot_survives_a_preemption_and_counts_it(sky_env, monkeypatch, seaweed, tmp_path):
+    """The runner owns the machine and replaces it; the script (examples/ci/train.py, untouched) follows it
+    through connection.json. The summary counts the preemption and what the lost machine cost."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from tests.test_run import TINY_ARGS, TRAIN, s3_steps
+
+    s3 = use_s3(monkeypatch, seaweed, "spot-run")
+    monkeypatch.chdir(tmp_path)
+    run = subprocess.Popen([sys.executable, "-m", "artcloud", "run", str(TRAIN), "--backend", "sky", "--spot",
+                            "--gpu", "H100:1", "--s3", s3, "--name", "spot-run", "--", *TINY_ARGS, "--steps", "12"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while 1 not in s3_steps(seaweed, s3, "nightly", "five-words"):
+            assert run.poll() is None, run.stdout.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        LocalSky().preempt("spot-run", notice_s=0)  # no notice: the machine just goes, mid-run
+        out, _ = run.communicate(timeout=800)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, out
+    summary = json.loads((tmp_path / "artcloud-run.json").read_text())
+    assert summary["outcome"] == "succeeded" and summary["models"][0]["step"] == 12
+    assert [h["step"] for h in summary["models"][0]["history"]] == list(range(1, 13))  # none lost, none twice
+    assert s3_steps(seaweed, s3, "nightly", "five-words") == list(range(13))
+    [lost] = summary["preemptions"]
+    assert lost["sandbox"] == "spot-run" and lost["price_per_hour"] == 1.25 and lost["cost_usd"] > 0
+    markdown = (tmp_path / "artcloud-run.md").read_text()
+    assert "| preemptions | 1 (the run went on on a new machine from the last checkpoint on S3, $" in markdown
+    assert "spot-run was lost" in out and "is back at https://" in out
+    assert LocalSky().status("spot-run") is None
