@@ -1,4 +1,4 @@
-"""ModalBackend with the REAL modal client (1.6.4) against a fake Modal control plane (tests/modal_fake.py).
+"""ModalBackend with the REAL modal client (1.6.4) against a fake Modal control plane (tests/modal_fake/).
 
 The fake runs the sandbox's command as a local process and puts a TLS-terminating tunnel in front of it,
 as Modal's encrypted ports do; it records images instead of building them. Everything on this side of

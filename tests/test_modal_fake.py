@@ -1,4 +1,4 @@
-"""The fake Modal control plane (tests/modal_fake.py) against the REAL `modal` client (1.6.4).
+"""The fake Modal control plane (tests/modal_fake/) against the REAL `modal` client (1.6.4).
 
 Reuse: `from modal_fake import FakeModal` (tests/ is on sys.path, as for `helpers`), then a fixture like
 `modal_fake` below: `FakeModal(tmp).start()`, `fake.install(monkeypatch)` (sets `fake.env()` and forgets the
