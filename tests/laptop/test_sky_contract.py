@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import os
 import re
 import shlex
@@ -24,8 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from artcloud.backends.sky_api import ClusterInfo, SkyPilotAPI
-from artcloud.backends.sky_task import SECRET_NAMES, build_task
+from artcloud.backends.sky_api import ClusterInfo, Launched, SkyPilotAPI
+from artcloud.backends.sky_task import SECRET_NAMES, SERVER_PORT, build_task
 from artcloud.backends.wheel import build_wheel
 from artcloud.tls import make_launch_secrets
 
@@ -130,7 +131,7 @@ def test_built_task_validates_and_resources_round_trip(sky, launch_secrets, kw, 
     task = _load(sky, build_task(secrets=launch_secrets, **kw).config)
     (res,) = task.resources
     assert res.accelerators == accelerators
-    assert res.ports == ["8443"]
+    assert res.ports == ["8080"]
     assert res.use_spot is spot
     assert res.disk_size == disk
     assert res.image_id == image
@@ -139,7 +140,7 @@ def test_built_task_validates_and_resources_round_trip(sky, launch_secrets, kw, 
     (again,) = sky.Resources.from_yaml_config(res.to_yaml_config())
     assert again.to_yaml_config() == res.to_yaml_config()
     assert (again.accelerators, again.ports, again.use_spot, again.disk_size, again.image_id) == (
-        accelerators, ["8443"], spot, disk, image)
+        accelerators, ["8080"], spot, disk, image)
     # ... and the task: envs, setup and run survive to_yaml_config -> from_yaml_config.
     back = sky.Task.from_yaml_config(task.to_yaml_config())
     assert (back.envs, back.setup, back.run, back.name) == (task.envs, task.setup, task.run, task.name)
@@ -164,11 +165,11 @@ def test_detached_run_task_validates_and_runs_the_script_from_the_workdir(sky, l
     config = build_task(secrets=launch_secrets, s3="s3://b/runs", run_args=args, workdir=tmp_path).config
     task = _load(sky, config)
     assert task.workdir == str(tmp_path) and (Path(task.workdir) / "train.py").is_file()
-    last = task.run.strip().splitlines()[-1].strip()
-    assert last.startswith('"$PY" -m artcloud run train.py --backend local') and "'it'\"'\"'s here'" in last
-    assert "artcloud serve" not in task.run and "exec timeout" in task.run  # the timeout belt stays
-    result = subprocess.run(["bash", "-n"], input=task.run, text=True, capture_output=True)
-    assert result.returncode == 0, result.stderr
+    # The command travels as one env of shell words; the scripts are the template's, untouched.
+    assert shlex.split(task.envs["ARTCLOUD_RUN_ARGS"]) == args
+    served = _load(sky, build_task(secrets=launch_secrets).config)
+    assert (task.setup, task.run) == (served.setup, served.run)
+    assert served.envs["ARTCLOUD_RUN_ARGS"] == ""  # empty: `artcloud serve` (what the run script does with it: below)
 
 
 # ----------------------------------------------------------------------------------------- secrets
@@ -283,13 +284,16 @@ def test_header_usage_is_a_valid_sky_launch(sky, launch_secrets, tmp_path, monke
     assert Path(task.workdir) == tmp_path / workdir
 
     status = command.status.make_context("status", _header_command("status")).params
-    assert status["endpoint"] == 8443 and status["clusters"] == (ctx_params["cluster"],)
+    assert status["endpoint"] == SERVER_PORT == 8080 and status["clusters"] == (ctx_params["cluster"],)
+    (res,) = task.resources  # the template as it is, before build_task fills it, opens that same port
+    assert res.ports == ["8080"] and task.envs["ARTCLOUD_PORT"] == "8080"
 
 
 # ----------------------------------------------------------------------------------------- the shell scripts
 
 def test_setup_and_run_are_valid_bash(launch_secrets):
     config = build_task(secrets=launch_secrets, s3="s3://bucket/prefix").config
+    assert "timeout" in config["run"] and "$HOME/.local/bin/uv" in config["setup"]  # the belt; SkyPilot 0.14's uv
     for script in (config["setup"], config["run"]):
         result = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
         assert result.returncode == 0, result.stderr
@@ -306,6 +310,50 @@ def test_run_timeout_arithmetic(launch_secrets, max_duration, seconds):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(seconds)
     assert build_task(secrets=launch_secrets).config["envs"]["ARTCLOUD_MAX_DURATION"] == "8h"
+
+
+# A python for the run script: `-c` (its LIMIT arithmetic) runs the real one; anything else prints argv.
+_FAKE_PYTHON = """#!{python}
+import json, os, sys
+if sys.argv[1:2] == ["-c"]:
+    os.execv({python!r}, [{python!r}, *sys.argv[1:]])
+print(json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd(), "token": os.environ.get("ARTCLOUD_TOKEN")}}))
+"""
+_AWKWARD_ARGS = ["train.py", "--prompt", "it's a \"quoted\" word", "two  spaces", "$HOME `id` $(echo no) ${X:-y}", "",
+                 "*", "back\\slash", "line\nbreak", "--", "-n"]
+
+
+@pytest.mark.parametrize("run_args", [_AWKWARD_ARGS, None], ids=["detached-run", "serve"])
+def test_run_script_as_a_node_runs_it_hands_artcloud_its_arguments_intact(sky, launch_secrets, tmp_path, run_args):
+    """The template's `run` in SkyPilot's own job script (envs and secrets as `export` lines, in ~/sky_workdir),
+    real bash and `timeout`, and a "$PY" that prints its argv: each argument arrives as it was given."""
+    from sky import task as task_lib
+    from sky.skylet import log_lib
+
+    home, venv = tmp_path / "home", tmp_path / "venv"
+    (home / "sky_workdir").mkdir(parents=True)
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(_FAKE_PYTHON.format(python=sys.executable))
+    (venv / "bin" / "python").chmod(0o755)
+    server_task = build_task(secrets=launch_secrets, run_args=run_args, env={"ARTCLOUD_VENV": str(venv)})
+    rendered = server_task.render()  # what `--dry-run` prints
+    _assert_no_secret(rendered, launch_secrets)
+    assert shlex.split(yaml.safe_load(rendered)["envs"]["ARTCLOUD_RUN_ARGS"]) == (run_args or [])
+
+    task = _load(sky, server_task.config)
+    task.update_secrets(server_task.secrets)
+    script = log_lib.make_task_bash_script(task.run, env_vars=task_lib.get_plaintext_envs_and_secrets(
+        task.envs_and_secrets))
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "PYTHONPATH": str(REPO)}
+    result = subprocess.run(["bash", "-c", script], env=env, text=True, capture_output=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    assert got["cwd"] == str(home / "sky_workdir") and got["token"] == launch_secrets["ARTCLOUD_TOKEN"]
+    if run_args:
+        assert got["argv"] == ["-m", "artcloud", "run", *_AWKWARD_ARGS]
+    else:
+        assert got["argv"] == ["-m", "artcloud", "serve", "--path", f"{home}/artcloud-data", "--host", "0.0.0.0",
+                               "--port", "8080", "--engine", "auto", "--lease", "15m", "--max-duration", "8h"]
 
 
 # ----------------------------------------------------------------------------------------- SkyPilotAPI's calls
