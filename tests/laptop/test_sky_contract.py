@@ -187,14 +187,14 @@ def test_names_only_secrets_are_managed_references_in_sky(sky, launch_secrets):
 
 def test_launch_hands_sky_a_task_whose_secrets_are_inline_and_redacted(sky, launch_secrets, monkeypatch):
     fakes = _FakeSDK(sky, monkeypatch)
-    fakes.answer("launch", lambda: (7, None))
+    fakes.answer("launch", lambda: _served("launch", (7, None)))  # no handle: nothing to price
     server_task = build_task(secrets=launch_secrets)
     kept = copy.deepcopy(server_task.config)
 
-    job = SkyPilotAPI().launch(server_task.config, secrets=server_task.secrets, cluster_name="c1", idle_minutes=10,
-                               retry_until_up=True)
+    launched = SkyPilotAPI().launch(server_task.config, secrets=server_task.secrets, cluster_name="c1",
+                                    idle_minutes=10, retry_until_up=True)
 
-    assert job == 7
+    assert launched == Launched(job_id=7, price_per_hour=None, resources=None)
     assert server_task.config == kept  # the caller's dict is not emptied
     (args, kwargs), = fakes.calls["launch"]
     assert kwargs == {"cluster_name": "c1", "idle_minutes_to_autostop": 10, "down": True, "retry_until_up": True}
@@ -217,6 +217,34 @@ def test_launch_hands_sky_a_task_whose_secrets_are_inline_and_redacted(sky, laun
     # No autostop asked: no autodown either.
     SkyPilotAPI().launch(server_task.config, secrets=server_task.secrets, cluster_name="c2", idle_minutes=None)
     assert fakes.calls["launch"][1][1]["down"] is False
+
+
+@pytest.mark.parametrize("spot,nodes,price,resources", [
+    (False, 1, 6.88, "1x AWS(p5.4xlarge, mem=256.0, {'H100': 1}, ports=['8080'])"),
+    (True, 1, 2.75, "1x AWS(p5.4xlarge[Spot], mem=256.0, {'H100': 1}, ports=['8080'])"),
+    (False, 2, 13.76, "2x AWS(p5.4xlarge, mem=256.0, {'H100': 1}, ports=['8080'])"),
+], ids=["on-demand", "spot", "two-nodes"])
+def test_launch_reports_the_machine_skypilot_launched_and_its_price(sky, launch_secrets, monkeypatch, spot, nodes,
+                                                                    price, resources):
+    """The price is the launched handle's, from SkyPilot's catalog (the tiny one above: 6.88, spot 2.75)."""
+    from sky.backends.cloud_vm_ray_backend import CloudVmRayResourceHandle
+
+    server_task = build_task(secrets=launch_secrets, cloud="aws", region="us-east-1", use_spot=spot)
+    (asked,) = _load(sky, server_task.config).resources
+    chosen = asked.copy(instance_type="p5.4xlarge")  # what the optimizer does with what was asked
+    handle = CloudVmRayResourceHandle(cluster_name="c1", cluster_name_on_cloud="c1-2ea4", cluster_yaml=None,
+                                      launched_nodes=nodes, launched_resources=chosen)
+    fakes = _FakeSDK(sky, monkeypatch)
+    got = []
+    fakes.answer("launch", lambda: got.append(_served("launch", (3, handle))) or got[-1])
+
+    launched = SkyPilotAPI().launch(server_task.config, secrets=server_task.secrets, cluster_name="c1",
+                                    idle_minutes=10)
+
+    (job_id, decoded), = got
+    assert type(decoded) is CloudVmRayResourceHandle and job_id == 3
+    assert launched == Launched(job_id=3, price_per_hour=pytest.approx(price), resources=resources)
+    assert f"launched_resources={launched.resources}, " in repr(decoded)  # as SkyPilot itself shows the handle
 
 
 def test_what_artcloud_writes_holds_no_secret(sky, launch_secrets):
@@ -363,7 +391,8 @@ class _FakeSDK:
     ours does not fit) and returns a request id; `get`/`stream_and_get` then give the answer set for it."""
 
     NAMES = ("launch", "status", "job_status", "endpoints", "tail_logs", "autostop", "down", "check",
-             "list_accelerators")
+             "list_accelerators", "enabled_clouds")
+    NOT_IN_SKY = ("check", "list_accelerators", "enabled_clouds")  # sky.check: a module; the others: not exported
 
     def __init__(self, sky, monkeypatch):
         from sky.client import sdk
@@ -373,7 +402,7 @@ class _FakeSDK:
         for name in self.NAMES:
             fake = self._fake(name, getattr(sdk, name))
             monkeypatch.setattr(sdk, name, fake)
-            if name not in ("check", "list_accelerators"):  # sky.check: a module; sky.list_accelerators: local
+            if name not in self.NOT_IN_SKY:
                 monkeypatch.setattr(sky, name, fake)
         for target in (sky, sdk):
             monkeypatch.setattr(target, "get", self._get(sdk.get))
@@ -410,6 +439,16 @@ def _decode(name, value):
     decoder = decoders.get_decoder(constants.REQUEST_NAME_PREFIX + name)  # the request's name: 'sky.status'
     assert decoder is not decoders.get_decoder(constants.DEFAULT_HANDLER_NAME), name
     return decoder(value)
+
+
+def _served(name, value):
+    """What sky's client gets for request `name` when the server's function returned `value`: the server's
+    encoder (a handle is pickled), JSON on the wire, the client's decoder."""
+    from sky.server import constants
+    from sky.server.requests.serializers import decoders, encoders
+
+    wire = json.loads(json.dumps(encoders.get_encoder(constants.REQUEST_NAME_PREFIX + name)(value)))
+    return decoders.get_decoder(constants.REQUEST_NAME_PREFIX + name)(wire)
 
 
 def _status_json(name="c1", status="UP", **more):
@@ -456,16 +495,48 @@ def test_endpoint(sky, monkeypatch):
     from sky import exceptions
 
     fakes = _FakeSDK(sky, monkeypatch)
-    fakes.answer("endpoints", lambda: _decode("endpoints", {"8443": "3.4.5.6:8443"}))  # keys become ints
-    assert SkyPilotAPI().endpoint("c1", 8443) == "3.4.5.6:8443"
-    assert fakes.calls["endpoints"] == [(("c1", 8443), {})]
-    fakes.answer("endpoints", lambda: _decode("endpoints", {"8443": "https://c1.example.com:8443/"}))
-    assert SkyPilotAPI().endpoint("c1", 8443) == "c1.example.com:8443"
+    fakes.answer("endpoints", lambda: _decode("endpoints", {"8080": "3.4.5.6:8080"}))  # keys become ints
+    assert SkyPilotAPI().endpoint("c1", 8080) == "3.4.5.6:8080"
+    assert fakes.calls["endpoints"] == [(("c1", 8080), {})]
+    # A URL stays a URL (scheme and path kept): the caller must see that it is not a plain TCP port.
+    fakes.answer("endpoints", lambda: _decode("endpoints", {"8080": "https://c1.example.com:8080/"}))
+    assert SkyPilotAPI().endpoint("c1", 8080) == "https://c1.example.com:8080"
     fakes.answer("endpoints", lambda: _decode("endpoints", {}))  # not open yet
-    assert SkyPilotAPI().endpoint("c1", 8443) is None
+    assert SkyPilotAPI().endpoint("c1", 8080) is None
     fakes.answer("endpoints", lambda: (_ for _ in ()).throw(
         exceptions.ClusterNotUpError("Cluster 'c1' not found.", cluster_status=None)))
-    assert SkyPilotAPI().endpoint("c1", 8443) is None
+    assert SkyPilotAPI().endpoint("c1", 8080) is None
+
+
+def _endpoint_url(port_details: dict, port: int) -> dict[int, str]:
+    """backend_utils.get_endpoints' answer for one port: the first endpoint's url()."""
+    return {port: port_details[port][0].url()}
+
+
+def test_endpoint_as_skypilot_reports_a_kubernetes_ingress(sky, monkeypatch):
+    """On Kubernetes with an ingress (kind, `sky local up`) the port is a path behind an HTTP proxy."""
+    from sky.provision.kubernetes import network, network_utils
+    from sky.provision.kubernetes import utils as kubernetes_utils
+
+    monkeypatch.setattr(kubernetes_utils, "get_current_kube_config_context_name", lambda: "kind-skypilot")
+    monkeypatch.setattr(kubernetes_utils, "get_kube_config_context_namespace", lambda context: "default")
+    monkeypatch.setattr(network_utils, "get_ingress_external_ip_and_ports", lambda context: ("172.18.0.2", (80, 443)))
+    found = network._query_ports_for_ingress("c1-2ea4", [SERVER_PORT], {"namespace": "default"})
+    fakes = _FakeSDK(sky, monkeypatch)
+    fakes.answer("endpoints", lambda: _served("endpoints", _endpoint_url(found, SERVER_PORT)))
+    assert SkyPilotAPI().endpoint("c1", SERVER_PORT) == "http://172.18.0.2:80/skypilot/default/c1-2ea4/8080"
+
+
+def test_endpoint_as_skypilot_reports_vast(sky, monkeypatch):
+    """Vast forwards 8080 alone (to the SSH gateway's next port): the server's port must be 8080."""
+    from sky.provision.vast import instance
+
+    monkeypatch.setattr(instance, "_filter_instances",
+                        lambda *a, **k: {"i-1": {"ssh_host": "ssh4.vast.ai", "ssh_port": 40022}})
+    fakes = _FakeSDK(sky, monkeypatch)
+    found = instance.query_ports("c1-2ea4", [str(SERVER_PORT)])
+    fakes.answer("endpoints", lambda: _served("endpoints", _endpoint_url(found, SERVER_PORT)))
+    assert SkyPilotAPI().endpoint("c1", SERVER_PORT) == "ssh4.vast.ai:40023"
 
 
 def test_logs_skip_control_messages_and_need_the_cluster(sky, monkeypatch):
@@ -521,6 +592,22 @@ def test_check_cloud(sky, monkeypatch):
     assert SkyPilotAPI().check_cloud("aws") is None
     fakes.answer("check", ("printing", "", {"default": {"AWS": ["storage"]}}))  # storage only: cannot launch
     assert SkyPilotAPI().check_cloud("aws") == "aws is not enabled (run `sky check aws`)"
+
+
+def test_enabled_clouds(sky, monkeypatch):
+    from sky import core, exceptions
+
+    fakes = _FakeSDK(sky, monkeypatch)
+    # The server's own answer, from the state database the fixture wrote (AWS and GCP enabled).
+    fakes.answer("enabled_clouds", lambda: _served("enabled_clouds", core.enabled_clouds()))
+    assert SkyPilotAPI().enabled_clouds() == ["aws", "gcp"]
+    assert fakes.calls["enabled_clouds"] == [((), {})]  # expand=False: clouds, not each Kubernetes context
+    # The encoder's declared input is Cloud objects, whose str() is capitalised.
+    fakes.answer("enabled_clouds", lambda: _served("enabled_clouds", [sky.clouds.Kubernetes(), sky.AWS()]))
+    assert SkyPilotAPI().enabled_clouds() == ["kubernetes", "aws"]
+    fakes.answer("enabled_clouds", lambda: (_ for _ in ()).throw(
+        exceptions.ApiServerConnectionError("http://127.0.0.1:46580")))
+    assert SkyPilotAPI().enabled_clouds() is None
 
 
 def test_gpu_offers(sky, monkeypatch):
