@@ -160,6 +160,10 @@ def test_detach_needs_a_cloud_backend_and_s3(tmp_path, monkeypatch):
     assert result.returncode == 2 and "--detach hands the loop to a cloud sandbox" in result.stderr
     result = cli("run", str(TRAIN), "--detach", "--backend", "modal", timeout=60)
     assert result.returncode == 2 and "--backend modal needs --s3" in result.stderr
+    result = cli("run", str(TRAIN), "--detach", "--spot", "--backend", "sky", "--s3", "s3://b/p", timeout=60)
+    assert result.returncode == 2 and "--spot with --detach" in result.stderr and len(result.stderr.splitlines()) == 1
+    result = cli("run", str(TRAIN), "--spot", "--backend", "modal", "--s3", "s3://b/p", timeout=60)
+    assert result.returncode == 2 and "--spot is for --backend sky" in result.stderr
 
 
 

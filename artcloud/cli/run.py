@@ -72,6 +72,9 @@ def run(
             raise RunError("--summary takes the JSON path (the Markdown goes next to it): e.g. --summary artcloud-run.json")
         if path is not None and opts.backend != "local":
             raise RunError("--path is for --backend local")
+        if detach and spot:
+            raise RunError("--spot with --detach: a detached loop runs on the machine itself, so nothing would be left "
+                           "to replace it when the cloud takes it back; run attached (the runner replaces it), or drop --spot")
     except (RunError, ValueError) as e:
         raise CLIError(str(e)) from e
     try:
