@@ -101,7 +101,7 @@ class SkyPilotAPI:
     starts by itself on first use); every call here waits for its request to finish.
 
     Checked against skypilot 0.14.1 (sky/client/sdk.py, sky/task.py, sky/core.py, sky/backends/backend_utils.py,
-    sky/server/requests/serializers/decoders.py); tests/laptop/test_sky_contract.py pins what can be pinned offline.
+    sky/server/requests/serializers/decoders.py); tests/laptop/test_sky_calls.py pins what can be pinned offline.
     Note that `sky.check` and `sky.list_accelerators` are NOT the SDK calls (a module and the local catalog
     function): those two come from `sky.client.sdk`.
     """

@@ -2,7 +2,7 @@
 every name artcloud takes, SkyPilot takes, so that no launch fails in SkyPilot after the wheel was built.
 
 SkyPilot is asked in a subprocess with a temporary HOME: `import sky` writes ~/.sky and fixes its catalog
-folder, which test_sky_contract.py's own fixture must do first in this process.
+folder, which the shared fixture (tests/laptop/sky_offline.py) must do first in this process.
 """
 
 from __future__ import annotations
