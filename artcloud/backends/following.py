@@ -25,17 +25,17 @@ log = logging.getLogger("artcloud.backends")
 MAX_REPLACEMENTS_PER_REQUEST = 2
 
 
-def following_transport(backend: "RemoteBackend", hx: ModuleType) -> Any:
+def following_transport(backend: "RemoteBackend", hx: ModuleType, limits: Any = None) -> Any:
     """The transport for an HTTP client built on `hx`: httpx, or the httpx2 fork that openai's client uses
-    (same API, other classes)."""
-    return _transport_class(hx)(backend, hx)
+    (same API, other classes). `limits`: its connection pool's (a client's own are ignored with a transport)."""
+    return _transport_class(hx)(backend, hx, limits)
 
 
 @functools.lru_cache(maxsize=None)
 def _transport_class(hx: ModuleType) -> type:
     class FollowingTransport(hx.AsyncBaseTransport):
-        def __init__(self, backend: "RemoteBackend", hx: ModuleType):
-            self.backend, self.hx = backend, hx
+        def __init__(self, backend: "RemoteBackend", hx: ModuleType, limits: Any):
+            self.backend, self.hx, self.limits = backend, hx, limits
             self._inner: Any = None
             self._inner_for: tuple[int, str] | None = None  # (generation, base_url) the inner transport trusts
             self._retired: list[Any] = []  # earlier servers' transports, closed with this one
@@ -44,7 +44,8 @@ def _transport_class(hx: ModuleType) -> type:
             key = (self.backend.generation, self.backend.base_url)
             if self._inner is None or self._inner_for != key:
                 old, self._inner = self._inner, self.hx.AsyncHTTPTransport(
-                    verify=client_ssl_context(self.backend.ca_cert, check_hostname=self.backend.check_hostname))
+                    verify=client_ssl_context(self.backend.ca_cert, check_hostname=self.backend.check_hostname),
+                    **({"limits": self.limits} if self.limits is not None else {}))
                 self._inner_for = key
                 if old is not None:
                     self._retired.append(old)

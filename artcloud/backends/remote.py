@@ -421,7 +421,7 @@ class RemoteBackend:
         return openai.AsyncOpenAI(
             base_url=self.base_url + "/v1",
             api_key=self._token,
-            http_client=client_class(transport=following_transport(self, hx)),
+            http_client=client_class(transport=following_transport(self, hx, getattr(openai, "DEFAULT_CONNECTION_LIMITS", None))),
             **kwargs,
         )
 
