@@ -47,6 +47,8 @@ def _transport_class(hx: ModuleType) -> type:
                     verify=client_ssl_context(self.backend.ca_cert, check_hostname=self.backend.check_hostname),
                     **({"limits": self.limits} if self.limits is not None else {}))
                 self._inner_for = key
+                self._base = self.hx.URL(self.backend.base_url)
+                self._auth = f"Bearer {self.backend._token}"
                 if old is not None:
                     self._retired.append(old)
             return self._inner
@@ -55,11 +57,12 @@ def _transport_class(hx: ModuleType) -> type:
             replaced = 0
             while True:
                 generation = self.backend.generation
-                base = self.hx.URL(self.backend.base_url)
-                request.url = request.url.copy_with(scheme=base.scheme, host=base.host, port=base.port)
-                request.headers["Authorization"] = f"Bearer {self.backend._token}"
+                transport, base = self._transport(), self._base
+                if (request.url.host, request.url.port) != (base.host, base.port):  # made for an earlier server
+                    request.url = request.url.copy_with(scheme=base.scheme, host=base.host, port=base.port)
+                request.headers["Authorization"] = self._auth
                 try:
-                    return await self._transport().handle_async_request(request)
+                    return await transport.handle_async_request(request)
                 except self.hx.TransportError as e:
                     if replaced >= MAX_REPLACEMENTS_PER_REQUEST or not await self.backend.recover_if_lost(e, generation):
                         raise

@@ -1,0 +1,71 @@
+"""What following a replaced server costs a rollout loop: `model.openai_client()` (its transport re-targets each
+request at the backend's current server, token and CA: artcloud/backends/following.py) against a plain
+`openai.AsyncOpenAI` with the same CA and token, on the same live server, in one run.
+
+    python bench/openai_client.py [--requests 3000] [--concurrency 32]
+
+The request is GET /v1/models (authenticated, no model work), so what is measured is the client and TLS path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from artcloud.backends.process import ServerProcess  # noqa: E402
+from artcloud.backends.remote import RemoteBackend  # noqa: E402
+
+
+async def rate(client, requests: int, concurrency: int) -> float:
+    left = requests
+
+    async def worker() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            await client.models.list()
+
+    await client.models.list()  # warm: one connection and TLS session per pool first
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return requests / (time.perf_counter() - started)
+
+
+async def main(args: argparse.Namespace) -> None:
+    import openai
+
+    from artcloud.tls import client_ssl_context
+
+    with tempfile.TemporaryDirectory() as tmp, ServerProcess(Path(tmp) / "srv", log_level="warning") as server:
+        ca = server.ca.read_text()
+        plain = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=server.token, max_retries=0,
+                                   http_client=openai.DefaultAsyncHttpxClient(verify=client_ssl_context(ca)))
+        backend = RemoteBackend(server.url, token=server.token, ca_cert=ca)
+        following = backend.openai_client(max_retries=0)
+        rounds = {"plain": [], "following": []}
+        for _ in range(args.rounds):  # alternate, so that drift hits both alike
+            rounds["plain"].append(await rate(plain, args.requests, args.concurrency))
+            rounds["following"].append(await rate(following, args.requests, args.concurrency))
+        await plain.close()
+        await following.close()
+        await backend.close()
+    best = {k: max(v) for k, v in rounds.items()}
+    print(f"GET /v1/models, {args.requests} requests x {args.rounds} rounds, {args.concurrency} at a time (best round):")
+    print(f"  plain openai.AsyncOpenAI      {best['plain']:8.0f} req/s")
+    print(f"  model.openai_client()         {best['following']:8.0f} req/s   ({best['following'] / best['plain']:.2f}x)")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    asyncio.run(main(parser.parse_args()))
