@@ -295,11 +295,13 @@ class Runner:
         except ServerGone as e:
             cause = e
         E.write_connection(self._connection, backend, replacing=True)
-        self.say(f"{backend.sandbox_name} was lost ({str(cause).splitlines()[0][:160]}): starting a new machine")
         replaced = await backend.recover(cause, generation)
         E.write_connection(self._connection, backend, replacing=False, failed=not replaced)
         if replaced:
-            self.say(f"{backend.sandbox_name} is back at {backend.base_url}; the script goes on from the last checkpoint")
+            self.say(f"{backend.sandbox_name} was lost ({str(cause).splitlines()[0][:160]}); a new machine is up at "
+                     f"{backend.base_url}, and the script goes on from the last checkpoint")
+        else:  # not a lost machine (the server failed on a live one): the script sees the error; no more checks
+            self._connection = None
 
     async def _run_script(self, workdir: Path) -> Ending:
         from artcloud.backends.local import _die_with_parent

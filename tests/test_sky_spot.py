@@ -145,5 +145,5 @@ def test_artcloud_run_on_spot_survives_a_preemption_and_counts_it(sky_env, monke
     assert lost["sandbox"] == "spot-run" and lost["price_per_hour"] == 1.25 and lost["cost_usd"] > 0
     markdown = (tmp_path / "artcloud-run.md").read_text()
     assert "| preemptions | 1 (the run went on on a new machine from the last checkpoint on S3, $" in markdown
-    assert "spot-run was lost" in out and "is back at https://" in out
+    assert "spot-run was lost" in out and "a new machine is up at https://" in out
     assert LocalSky().status("spot-run") is None
