@@ -34,7 +34,7 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-engines test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-s3 bench-load clean
+.PHONY: install test test-engines test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-s3 bench-client bench-load clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -91,7 +91,7 @@ clean-pythons:
 demo: $(STAMP)
 	$(BIN)/python examples/five_words.py
 
-bench: bench-import bench-rollouts bench-grpo bench-s3 bench-load
+bench: bench-import bench-rollouts bench-grpo bench-s3 bench-client bench-load
 
 bench-import: $(STAMP)
 	$(BIN)/python bench/import_time.py
@@ -106,6 +106,10 @@ bench-s3: $(STAMP)
 	# The peer: the AWS CLI (it brings its own botocore; only the benchmark needs it).
 	$(BIN)/pip install --quiet awscli
 	$(BIN)/python bench/s3_sync.py
+
+# model.openai_client() (it follows a replaced server) against a plain AsyncOpenAI, on one server (~1 min).
+bench-client: $(STAMP)
+	$(BIN)/python bench/openai_client.py
 
 # 256 clients on tiny-random, then 32 on SmolLM2, 60 s each, against a bare HTTPS floor (~5 min).
 bench-load: $(STAMP)
