@@ -298,7 +298,7 @@ class Runner:
         replaced = await backend.recover(cause, generation)
         E.write_connection(self._connection, backend, replacing=False, failed=not replaced)
         if replaced:
-            self.say(f"{backend.sandbox_name} was lost ({str(cause).splitlines()[0][:160]}); a new machine is up at "
+            self.say(f"{backend.sandbox_name} was lost ({backend.replacements[-1]['reason']}); a new machine is up at "
                      f"{backend.base_url}, and the script goes on from the last checkpoint")
         else:  # not a lost machine (the server failed on a live one): the script sees the error; no more checks
             self._connection = None

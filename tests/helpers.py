@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from typing import Any
 
@@ -18,6 +19,35 @@ def wait_for(what: str, check, timeout: float = 60.0, every: float = 0.1):
             return value
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def one_line_error(result: subprocess.CompletedProcess, *words: str) -> str:
+    """A CLI that failed as it should: exit 2 and one `artcloud: error:` line holding every one of `words`."""
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("artcloud: error:"), result.stderr
+    for w in words:
+        assert w in lines[0]
+    return lines[0]
+
+
+async def gather_groups(model: Any, client: Any = None, prompts: tuple[str, ...] = ("a", "b"), n: int = 3,
+                        max_tokens: int = 5) -> list[Any]:
+    """A user's rollout loop through the SDK: `n` completions per prompt from `model.openai_client()` (or
+    `client`), rewarded by the reply's length / 10, gathered into artcloud.TrajectoryGroups."""
+    import artcloud
+
+    client = client or model.openai_client()
+
+    async def rollout(prompt: str) -> artcloud.Trajectory:
+        messages = [{"role": "user", "content": prompt}]
+        r = await client.chat.completions.create(model=model.name, messages=messages, max_tokens=max_tokens,
+                                                 logprobs=True)
+        choice = r.choices[0]
+        return artcloud.Trajectory(messages_and_choices=[*messages, choice], reward=len(choice.message.content or "") / 10)
+
+    return await artcloud.gather_trajectory_groups(
+        [artcloud.TrajectoryGroup(rollout(p) for _ in range(n)) for p in prompts], progress=False)
 
 
 def chat(client: httpx.Client, model: str, content: str = "Say something.", **kw: Any) -> dict[str, Any]:

@@ -171,25 +171,18 @@ def _locked(folder: Path) -> Iterator[None]:
         os.close(fd)
 
 
-class _name_lock:  # noqa: N801 (used as a context manager)
+@contextlib.contextmanager
+def _name_lock(root: Path, name: str) -> Iterator[None]:
     """SkyPilot's per-cluster lock: a launch of a name waits for its teardown (by hand or autodown) to end,
-    and a teardown never reaches a new cluster of the same name. Exiting twice is harmless."""
-
-    def __init__(self, root: Path, name: str):
-        self.path = Path(root) / "locks" / f"{name}.lock"
-        self.file: Any = None
-
-    def __enter__(self) -> "_name_lock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.path, "a")
-        fcntl.flock(self.file, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.file is not None:
-            fcntl.flock(self.file, fcntl.LOCK_UN)
-            self.file.close()
-            self.file = None
+    and a teardown never reaches a new cluster of the same name."""
+    path = Path(root) / "locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _update(folder: Path, change: Callable[[dict[str, Any]], Any]) -> Any:
@@ -383,9 +376,9 @@ class LocalSky:
     # -------------------------------------------------------------------------------- the calls
 
     def launch(self, task: dict[str, Any], *, secrets: dict[str, str], cluster_name: str,
-               idle_minutes: int | None, retry_until_up: bool = False) -> int | None:
+               idle_minutes: int | None, retry_until_up: bool = False) -> Launched:
         task = copy.deepcopy(task)
-        folder = self._dir(cluster_name)
+        self._dir(cluster_name)  # a valid name, before anything is made
         resources = task.get("resources") or {}
         if int(task.get("num_nodes") or 1) != 1:
             raise StandinError("the stand-in runs single-node tasks only")
@@ -393,19 +386,16 @@ class LocalSky:
         resources_str, price = self._pick_resources(task, resources)
 
         # SkyPilot's cluster lock while the cluster's record is made: a teardown of the name finishes first.
-        name_lock = _name_lock(self.root, cluster_name)
-        name_lock.__enter__()
-        try:
-            return self._launch_locked(task, secrets=secrets, cluster_name=cluster_name, idle_minutes=idle_minutes,
-                                       retry_until_up=retry_until_up, env_task=env_task, resources=resources,
-                                       resources_str=resources_str, price=price, folder=folder, name_lock=name_lock)
-        finally:
-            name_lock.__exit__(None, None, None)  # a second exit is a no-op (released once the record exists)
+        with _name_lock(self.root, cluster_name):
+            state = self._reserve(cluster_name, resources=resources, resources_str=resources_str,
+                                  retry_until_up=retry_until_up)
+        return self._provision_and_submit(task, secrets=secrets, cluster_name=cluster_name, idle_minutes=idle_minutes,
+                                          env_task=env_task, state=state, price=price)
 
-    def _launch_locked(self, task: dict[str, Any], *, secrets: dict[str, str], cluster_name: str,
-                       idle_minutes: int | None, retry_until_up: bool, env_task: dict[str, str],
-                       resources: dict[str, Any], resources_str: str, price: float | None, folder: Path,
-                       name_lock: Any) -> Launched:
+    def _reserve(self, cluster_name: str, *, resources: dict[str, Any], resources_str: str,
+                 retry_until_up: bool) -> dict[str, Any]:
+        """The cluster's record (a new job on an idle cluster of the name, or a new cluster), written to disk."""
+        folder = self._dir(cluster_name)
         existing = self._state(cluster_name)
         job_id = 1
         if existing is not None:
@@ -446,7 +436,15 @@ class LocalSky:
         }
         with _locked(folder):
             _write_json(folder / "cluster.json", state)
-        name_lock.__exit__(None, None, None)
+        return state
+
+    def _provision_and_submit(self, task: dict[str, Any], *, secrets: dict[str, str], cluster_name: str,
+                              idle_minutes: int | None, env_task: dict[str, str], state: dict[str, Any],
+                              price: float | None) -> Launched:
+        folder, job_id, port_map = self._dir(cluster_name), state["job_id"], state["ports"]
+        home = folder / "home"
+        workdir = home / "sky_workdir"
+        log = folder / "job.log"
 
         # "Provisioning": a node of the image, as SkyPilot leaves it (uv, ~/sky-user-env).
         image = sky_image.build(self.root)
@@ -494,7 +492,7 @@ class LocalSky:
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )
         _update(folder, lambda d: d.__setitem__("supervisor_pid", proc.pid))
-        return Launched(job_id=job_id, price_per_hour=price, resources=resources_str)
+        return Launched(job_id=job_id, price_per_hour=price, resources=state["resources"])
 
     def status(self, cluster_name: str) -> ClusterInfo | None:
         data = self._state(cluster_name)

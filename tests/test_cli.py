@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import Server
+from helpers import one_line_error
 
 from artcloud.tls import client_ssl_context, make_launch_secrets
 
@@ -21,14 +22,6 @@ def serve(*args: str, env: dict | None = None, timeout: float = 60) -> subproces
         [sys.executable, "-m", "artcloud", "serve", *args],
         capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
     )
-
-
-def one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("artcloud: error:"), result.stderr
-    for w in words:
-        assert w in lines[0]
 
 
 def test_port_in_use(tmp_path):

@@ -21,6 +21,7 @@ import artcloud
 from artcloud.backends.sky import SkyBackend, SkyError
 from artcloud.backends.state import StateDir
 from artcloud.storage.seaweed import ACCESS_KEY, SECRET_KEY
+from tests.helpers import gather_groups
 from tests.sky_standin import cluster_pids, read_calls
 
 TINY = "artcloud/tiny-random"
@@ -215,16 +216,7 @@ def test_launch_train_checkpoint_to_s3_reconnect_and_down(sky_env, monkeypatch, 
             assert backend._token not in repr(backend)
             model = artcloud.TrainableModel(name="agent", project="sky", base_model=TINY, config=artcloud.LoraConfig(rank=4))
             await model.register(backend)
-            client = model.openai_client()
-
-            async def rollout(prompt):
-                messages = [{"role": "user", "content": prompt}]
-                r = await client.chat.completions.create(model=model.name, messages=messages, max_tokens=6, logprobs=True)
-                choice = r.choices[0]
-                return artcloud.Trajectory(messages_and_choices=[*messages, choice], reward=len(choice.message.content or "") / 10)
-
-            groups = await artcloud.gather_trajectory_groups(
-                [artcloud.TrajectoryGroup(rollout(p) for _ in range(4)) for p in ("a", "b")], progress=False)
+            groups = await gather_groups(model, n=4, max_tokens=6)
             result = await model.train(groups, config=artcloud.TrainConfig(learning_rate=1e-3), progress=False)
             assert result.step == 1
 

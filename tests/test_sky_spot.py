@@ -19,6 +19,7 @@ import artcloud
 from artcloud.backends.sky import SkyBackend
 from artcloud.backends.state import StateDir
 from artcloud.storage.s3 import CheckpointStore, S3Config
+from tests.helpers import gather_groups
 from tests.sky_standin import LocalSky, cluster_pids
 from tests.test_sky import TINY, use_s3
 
@@ -45,16 +46,8 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
             await model.register(backend)
             client = model.openai_client()  # made once: it must follow the backend to the new machine
 
-            async def rollout(prompt: str) -> artcloud.Trajectory:
-                messages = [{"role": "user", "content": prompt}]
-                r = await client.chat.completions.create(model=model.name, messages=messages, max_tokens=5, logprobs=True)
-                choice = r.choices[0]
-                return artcloud.Trajectory(messages_and_choices=[*messages, choice],
-                                           reward=len(choice.message.content or "") / 10)
-
             async def groups():
-                return await artcloud.gather_trajectory_groups(
-                    [artcloud.TrajectoryGroup(rollout(p) for _ in range(3)) for p in ("a", "b")], progress=False)
+                return await gather_groups(model, client)
 
             step1 = await model.train(await groups(), config=artcloud.TrainConfig(learning_rate=1e-3), progress=False)
             assert step1.step == 1

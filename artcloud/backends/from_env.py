@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone
+from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone, _first_line
 
 # Set by `artcloud run` for the script it starts (the token travels in a 0600 file, never in the env).
 ENV_URL = "ARTCLOUD_RUN_URL"
@@ -166,4 +166,4 @@ class RunnerBackend(RemoteBackend):
         self._version_checked = False
         self._runner_generation = found["generation"]
         log.warning("the runner replaced the server: now at %s", self.base_url)
-        return {"at": time.time(), "url": self.base_url, "reason": str(cause).splitlines()[0][:200] if str(cause) else ""}
+        return {"at": time.time(), "url": self.base_url, "reason": _first_line(str(cause))}

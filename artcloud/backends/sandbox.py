@@ -32,10 +32,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
-from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone, push_verdicts
+from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone, _first_line, push_verdicts
 from artcloud.backends.state import SandboxRecord, StateDir
 from artcloud.durations import format_duration
 
@@ -218,7 +217,7 @@ class SandboxBackend(RemoteBackend):
             return None
         record, now = self._record, time.time()
         price = self.price_per_hour
-        lost = {"at": now, "sandbox": self.sandbox_name, "reason": _first_line(cause),
+        lost = {"at": now, "sandbox": self.sandbox_name, "reason": _first_line(str(cause)) or type(cause).__name__,
                 "machine": (record.extra.get("resources") if record is not None else None), "price_per_hour": price,
                 "up_s": round(now - record.launched_at, 1) if record is not None else None}
         lost["cost_usd"] = (round(price * lost["up_s"] / 3600.0, 4) if price is not None and lost["up_s"] is not None
@@ -263,12 +262,3 @@ class SandboxBackend(RemoteBackend):
         if launching:
             return f"could not launch {self.sandbox_name}: {what}", "launch_failed"
         return f"the server on {self.sandbox_name} did not come up: {what}", "startup_failed"
-
-
-def state_dir(path: str | Path | None) -> StateDir:
-    return StateDir(Path(path) if path is not None else None)
-
-
-def _first_line(e: BaseException, limit: int = 200) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:limit]

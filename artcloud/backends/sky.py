@@ -225,10 +225,8 @@ class SkyBackend(SandboxBackend):
         ours = record is not None and record.provider == PROVIDER
         if ours:
             reason = self._dead(info, seen_up=record.state == "up")
-            if reason is not None:
-                log.warning("the cluster %s is %s: tearing it down and launching a new one", name, reason)
-                await asyncio.to_thread(self.api.down, name)
-                self.state.mark_down(name)
+            if reason is not None:  # a new one is launched in its place
+                await self._reap(reason)
                 return False
         if not ours or self.state.credentials(name) is None:
             raise SkyError(

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import one_line_error
 
 from artcloud.backends.state import SandboxRecord, StateDir
 
@@ -22,15 +23,6 @@ def cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
            "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "artcloud", *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
-
-
-def one_line_error(result: subprocess.CompletedProcess, *words: str) -> str:
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("artcloud: error:"), result.stderr
-    for w in words:
-        assert w in lines[0]
-    return lines[0]
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from pathlib import Path
 import artcloud
 from artcloud.backends.sky import SkyBackend
 from artcloud.backends.state import StateDir
+from tests.helpers import gather_groups
 from tests.sky_standin import LocalSky, down_all, leftover_processes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,17 +46,7 @@ def test_launch_train_down_on_this_python(tmp_path, monkeypatch):
             model = artcloud.TrainableModel(name="agent", project="py", base_model="artcloud/tiny-random",
                                             config=artcloud.LoraConfig(rank=4))
             await model.register(backend)
-            client = model.openai_client()
-
-            async def rollout(prompt: str) -> artcloud.Trajectory:
-                messages = [{"role": "user", "content": prompt}]
-                r = await client.chat.completions.create(model=model.name, messages=messages, max_tokens=5, logprobs=True)
-                choice = r.choices[0]
-                return artcloud.Trajectory(messages_and_choices=[*messages, choice],
-                                           reward=len(choice.message.content or "") / 10)
-
-            groups = await artcloud.gather_trajectory_groups(
-                [artcloud.TrajectoryGroup(rollout(p) for _ in range(3)) for p in ("a", "b")], progress=False)
+            groups = await gather_groups(model)
             result = await model.train(groups, config=artcloud.TrainConfig(learning_rate=1e-3), progress=False)
             assert result.step == 1
             assert StateDir().load("py").price_per_hour == 0.44  # what was launched: local-l4-1
