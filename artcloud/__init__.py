@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from artcloud.backends.from_env import backend_from_env
     from artcloud.backends.local import LocalBackend
     from artcloud.backends.modal import ModalBackend, ModalError
-    from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone, VersionMismatch
+    from artcloud.backends.remote import RemoteBackend, ServerGone, VersionMismatch
+    from artcloud.errors import ArtcloudError
     from artcloud.backends.sky import SkyBackend, SkyError
     from artcloud.gather import GatherError, gather_trajectory_groups
     from artcloud.model import LinearTemperatureAnnealer, Model, TrainableModel, TrainResult
@@ -30,7 +31,7 @@ _LAZY = {
     "ModalBackend": "artcloud.backends.modal",
     "ModalError": "artcloud.backends.modal",
     "SkyError": "artcloud.backends.sky",
-    "ArtcloudError": "artcloud.backends.remote",
+    "ArtcloudError": "artcloud.errors",
     "ServerGone": "artcloud.backends.remote",
     "VersionMismatch": "artcloud.backends.remote",
     "gather_trajectory_groups": "artcloud.gather",

@@ -21,6 +21,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from artcloud._version import __version__
 from artcloud.tls import client_ssl_context
+from artcloud.errors import ArtcloudError
 
 log = logging.getLogger("artcloud.client")
 
@@ -50,22 +51,14 @@ def engine_args_env(engine_args: Mapping[str, Any] | None) -> dict[str, str]:
     return {"ARTCLOUD_ENGINE_ARGS": json.dumps(dict(engine_args), sort_keys=True)}
 
 
-class ArtcloudError(Exception):
-    """An error answered by the server (`code`, `message`, `field`) or met on the way to it."""
-
-    def __init__(self, message: str, *, code: str = "error", field: str | None = None, status: int | None = None):
-        super().__init__(message)
-        self.code = code
-        self.field = field
-        self.status = status
-
-
 class VersionMismatch(ArtcloudError):
-    pass
+    code = "version_mismatch"
 
 
 class ServerGone(ArtcloudError):
     """The server stopped answering (it died, or its machine went away)."""
+
+    code = "server_gone"
 
 
 def _retryable(exc: BaseException) -> bool:

@@ -1,0 +1,41 @@
+"""One error hierarchy: everything artcloud raises derives from `ArtcloudError`, as httpx's errors derive
+from `HTTPError`, so `except artcloud.ArtcloudError` catches all of it and nothing else.
+
+Each error has a stable `code` (a short snake_case string: match on it, not on the message) and, where the
+fault lies in one argument or field, `field`. Errors about bad arguments also derive from the builtin that
+plain Python would raise (`ValueError`, `TypeError`), so code written against either keeps working.
+"""
+
+from __future__ import annotations
+
+
+class ArtcloudError(Exception):
+    """An error answered by the server (`code`, `message`, `field`, `status`) or met on the way to it."""
+
+    code: str = "error"
+
+    def __init__(self, message: str, *, code: str | None = None, field: str | None = None, status: int | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        self.field = field
+        self.status = status
+
+
+class InvalidArgument(ArtcloudError, ValueError):
+    """An argument artcloud cannot use; the message says what to pass instead."""
+
+    code = "invalid_argument"
+
+
+class WrongType(ArtcloudError, TypeError):
+    """An argument of the wrong type; the message names the type expected."""
+
+    code = "wrong_type"
+
+
+class NotSupported(ArtcloudError, NotImplementedError):
+    """Something artcloud does not do (an OpenPipe ART name it has no counterpart for, say); the message
+    says what to write instead."""
+
+    code = "not_supported"
