@@ -11,15 +11,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
+from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported, WrongType
 from artcloud.types import LoraConfig, TrainConfig, TrajectoryGroup
 
 if TYPE_CHECKING:
     from artcloud.backends.remote import RemoteBackend
 
 log = logging.getLogger("artcloud")
+
+
+class NotRegistered(ArtcloudError):
+    """A model used before `await model.register(backend)` (or without an endpoint)."""
+
+    code = "not_registered"
 
 
 @dataclass
@@ -41,24 +49,54 @@ class LinearTemperatureAnnealer:
 
 @dataclass
 class TrainResult:
+    """What one training step did. Unpacks like ART's result: `step, metrics, checkpoint_path = result`."""
+
     step: int  # the model's step after this call (NAME@step is served now)
     trained: bool  # False when every group had equal rewards (nothing to learn)
     metrics: dict[str, Any] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    # The step's checkpoint folder on the SERVER's disk (for LocalBackend a folder on this machine; for
+    # SkyBackend and ModalBackend one on the sandbox). With S3 the same step is pushed under the model's
+    # prefix: `artcloud.pull_checkpoint` fetches it. None when the server did not say (a resumed step).
+    checkpoint_path: str | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.step, self.metrics, self.checkpoint_path))
 
 
 class Model:
-    """A model served by a backend, for inference only (no `train`). Registered as an adapter that is
-    never trained, so it answers exactly as its base model does, under its own name."""
+    """A model to sample from: served by a backend (for inference only, no `train`), or a prompted model
+    at any OpenAI-compatible endpoint, as ART allows (a baseline to compare against):
 
-    def __init__(self, *, name: str, project: str, base_model: str, engine_args: dict[str, Any] | None = None):
+        artcloud.Model(name="gpt-4.1", project="p", inference_base_url="https://api.openai.com/v1",
+                       inference_api_key=os.environ["OPENAI_API_KEY"])
+
+    With `base_model`, `register(backend)` serves it as an adapter that is never trained, so it answers
+    exactly as its base model does, under its own name. `config` is the user's own object (any pydantic
+    model or other object), kept as `model.config` and never sent to a server.
+    """
+
+    trainable = False
+
+    def __init__(self, *, name: str, project: str, base_model: str | None = None, config: Any = None,
+                 inference_model_name: str | None = None, inference_base_url: str | None = None,
+                 inference_api_key: str | None = None, engine_args: dict[str, Any] | None = None,
+                 entity: str | None = None, id: str | None = None):
         self.name = name
         self.project = project
         self.base_model = base_model
+        self.config = config
+        self.entity, self.id = entity, id
+        # Where a plain OpenAI client reaches this model. A served model gets them at register: the
+        # backend's loopback endpoint and its own key (see artcloud.backends.forwarder).
+        self.inference_model_name = inference_model_name
+        self.inference_base_url = inference_base_url
+        self.inference_api_key = inference_api_key
         # vLLM settings for base_model on a GPU server (max_model_len, gpu_memory_utilization, load_in_4bit...),
         # used when the server first loads it; the backend's engine_args are the defaults under them.
         self.engine_args = dict(engine_args) if engine_args else None
         self._backend: RemoteBackend | None = None
+        self._external_client: Any = None
         self.step = 0
 
     def __repr__(self) -> str:
@@ -67,44 +105,93 @@ class Model:
     @property
     def backend(self) -> "RemoteBackend":
         if self._backend is None:
-            raise RuntimeError(f"{self.name} is not registered: call `await model.register(backend)` first")
+            raise NotRegistered(f"{self.name} is not registered: call `await model.register(backend)` first")
         return self._backend
 
+    @property
+    def _served(self) -> bool:
+        return self._backend is not None and self.base_model is not None
+
     async def register(self, backend: "RemoteBackend") -> None:
-        info = await backend.register(self.name, self.project, self.base_model, self._lora().model_dump(),
-                                      engine_args=self.engine_args)
+        """Serve this model on `backend` (with `base_model`); a prompted model (no `base_model`) is only
+        bound to it."""
+        if self.base_model is not None:
+            info = await backend.register(self.name, self.project, self.base_model, self._lora().model_dump(),
+                                          engine_args=self.engine_args)
+            self.step = info["step"]
+            self.inference_base_url, self.inference_api_key = backend.inference_endpoint()
+            self.inference_model_name = self.name  # the bare name is always the newest step
         self._backend = backend
-        self.step = info["step"]
 
     def _lora(self) -> LoraConfig:
         return LoraConfig()
 
     def openai_client(self, **kwargs: Any):
-        """`openai.AsyncOpenAI` bound to the backend's server (its CA and token; nothing else trusted).
-        Ask it for `model=model.name` (the latest step) and `logprobs=True` when the turns are for training."""
-        return self.backend.openai_client(**kwargs)
+        """`openai.AsyncOpenAI` for this model. A served model's talks to the backend's server directly
+        (its CA and token; nothing else trusted) and follows a replaced server; ask it for
+        `model=model.name` (the latest step) and `logprobs=True` when the turns are for training. A
+        prompted model's talks to `inference_base_url` with `inference_api_key`."""
+        if self._served:
+            return self.backend.openai_client(**kwargs)
+        if self.inference_base_url is None:
+            raise NotRegistered(f"{self.name} has no endpoint: give it base_model= and `await model.register(backend)`, "
+                                "or inference_base_url= (and inference_api_key=) for a model served elsewhere")
+        import openai
+
+        if kwargs:
+            return openai.AsyncOpenAI(base_url=self.inference_base_url, api_key=self.inference_api_key or "none", **kwargs)
+        if self._external_client is None:
+            self._external_client = openai.AsyncOpenAI(base_url=self.inference_base_url,
+                                                       api_key=self.inference_api_key or "none")
+        return self._external_client
 
     def inference_name(self, step: int | None = None) -> str:
         """`NAME@STEP` for `step`, or for the latest step this object knows of."""
         return f"{self.name}@{self.step if step is None else step}"
 
+    def get_inference_name(self, step: int | None = None) -> str:
+        """ART's name for a request's `model`: `NAME@STEP` for `step`, else the bare name, which the
+        server resolves to the newest step (so it never goes stale between steps)."""
+        base = self.inference_model_name or self.name
+        return base if step is None else f"{base}@{step}"
+
     async def get_step(self) -> int:
+        if not self._served:
+            return self.step
         self.step = (await self.backend.model_info(self.name))["step"]
         return self.step
 
 
 class TrainableModel(Model):
-    """A LoRA adapter on `base_model` that `train` updates with GRPO, one step per call."""
+    """A LoRA adapter on `base_model` that `train` updates with GRPO, one step per call.
 
-    def __init__(self, *, name: str, project: str, base_model: str, config: LoraConfig | None = None,
-                 engine_args: dict[str, Any] | None = None):
-        super().__init__(name=name, project=project, base_model=base_model, engine_args=engine_args)
-        self.config = config or LoraConfig()
+    `lora` is the adapter's shape (fixed at registration). `config` is the user's own object, as in ART:
+    kept as `model.config`, never sent. (A LoraConfig given as `config` is still taken as `lora`, with a
+    DeprecationWarning.)
+    """
+
+    trainable = True
+
+    def __init__(self, *, name: str, project: str, base_model: str, config: Any = None,
+                 lora: LoraConfig | None = None, engine_args: dict[str, Any] | None = None,
+                 entity: str | None = None, id: str | None = None):
+        super().__init__(name=name, project=project, base_model=base_model, config=config,
+                         engine_args=engine_args, entity=entity, id=id)
+        if isinstance(config, LoraConfig):
+            if lora is not None:
+                raise InvalidArgument("TrainableModel got a LoraConfig both as config= and lora=: pass it as lora= only",
+                                      field="config")
+            warnings.warn("TrainableModel(config=LoraConfig(...)) is deprecated: pass lora=LoraConfig(...); "
+                          "config= is your own object, as in ART", DeprecationWarning, stacklevel=2)
+            lora = config
+        if lora is not None and not isinstance(lora, LoraConfig):
+            raise WrongType(f"lora must be an artcloud.LoraConfig, not {type(lora).__name__}", field="lora")
+        self.lora = lora or LoraConfig()
         self._annealer: LinearTemperatureAnnealer | None = None
         self._pending: asyncio.Task | None = None
 
     def _lora(self) -> LoraConfig:
-        return self.config
+        return self.lora
 
     async def register(self, backend: "RemoteBackend") -> None:
         await super().register(backend)
@@ -124,18 +211,30 @@ class TrainableModel(Model):
         if self._annealer is not None:
             await self.backend.set_temperature(self.name, self._annealer.temperature(self.step))
 
+    async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> dict[str, Any]:
+        """Delete every checkpoint on the server but the latest and the best by `best_checkpoint_metric`
+        (a key of the model's history, averaged per step; highest is best), as ART does. Returns the
+        steps kept and deleted. Copies already on S3 stay (S3's own retention: `--keep-last`)."""
+        return await self.backend.delete_checkpoints(self.name, best_checkpoint_metric)
+
     async def train(
         self,
         groups: Iterable[TrajectoryGroup],
         config: TrainConfig | None = None,
+        _config: Mapping[str, Any] | None = None,
+        verbose: bool = False,
         *,
         progress: bool = True,
     ) -> TrainResult:
-        """One GRPO step on `groups`; follows the job's events (with a progress bar) to its end."""
+        """One GRPO step on `groups`; follows the job's events (with a progress bar) to its end.
+
+        `_config`: ART's experimental `art.dev.TrainConfig` keys; those artcloud has (epsilon, epsilon_high,
+        scale_rewards, kl_penalty_coef, ppo) are honoured, the rest only at ART's defaults (else one line
+        says so). `verbose` prints each training event as a line besides the bar."""
+        config = apply_art_options(config or TrainConfig(), _config or {}, where="_config")
         backend = self.backend
         groups = list(groups)
         _check_groups(groups)
-        config = config or TrainConfig()
         body = {
             "groups": [g.to_wire() for g in groups],
             "config": config.model_dump(),
@@ -151,7 +250,7 @@ class TrainableModel(Model):
             generation = backend.generation
             try:
                 job = await backend.start_train(self.name, body)
-                with _Progress(self.name, config.gradient_steps, enabled=progress) as bar:
+                with _Progress(self.name, config.gradient_steps, enabled=progress, verbose=verbose) as bar:
                     events = await backend.follow_job(job["job_id"], on_event=bar.update)
                 break
             except ServerGone as e:
@@ -172,13 +271,65 @@ class TrainableModel(Model):
                 body["idempotency_key"] = uuid.uuid4().hex
         last = events[-1]
         if last["type"] == "error":
-            from artcloud.backends.remote import ArtcloudError
-
             raise ArtcloudError(f"training {self.name} failed: {last['data'].get('message')}", code=last["data"].get("code", "error"))
         self.step = last["data"]["step"]
         await self._push_temperature()
         return TrainResult(step=self.step, trained=last["data"].get("trained", False),
-                           metrics=last["data"].get("metrics", {}), events=events)
+                           metrics=last["data"].get("metrics", {}), events=events,
+                           checkpoint_path=last["data"].get("checkpoint"))
+
+
+# ------------------------------------------------------------------------------------- ART's training options
+
+# ART's options (LocalBackend.train keywords, art.dev.TrainConfig keys) that artcloud has, by its own name.
+_RENAMED = {"epsilon": "clip_epsilon", "epsilon_high": "clip_epsilon_high", "scale_rewards": "scale_rewards",
+            "learning_rate": "learning_rate"}
+_KL_NAMES = ("beta", "kl_coef", "kl_penalty_coef")  # ART's beta / kl_penalty_coef, artcloud's kl_coef
+# Knobs of ART's trainer that change only its speed or memory, never the update: accepted, no effect.
+_NO_EFFECT = {"logprob_calculation_chunk_size", "packed_sequence_length"}
+# The rest, at the value ART defaults to (which is what artcloud does); any other value is refused.
+_ART_DEFAULTS: dict[str, Any] = {
+    "advantage_balance": 0.0, "allow_training_without_logprobs": False, "importance_sampling_level": "token",
+    "mask_prob_ratio": False, "plot_tensors": False, "precalculate_logprobs": False,
+    "scale_learning_rate_by_reward_std_dev": False, "num_trajectories_learning_rate_multiplier_power": 0.0,
+    "max_negative_advantage_importance_sampling_weight": None, "kimi_k2_tau": None,
+    "truncated_importance_sampling": None, "normalize_by_length": True, "kl_ref_adapter_path": None,
+    "moe_routing_replay_bundle": None, "moe_routing_replay_path": None, "moe_routing_replay_strict": False,
+    "save_checkpoint": True,
+}
+
+
+def apply_art_options(config: TrainConfig, options: Mapping[str, Any], *, where: str) -> TrainConfig:
+    """`config` with ART's training options applied (see the tables above); one line for any that
+    artcloud cannot honour, naming what to write instead."""
+    if not isinstance(options, Mapping):
+        raise WrongType(f"{where} must be a dict of art.dev.TrainConfig keys, not {type(options).__name__}", field=where)
+    fields = type(config).model_fields
+    kl_field = next(k for k in _KL_NAMES if k in fields)
+    update: dict[str, Any] = {}
+    for key, value in options.items():
+        if key in _RENAMED:
+            if value is not None:
+                update[_RENAMED[key]] = value
+        elif key in _KL_NAMES:
+            if value is not None:
+                update[kl_field] = value
+        elif key == "ppo":
+            if value:  # ART's ppo=True: PPO's clipped ratio, which is artcloud's loss="ppo"
+                update["loss"] = "ppo"
+        elif key in _NO_EFFECT:
+            pass
+        elif key in _ART_DEFAULTS:
+            if value != _ART_DEFAULTS[key]:
+                hint = (" (artcloud commits every step: NAME@STEP is its checkpoint)" if key == "save_checkpoint" else "")
+                raise NotSupported(f"{where}: {key}={value!r} is an OpenPipe ART option artcloud does not have{hint}; "
+                                   f"leave it out (artcloud trains as ART does at {key}={_ART_DEFAULTS[key]!r})", field=key)
+        elif key in fields:
+            update[key] = value  # artcloud's own TrainConfig fields are welcome here too
+        else:
+            raise InvalidArgument(f"{where}: unknown training option {key!r}; artcloud's are the fields of "
+                                  f"artcloud.TrainConfig ({', '.join(fields)})", field=key)
+    return type(config).model_validate({**config.model_dump(), **update}) if update else config
 
 
 def _check_groups(groups: list[TrajectoryGroup]) -> None:
@@ -210,10 +361,12 @@ def _is_choice(item: Any) -> bool:
 
 
 class _Progress:
-    """A rich progress bar over a job's gradient steps, with the latest loss."""
+    """A rich progress bar over a job's gradient steps, with the latest loss; `verbose` also prints
+    each event as a line (ART's verbose=True)."""
 
-    def __init__(self, name: str, total: int, enabled: bool):
+    def __init__(self, name: str, total: int, enabled: bool, verbose: bool = False):
         self.enabled = enabled
+        self.verbose = verbose
         self.name = name
         self.total = total
         self._progress = None
@@ -230,9 +383,16 @@ class _Progress:
         return self
 
     def update(self, event: dict[str, Any]) -> None:
+        data = event["data"]
+        if self.verbose:
+            from rich.console import Console
+
+            shown = {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
+            Console(stderr=True).print(f"[dim]train {self.name}[/dim] {event['type']}: "
+                                       + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()),
+                                       markup=True, highlight=False)
         if self._progress is None:
             return
-        data = event["data"]
         if event["type"] == "start":
             self._progress.update(self._task, status=f"{data.get('samples', 0)} samples, reward {data.get('reward_mean', 0):.3f}")
         elif event["type"] == "step":

@@ -60,6 +60,15 @@ class TemperatureRequest(BaseModel):
     temperature: float = Field(ge=0.0, le=5.0)
 
 
+class PruneRequest(BaseModel):
+    """Delete a model's checkpoints but the latest and the best by `best_metric` (ART's delete_checkpoints)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    best_metric: str = Field("val/reward", min_length=1, max_length=200,
+                             description="a key of the model's history, averaged per step; the highest step is kept")
+
+
 # ---------------------------------------------------------------------------------------------- chat
 
 

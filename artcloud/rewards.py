@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from artcloud.errors import InvalidArgument
 from artcloud.types import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -223,6 +224,70 @@ def parse_answer(text: str | None, ids: list[str]) -> list[RulerScore]:
 # ------------------------------------------------------------------------------------- the call
 
 
+# LiteLLM-style judge ids, as OpenPipe ART passes them ("openai/o4-mini", "openrouter/qwen/qwen3-32b"):
+# the provider's OpenAI-compatible endpoint and the environment variable that holds its key.
+JUDGE_PROVIDERS: dict[str, tuple[str | None, str]] = {
+    "openai": (None, "OPENAI_API_KEY"),  # None: OpenAI itself (or OPENAI_BASE_URL)
+    "openrouter": ("https://openrouter.ai/api/v1", "OPENROUTER_API_KEY"),
+    "anthropic": ("https://api.anthropic.com/v1/", "ANTHROPIC_API_KEY"),
+    "gemini": ("https://generativelanguage.googleapis.com/v1beta/openai/", "GEMINI_API_KEY"),
+    "groq": ("https://api.groq.com/openai/v1", "GROQ_API_KEY"),
+    "deepseek": ("https://api.deepseek.com/v1", "DEEPSEEK_API_KEY"),
+    "xai": ("https://api.x.ai/v1", "XAI_API_KEY"),
+    "mistral": ("https://api.mistral.ai/v1", "MISTRAL_API_KEY"),
+    "together_ai": ("https://api.together.xyz/v1", "TOGETHERAI_API_KEY"),
+    "fireworks_ai": ("https://api.fireworks.ai/inference/v1", "FIREWORKS_AI_API_KEY"),
+}
+# LiteLLM prefixes with no fixed OpenAI-compatible endpoint: they need base_url= (api_base) or client=.
+_NEEDS_ENDPOINT = {"hosted_vllm", "azure", "azure_ai", "bedrock", "vertex_ai", "ollama", "ollama_chat", "cohere",
+                   "huggingface", "sagemaker", "watsonx", "databricks", "replicate", "openai_compatible"}
+# extra_litellm_params keys that name the endpoint or a sampling setting artcloud has by another name.
+_LITELLM_ENDPOINT = {"api_base": "base_url", "base_url": "base_url", "api_key": "api_key"}
+_LITELLM_SETTINGS = {"temperature", "max_tokens", "timeout"}
+
+
+def resolve_judge(judge_model: str, *, client: Any, base_url: str | None, api_key: str | None,
+                  extra_litellm_params: dict[str, Any] | None) -> tuple[str, str | None, str | None, dict[str, Any], dict[str, Any]]:
+    """(model id, base_url, api_key, settings, extra_body) for a judge named as artcloud does (a bare id at
+    `base_url`/`client`, default OpenAI) or as ART does (a LiteLLM id, `extra_litellm_params`). Bare ids,
+    and ids whose first part is not a LiteLLM provider ("Qwen/Qwen3-8B"), are sent unchanged."""
+    settings: dict[str, Any] = {}
+    extra_body: dict[str, Any] = {}
+    for key, value in (extra_litellm_params or {}).items():
+        if key in _LITELLM_ENDPOINT:
+            given = {"base_url": base_url, "api_key": api_key}[_LITELLM_ENDPOINT[key]]
+            if given is not None and given != value:
+                raise InvalidArgument(f"extra_litellm_params[{key!r}] and {_LITELLM_ENDPOINT[key]}= disagree: pass one",
+                                      field="extra_litellm_params")
+            if _LITELLM_ENDPOINT[key] == "base_url":
+                base_url = value
+            else:
+                api_key = value
+        elif key in _LITELLM_SETTINGS:
+            settings[key] = value
+        else:
+            extra_body[key] = value  # sent to the endpoint as is (e.g. reasoning_effort)
+    provider, slash, rest = judge_model.partition("/")
+    if not slash or not rest:
+        return judge_model, base_url, api_key, settings, extra_body
+    if client is not None or base_url is not None:  # LiteLLM's api_base: that endpoint, the id without its prefix
+        if provider in JUDGE_PROVIDERS or provider in _NEEDS_ENDPOINT:
+            return rest, base_url, api_key, settings, extra_body
+        return judge_model, base_url, api_key, settings, extra_body
+    if provider in _NEEDS_ENDPOINT:
+        raise InvalidArgument(f"judge_model {judge_model!r} is a LiteLLM id for {provider}, which has no fixed "
+                              f"OpenAI-compatible endpoint: pass base_url= (its OpenAI-compatible URL) or client=, "
+                              f"with judge_model={rest!r}", field="judge_model")
+    if provider not in JUDGE_PROVIDERS:
+        return judge_model, base_url, api_key, settings, extra_body
+    url, env = JUDGE_PROVIDERS[provider]
+    if api_key is None and url is not None:
+        api_key = os.environ.get(env)
+        if not api_key:
+            raise InvalidArgument(f"judge_model {judge_model!r} needs {env} set (or api_key=)", field="judge_model")
+    return rest, url, api_key, settings, extra_body
+
+
 def _client(client: Any, base_url: str | None, api_key: str | None) -> "openai.AsyncOpenAI":
     import openai
 
@@ -263,6 +328,7 @@ async def _judge(
     unique: list[list[dict[str, Any]]], tools: list[dict[str, Any]], judge_model: str, *, rubric: str,
     client: Any, base_url: str | None, api_key: str | None, timeout: float, max_attempts: int,
     retry_wait_s: float, response_format: bool, max_tokens: int | None, temperature: float | None,
+    extra_body: dict[str, Any] | None = None, debug: bool = False,
 ) -> tuple[list[RulerScore], dict[str, int]]:
     from tenacity import AsyncRetrying, RetryError, retry_if_exception, stop_after_attempt
 
@@ -286,6 +352,8 @@ async def _judge(
             kwargs["max_tokens"] = max_tokens
         if temperature is not None:
             kwargs["temperature"] = temperature
+        if extra_body:
+            kwargs["extra_body"] = extra_body
         import openai
 
         try:
@@ -302,6 +370,11 @@ async def _judge(
             usage["completion_tokens"] += response.usage.completion_tokens or 0
         if not response.choices:
             raise _BadAnswer("the judge returned no choices")
+        if debug:
+            from rich.console import Console
+
+            Console(stderr=True).print(f"[RULER] {judge_model} answered:", response.choices[0].message.content,
+                                       markup=False, highlight=False)
         return parse_answer(response.choices[0].message.content, ids)
 
     try:
@@ -352,9 +425,15 @@ def _cache_write(path: Path, scores: list[RulerScore]) -> None:
 async def _score(
     message_lists: Iterable[Sequence[Any]], judge_model: str, tools: Iterable[dict[str, Any]] | None, *,
     rubric: str, client: Any, base_url: str | None, api_key: str | None, cache_dir: str | os.PathLike | None,
-    timeout: float, max_attempts: int, retry_wait_s: float, response_format: bool,
-    max_tokens: int | None, temperature: float | None,
+    timeout: float | None, max_attempts: int, retry_wait_s: float, response_format: bool,
+    max_tokens: int | None, temperature: float | None, extra_litellm_params: dict[str, Any] | None = None,
+    debug: bool = False,
 ) -> tuple[list[RulerScore], dict[str, int]]:
+    judge_model, base_url, api_key, settings, extra_body = resolve_judge(
+        judge_model, client=client, base_url=base_url, api_key=api_key, extra_litellm_params=extra_litellm_params)
+    timeout = timeout if timeout is not None else settings.get("timeout", 120.0)
+    max_tokens = max_tokens if max_tokens is not None else settings.get("max_tokens")
+    temperature = temperature if temperature is not None else settings.get("temperature")
     plain = [[_plain(m) for m in messages] for messages in message_lists]
     if not plain:
         return [], {"prompt_tokens": 0, "completion_tokens": 0, "calls": 0, "cache_hits": 0}
@@ -384,7 +463,8 @@ async def _score(
     else:
         scores, usage = await _judge(unique, tool_list, judge_model, rubric=rubric, client=client, base_url=base_url,
                                      api_key=api_key, timeout=timeout, max_attempts=max_attempts, retry_wait_s=retry_wait_s,
-                                     response_format=response_format, max_tokens=max_tokens, temperature=temperature)
+                                     response_format=response_format, max_tokens=max_tokens, temperature=temperature,
+                                     extra_body=extra_body, debug=debug)
         usage["cache_hits"] = 0
         if path is not None:
             _cache_write(path, scores)
@@ -393,15 +473,17 @@ async def _score(
 
 async def ruler(
     message_lists: Iterable[Sequence[Any]],
-    judge_model: str,
-    *,
+    judge_model: str = "openai/o3",
+    extra_litellm_params: dict[str, Any] | None = None,
     rubric: str = DEFAULT_RUBRIC,
+    *,
+    debug: bool = False,
     tools: Iterable[dict[str, Any]] | None = None,
     client: Any = None,
     base_url: str | None = None,
     api_key: str | None = None,
     cache_dir: str | os.PathLike | None = None,
-    timeout: float = 120.0,
+    timeout: float | None = None,
     max_attempts: int = 4,
     retry_wait_s: float = 1.0,
     response_format: bool = True,
@@ -412,29 +494,35 @@ async def ruler(
     `RulerScore` (score in [0, 1], explanation) per list, in order.
 
     The judge is `client` (any `openai.AsyncOpenAI`), or one built from `base_url`/`api_key` (default:
-    OpenAI, with OPENAI_API_KEY). Rate limits, 5xx, timeouts and unparsable answers are retried
-    (`max_attempts`, backoff from `retry_wait_s`, honouring Retry-After); then RulerError.
+    OpenAI, with OPENAI_API_KEY). `judge_model` may be a bare id or, as in ART, a LiteLLM id
+    ("openai/o4-mini", "openrouter/qwen/qwen3-32b", "anthropic/...", "gemini/...": see JUDGE_PROVIDERS), and
+    `extra_litellm_params` ART's (api_base, api_key, temperature, max_tokens, timeout; other keys go to the
+    endpoint as extra body fields). `debug` prints the judge's raw answer. Rate limits, 5xx, timeouts and
+    unparsable answers are retried (`max_attempts`, backoff from `retry_wait_s`, honouring Retry-After);
+    then RulerError.
     `cache_dir` keeps each answer on disk, keyed by judge, rubric, tools and trajectories.
     """
     scores, _ = await _score(message_lists, judge_model, tools, rubric=rubric, client=client, base_url=base_url,
                              api_key=api_key, cache_dir=cache_dir, timeout=timeout, max_attempts=max_attempts,
                              retry_wait_s=retry_wait_s, response_format=response_format, max_tokens=max_tokens,
-                             temperature=temperature)
+                             temperature=temperature, extra_litellm_params=extra_litellm_params, debug=debug)
     return scores
 
 
 async def ruler_score_group(
     group: TrajectoryGroup,
-    judge_model: str,
-    *,
+    judge_model: str = "openai/o3",
+    extra_litellm_params: dict[str, Any] | None = None,
     rubric: str = DEFAULT_RUBRIC,
+    *,
+    debug: bool = False,
     client: Any = None,
     base_url: str | None = None,
     api_key: str | None = None,
     swallow_exceptions: bool = False,
     cache_dir: str | os.PathLike | None = None,
     price: tuple[float, float] | None = None,
-    timeout: float = 120.0,
+    timeout: float | None = None,
     max_attempts: int = 4,
     retry_wait_s: float = 1.0,
     response_format: bool = True,
@@ -450,6 +538,8 @@ async def ruler_score_group(
     raises RulerError, or with `swallow_exceptions=True` logs a warning and returns None (which drops
     the group in `gather_trajectory_groups(after_each=...)`). The other options are `ruler`'s.
     """
+    # A judge that cannot be named is a mistake in the script, not a failed call: never swallowed.
+    resolve_judge(judge_model, client=client, base_url=base_url, api_key=api_key, extra_litellm_params=extra_litellm_params)
     try:
         if group.pending:
             raise ValueError("this group still has rollouts to run: use gather_trajectory_groups or await group.resolve()")
@@ -459,7 +549,8 @@ async def ruler_score_group(
         scores, usage = await _score(
             [t.messages_and_choices for t in group.trajectories], judge_model, tools, rubric=rubric, client=client,
             base_url=base_url, api_key=api_key, cache_dir=cache_dir, timeout=timeout, max_attempts=max_attempts,
-            retry_wait_s=retry_wait_s, response_format=response_format, max_tokens=max_tokens, temperature=temperature)
+            retry_wait_s=retry_wait_s, response_format=response_format, max_tokens=max_tokens, temperature=temperature,
+            extra_litellm_params=extra_litellm_params, debug=debug)
     except Exception as e:
         if not swallow_exceptions:
             raise

@@ -86,7 +86,7 @@ async def main() -> None:
     async with backend:
         model = artcloud.TrainableModel(
             name="five-words", project="demo", base_model=args.model,
-            config=artcloud.LoraConfig(rank=16, alpha=32, init_seed=args.seed),
+            lora=artcloud.LoraConfig(rank=16, alpha=32, init_seed=args.seed),
         )
         model.set_temperature_annealer(artcloud.LinearTemperatureAnnealer(*args.temperature, steps=args.steps))
         await model.register(backend)

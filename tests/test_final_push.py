@@ -37,7 +37,7 @@ async def launch_and_train(name: str, s3: str, before_training=None) -> int:
     await backend.start()
     try:
         model = artcloud.TrainableModel(name="agent", project="modal", base_model="artcloud/tiny-random",
-                                        config=artcloud.LoraConfig(rank=4))  # as one_step registers it
+                                        lora=artcloud.LoraConfig(rank=4))  # as one_step registers it
         await model.register(backend)
         deadline = time.monotonic() + 60
         while ((await backend.model_info("agent")).get("s3") or {}).get("pushed_step") != 0:

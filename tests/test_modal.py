@@ -62,7 +62,7 @@ def fresh_image():
 
 
 async def one_step(backend, name: str) -> artcloud.TrainResult:
-    model = artcloud.TrainableModel(name=name, project="modal", base_model=TINY, config=artcloud.LoraConfig(rank=4))
+    model = artcloud.TrainableModel(name=name, project="modal", base_model=TINY, lora=artcloud.LoraConfig(rank=4))
     await model.register(backend)
     client = model.openai_client()
     messages = [{"role": "user", "content": "hi"}]

@@ -52,7 +52,7 @@ def test_import_artcloud_is_light():
 def test_register_rollouts_train_through_local_backend(tmp_path):
     async def main():
         async with artcloud.LocalBackend(path=tmp_path / "local") as backend:
-            model = artcloud.TrainableModel(name="agent", project="sdk", base_model=TINY, config=artcloud.LoraConfig(rank=4))
+            model = artcloud.TrainableModel(name="agent", project="sdk", base_model=TINY, lora=artcloud.LoraConfig(rank=4))
             await model.register(backend)
             assert "token" not in repr(backend).lower() and backend._token not in repr(backend)
             client = model.openai_client()

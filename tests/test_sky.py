@@ -214,7 +214,7 @@ def test_launch_train_checkpoint_to_s3_reconnect_and_down(sky_env, monkeypatch, 
         async with backend:
             assert backend.base_url.startswith("https://127.0.0.1:")
             assert backend._token not in repr(backend)
-            model = artcloud.TrainableModel(name="agent", project="sky", base_model=TINY, config=artcloud.LoraConfig(rank=4))
+            model = artcloud.TrainableModel(name="agent", project="sky", base_model=TINY, lora=artcloud.LoraConfig(rank=4))
             await model.register(backend)
             groups = await gather_groups(model, n=4, max_tokens=6)
             result = await model.train(groups, config=artcloud.TrainConfig(learning_rate=1e-3), progress=False)

@@ -42,7 +42,7 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
         assert backend.relaunch_on_loss
         async with backend:
             model = artcloud.TrainableModel(name="agent", project="spot", base_model=TINY,
-                                            config=artcloud.LoraConfig(rank=4))
+                                            lora=artcloud.LoraConfig(rank=4))
             await model.register(backend)
             client = model.openai_client()  # made once: it must follow the backend to the new machine
 

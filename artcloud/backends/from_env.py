@@ -160,7 +160,7 @@ class RunnerBackend(RemoteBackend):
             if loop.time() > (replaced_by or noticed_by):
                 return None
             await asyncio.sleep(1.0)
-        await self.close()
+        await self._close_http()
         self.base_url, self._token = found["url"], found["token"]
         self.ca_cert, self.check_hostname = found.get("ca_pem"), bool(found.get("check_hostname", True))
         self._version_checked = False

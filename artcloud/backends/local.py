@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,10 @@ class LocalBackend(SandboxBackend):
     """Runs the training server here. Checkpoints live under `path` (default ./.artcloud/local), so a new
     LocalBackend on the same path resumes the models.
 
+    `in_process` is OpenPipe ART's; artcloud always runs the server as a child process (a crash or an out of
+    memory there never takes this script down, and the child dies with it), which trains the same:
+    in_process=True is accepted with a warning that says so.
+
     engine: cpu, vllm, vllm+unsloth, vllm+peft or auto (see `artcloud serve --help`); engine_args: the vLLM
     engine's settings (artcloud serve --engine-args). s3: push checkpoints to
     s3://BUCKET/PREFIX too (credentials from this environment). lease, max_duration: as `artcloud serve`.
@@ -59,10 +64,14 @@ class LocalBackend(SandboxBackend):
         s3: str | None = None,
         lease: str | float | None = None,
         max_duration: str | float | None = None,
+        in_process: bool = False,
         **kwargs: Any,
     ):
         from artcloud.durations import parse_duration
 
+        if in_process:
+            warnings.warn("LocalBackend(in_process=True): artcloud always runs the server as a child process "
+                          "(it trains the same); in_process is ignored", UserWarning, stacklevel=2)
         if s3 is not None and not (s3.startswith("s3://") and len(s3) > 5):
             raise ValueError(f"s3 must look like s3://BUCKET/PREFIX, not {s3!r}")
         self.path = Path(path) if path is not None else DEFAULT_PATH
@@ -177,6 +186,20 @@ class LocalBackend(SandboxBackend):
 
     async def gone(self) -> bool:
         return not self.running
+
+    def __enter__(self) -> "LocalBackend":
+        """ART's `with LocalBackend() as backend:`; the server starts at the first register."""
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
+        if self._forwarder is not None:
+            forwarder, self._forwarder = self._forwarder, None
+            forwarder.close()
+        self._http = None  # bound to the loop that ran it; the server it talks to goes now
+        self._stop_now()
 
     def _stop_now(self, timeout: float = 30.0) -> None:
         proc, self._proc = self._proc, None

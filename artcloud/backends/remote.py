@@ -185,9 +185,15 @@ class RemoteBackend:
         self._registrations: dict[str, dict[str, Any]] = {}
         self._temperatures: dict[str, float] = {}
         self.replacements: list[dict[str, Any]] = []  # each lost server that was replaced: when, why, its cost
+        self._forwarder: Any = None  # the loopback endpoint for plain OpenAI clients, started at the first register
+        self._forward_ssl: tuple[Any, Any] | None = None  # ((ca_cert, check_hostname), its SSLContext)
 
     def __repr__(self) -> str:  # never the token
         return f"{type(self).__name__}({self.base_url!r})"
+
+    def __call__(self) -> "RemoteBackend":
+        """ART's `model.backend()` is a method, artcloud's `model.backend` a property: calling it gives the same."""
+        return self
 
     # ------------------------------------------------------------------------------------- plumbing
 
@@ -251,6 +257,15 @@ class RemoteBackend:
             await asyncio.sleep(0.5)
 
     async def close(self) -> None:
+        """Close the connection and the loopback endpoint (`inference_base_url`). The server stays up:
+        `down()` ends one this backend owns."""
+        await self._close_http()
+        if self._forwarder is not None:
+            forwarder, self._forwarder = self._forwarder, None
+            await asyncio.get_running_loop().run_in_executor(None, forwarder.close)
+
+    async def _close_http(self) -> None:
+        """Drop the HTTP client (bound to one URL) and the heartbeats, as before talking to another server."""
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             self._heartbeat = None
@@ -399,6 +414,22 @@ class RemoteBackend:
         await self._call("PUT", f"/artcloud/models/{name}/temperature", json_body={"temperature": temperature})
         self._temperatures[name] = temperature
 
+    def inference_endpoint(self) -> tuple[str, str]:
+        """(base_url, api_key) for a plain OpenAI client (ART's `model.inference_base_url` and
+        `inference_api_key`): a loopback forwarder to this backend's server, see artcloud.backends.forwarder."""
+        from artcloud.backends.forwarder import LoopbackForwarder
+
+        if self._forwarder is None:
+            self._forwarder = LoopbackForwarder(self._forward_target)
+        return self._forwarder.start(), self._forwarder.key
+
+    def _forward_target(self) -> tuple[str, Any, str]:
+        """The server as it is now (read per forwarded request, from the forwarder's thread)."""
+        key = (self.ca_cert, self.check_hostname)
+        if self._forward_ssl is None or self._forward_ssl[0] != key:
+            self._forward_ssl = (key, client_ssl_context(self.ca_cert, check_hostname=self.check_hostname))
+        return self.base_url, self._forward_ssl[1], self._token
+
     def openai_client(self, **kwargs: Any):
         """An `openai.AsyncOpenAI` bound to this backend's server: the launch's CA alone is trusted. It follows
         the backend: when a lost server is replaced (a preempted spot machine), its requests go to the new
@@ -418,7 +449,29 @@ class RemoteBackend:
             **kwargs,
         )
 
+    async def delete_checkpoints(self, name: str, best_metric: str) -> dict[str, Any]:
+        """Delete `name`'s checkpoints on the server but the latest and the best by `best_metric`."""
+        return await self._call("POST", f"/artcloud/models/{name}/checkpoints/prune", json_body={"best_metric": best_metric})
+
     # ------------------------------------------------------------------------------------- training
+
+    async def train(self, model: Any, trajectory_groups: Any, *, config: Any = None, verbose: bool = False,
+                    progress: bool = True, **options: Any) -> Any:
+        """ART's `await backend.train(model, groups, learning_rate=..., beta=..., ...)`: one step, like
+        `model.train`. Options are ART's LocalBackend.train keywords (those artcloud has are honoured, the
+        rest only at ART's defaults) or artcloud.TrainConfig's fields, over `config`. Returns a TrainResult
+        (`step`, `metrics`, `checkpoint_path`: a folder on the server's disk; unpacks as that triple)."""
+        from artcloud.errors import InvalidArgument
+        from artcloud.model import TrainableModel, apply_art_options
+        from artcloud.types import TrainConfig
+
+        if not isinstance(model, TrainableModel):
+            raise InvalidArgument(f"backend.train needs an artcloud.TrainableModel, not {type(model).__name__}", field="model")
+        if model._backend is not self:
+            raise InvalidArgument(f"{model.name} is not registered on this backend: `await model.register(backend)` first",
+                                  field="model")
+        train_config = apply_art_options(config or TrainConfig(), options, where="backend.train")
+        return await model.train(trajectory_groups, train_config, verbose=verbose, progress=progress)
 
     async def start_train(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST a training job. The body's idempotency_key makes a retried POST return the same job."""

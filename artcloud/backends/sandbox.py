@@ -127,7 +127,7 @@ class SandboxBackend(RemoteBackend):
             url = await self._endpoint(deadline)
             if url:
                 if url != self.base_url:
-                    await self.close()  # the HTTP client is bound to the old URL
+                    await self._close_http()  # the HTTP client is bound to the old URL
                     self.base_url, self._version_checked = url, False
                 if record is not None and self.state is not None and (record.url != url or record.state != "up"):
                     record.url, record.state = url, "up"
@@ -173,8 +173,8 @@ class SandboxBackend(RemoteBackend):
 
     async def _teardown(self) -> None:
         """Close, destroy the machine (only one artcloud launched: this object, or this machine's registry
-        says so), mark it down."""
-        await self.close()
+        says so), mark it down. The loopback endpoint stays: a replaced machine's server is forwarded to."""
+        await self._close_http()
         name = self.sandbox_name
         registered = self.state is not None and self.state.load(name) is not None
         if self._owns or registered:
@@ -195,6 +195,7 @@ class SandboxBackend(RemoteBackend):
             for verdict in push_verdicts(answer or {}):
                 (log.info if verdict.confirmed else log.warning)("%s: %s", self.sandbox_name, verdict.line(on_sandbox=True))
         await self._teardown()
+        await self.close()  # and the loopback endpoint
 
     async def __aexit__(self, *exc: Any) -> None:
         if self.keep:

@@ -9,6 +9,7 @@
     POST /artcloud/models                          register (idempotent; resumes from the latest checkpoint)
     GET  /artcloud/models/{name}                   step, temperature, checkpoints, history
     PUT  /artcloud/models/{name}/temperature       default sampling temperature (a request's own wins)
+    POST /artcloud/models/{name}/checkpoints/prune delete all checkpoints but the latest and the best by a metric
     POST /artcloud/models/{name}/train             start a training job -> 202 {job_id}
     GET  /artcloud/jobs/{job_id}                   job status
     GET  /artcloud/jobs/{job_id}/events?after=N    NDJSON events after cursor N (&follow=true to wait)
@@ -31,7 +32,8 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from artcloud._version import __version__
-from artcloud.protocol import NAME_PATTERN, ChatCompletionRequest, RegisterRequest, TemperatureRequest, TrainRequest
+from artcloud.protocol import (NAME_PATTERN, ChatCompletionRequest, PruneRequest, RegisterRequest, TemperatureRequest,
+                               TrainRequest)
 from artcloud.server import chat, schemas
 from artcloud.server.engines.base import GenerationRequest, SamplingParams
 from artcloud.server.errors import ApiError, field_path
@@ -53,7 +55,7 @@ JobId = Path(pattern=JOB_ID_PATTERN, description="a job id, as POST /artcloud/mo
 # OpenAPI links: what a register or a training POST answers feeds the routes that take its name or job.
 _MODEL_LINKS = {
     op: {"operationId": op, "parameters": {"name": "$response.body#/name"}}
-    for op in ("get_model_info", "set_temperature", "train")
+    for op in ("get_model_info", "set_temperature", "train", "prune_checkpoints")
 }
 _JOB_LINKS = {
     op: {"operationId": op, "parameters": {"job_id": "$response.body#/job_id"}}
@@ -200,6 +202,11 @@ def create_app(registry: Registry, token: str) -> FastAPI:
         model = registry.get(name)
         model.temperature = body.temperature
         return {"name": name, "temperature": model.temperature}
+
+    @app.post("/artcloud/models/{name}/checkpoints/prune", operation_id="prune_checkpoints",
+              response_model=schemas.Pruned, responses=errors(400, 404, 503))
+    async def prune_checkpoints(body: PruneRequest, name: str = ModelName) -> dict[str, Any]:
+        return await registry.get(name).trainer.prune(body.best_metric)
 
     # ------------------------------------------------------------------------------------- training
 

@@ -134,6 +134,15 @@ class Temperature(_Open):
     temperature: float
 
 
+class Pruned(_Open):
+    name: str
+    metric: str
+    best_step: int | None = Field(description="the best committed step by `metric` (kept); None when no "
+                                            "committed step has it")
+    kept: list[int]
+    deleted: list[int]
+
+
 class JobSummary(_Open):
     job_id: str
     model: str

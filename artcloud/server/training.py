@@ -253,6 +253,37 @@ class Trainer:
             await model.host.call(checkpoints.delete, model.folder, step)
             await model.forget(step)
 
+    async def prune(self, metric: str) -> dict[str, Any]:
+        """Delete every committed checkpoint but the latest and the best by `metric` (a history key,
+        averaged per step, highest best; ART's delete_checkpoints). With S3, a step not yet pushed stays
+        (as in _retain); S3's copies stay too."""
+        model = self.model
+        by_step: dict[int, list[float]] = {}
+        for record in model.history:
+            value = record.get(metric)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and "step" in record:
+                by_step.setdefault(record["step"], []).append(float(value))
+        if not by_step:
+            known = sorted({k for r in model.history for k, v in r.items()
+                            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"})
+            raise ApiError(400, "unknown_metric", f"no step of {self.name} has {metric!r} in its history; "
+                           f"its metrics: {', '.join(known) or 'none yet'}", "best_metric")
+        steps = checkpoints.committed_steps(model.folder)
+        scored = [s for s in steps if s in by_step]
+        best = max(scored, key=lambda s: (sum(by_step[s]) / len(by_step[s]), s)) if scored else None
+        keep = {steps[-1]} if steps else set()
+        if best is not None:
+            keep.add(best)
+        doomed = [s for s in steps if s not in keep]
+        if self.pusher is not None:
+            pushed = self.pusher.pushed_step
+            doomed = [s for s in doomed if pushed is not None and s <= pushed]
+        for step in doomed:
+            await model.host.call(checkpoints.delete, model.folder, step)
+            await model.forget(step)
+        return {"name": self.name, "metric": metric, "best_step": best,
+                "kept": [s for s in steps if s not in doomed], "deleted": doomed}
+
     def _pushed(self, step: int) -> None:
         asyncio.get_running_loop().create_task(self._retain(), name=f"retain-{self.name}")
 

@@ -55,7 +55,7 @@ async def main() -> None:
 
     async with artcloud.backend_from_env() as backend:
         model = artcloud.TrainableModel(name=args.name, project=args.project, base_model=args.model,
-                                        config=artcloud.LoraConfig(rank=16, alpha=32, init_seed=args.seed))
+                                        lora=artcloud.LoraConfig(rank=16, alpha=32, init_seed=args.seed))
         await model.register(backend)
         client = model.openai_client()
         print(f"training {model.inference_name()} on {backend.base_url}", flush=True)

@@ -44,7 +44,7 @@ def test_launch_train_down_on_this_python(tmp_path, monkeypatch):
         backend = SkyBackend(gpu="L4:1", cluster_name="py", idle_minutes=1)
         async with backend:
             model = artcloud.TrainableModel(name="agent", project="py", base_model="artcloud/tiny-random",
-                                            config=artcloud.LoraConfig(rank=4))
+                                            lora=artcloud.LoraConfig(rank=4))
             await model.register(backend)
             groups = await gather_groups(model)
             result = await model.train(groups, config=artcloud.TrainConfig(learning_rate=1e-3), progress=False)
