@@ -1,0 +1,333 @@
+"""OpenPipe ART's model and backend surface on artcloud: `config=` as the user's own object, the plain-client
+endpoint (`inference_base_url` / `inference_api_key`, a loopback forwarder) against the real tiny-random server,
+`delete_checkpoints`, `backend.train`, ART's training options, LocalBackend(in_process=), LiteLLM judge ids."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import ssl
+import threading
+import warnings
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel
+
+import artcloud
+from artcloud.backends.forwarder import LoopbackForwarder
+from artcloud.backends.remote import RemoteBackend
+from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported, WrongType
+from artcloud.model import apply_art_options
+from test_ruler import FAST, Judge, answer, group  # the scripted OpenAI-compatible judge
+
+TINY = "artcloud/tiny-random"
+MESSAGES = [{"role": "user", "content": "Tell me something."}]
+
+
+class RunConfig(BaseModel):  # a user's own config object, as ART scripts pass it
+    groups_per_step: int = 2
+    difficulty: str = "easy"
+
+
+def backend_for(server: Any) -> RemoteBackend:
+    return RemoteBackend(server.url, token=server.token, ca_cert=server.ca, heartbeat_every_s=0)
+
+
+async def trajectories(model: Any, client: Any, rewards: list[float]) -> artcloud.TrajectoryGroup:
+    async def one(reward: float) -> artcloud.Trajectory:
+        r = await client.chat.completions.create(model=model.name, messages=MESSAGES, max_tokens=4, logprobs=True)
+        return artcloud.Trajectory(messages_and_choices=[*MESSAGES, r.choices[0]], reward=reward)
+
+    return await artcloud.TrajectoryGroup(one(r) for r in rewards).resolve()
+
+
+# ------------------------------------------------------------------------------------- without a server
+
+
+def test_config_is_the_users_object_and_lora_has_its_own_keyword(tmp_path):
+    own = RunConfig(groups_per_step=4)
+    model = artcloud.TrainableModel(name="m", project="p", base_model=TINY, config=own)
+    assert model.config is own and model.lora == artcloud.LoraConfig()
+    model = artcloud.TrainableModel(name="m", project="p", base_model=TINY, config=own, lora=artcloud.LoraConfig(rank=4))
+    assert model.config is own and model.lora.rank == 4
+
+    with pytest.warns(DeprecationWarning, match=r"pass lora=LoraConfig"):
+        old = artcloud.TrainableModel(name="m", project="p", base_model=TINY, config=artcloud.LoraConfig(rank=2))
+    assert old.lora.rank == 2
+    with pytest.raises(InvalidArgument, match="as lora= only"):
+        artcloud.TrainableModel(name="m", project="p", base_model=TINY, config=artcloud.LoraConfig(), lora=artcloud.LoraConfig())
+    with pytest.raises(WrongType, match="lora must be an artcloud.LoraConfig, not dict"):
+        artcloud.TrainableModel(name="m", project="p", base_model=TINY, lora={"rank": 4})
+
+    assert model.get_inference_name() == "m" and model.get_inference_name(3) == "m@3"
+    assert model.inference_base_url is None and model.trainable and not artcloud.Model.trainable
+
+    # ART's prompted model: an OpenAI-compatible endpoint elsewhere, as a baseline.
+    baseline = artcloud.Model(name="gpt", project="p", inference_base_url="http://127.0.0.1:9/v1",
+                              inference_api_key="sk-x", inference_model_name="openai/gpt-4.1")
+    client = baseline.openai_client()
+    assert str(client.base_url) == "http://127.0.0.1:9/v1/" and client.api_key == "sk-x"
+    assert baseline.get_inference_name() == "openai/gpt-4.1"
+    with pytest.raises(ArtcloudError, match="inference_base_url="):
+        artcloud.Model(name="x", project="p").openai_client()
+
+
+def test_art_training_options_are_honoured_or_refused_in_one_line():
+    kl = "beta" if "beta" in artcloud.TrainConfig.model_fields else "kl_coef"
+    config = apply_art_options(artcloud.TrainConfig(), {"learning_rate": 1e-4, "beta": 0.05, "epsilon": 0.1, "epsilon_high": 0.3,
+                                                        "scale_rewards": False, "ppo": True, "plot_tensors": False,
+                                                        "logprob_calculation_chunk_size": 512}, where="_config")
+    assert (config.learning_rate, getattr(config, kl), config.clip_epsilon, config.clip_epsilon_high, config.scale_rewards,
+            config.loss) == (1e-4, 0.05, 0.1, 0.3, False, "ppo")
+    assert getattr(apply_art_options(artcloud.TrainConfig(), {"kl_penalty_coef": 0.2}, where="_config"), kl) == 0.2
+
+    model = artcloud.TrainableModel(name="m", project="p", base_model=TINY)
+    for options, error, words in [({"plot_tensors": True}, NotSupported, "plot_tensors=True is an OpenPipe ART option"),
+                                  ({"save_checkpoint": False}, NotSupported, "commits every step"),
+                                  ({"frobnicate": 1}, InvalidArgument, "unknown training option 'frobnicate'")]:
+        with pytest.raises(error, match=words) as e:
+            asyncio.run(model.train([], _config=options))  # refused before anything is sent
+        assert "\n" not in str(e.value)
+
+
+def test_local_backend_takes_arts_arguments(tmp_path):
+    with pytest.warns(UserWarning, match="always runs the server as a child process"):
+        backend = artcloud.LocalBackend(in_process=True, path=str(tmp_path / "art"))
+    assert backend.path == tmp_path / "art"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with artcloud.LocalBackend(in_process=False, path=tmp_path / "art") as same:  # ART's sync `with`
+            assert same.path == tmp_path / "art" and not same.running
+
+
+# ------------------------------------------------------------------------------------- the plain-client endpoint
+
+
+def test_plain_openai_clients_reach_the_model_through_the_loopback_endpoint(tiny_server):
+    async def main() -> None:
+        backend = backend_for(tiny_server)
+        model = artcloud.TrainableModel(name="plain", project="art", base_model=TINY, config=RunConfig())
+        await model.register(backend)
+        url, key = model.inference_base_url, model.inference_api_key
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/v1") and model.inference_model_name == "plain"
+        assert key != tiny_server.token and tiny_server.token not in url
+
+        # ART's rollout: its own AsyncOpenAI, no TLS settings. The same seed answers as the direct client does.
+        plain = openai.AsyncOpenAI(base_url=url, api_key=key)
+        ask = dict(model=model.get_inference_name(), messages=MESSAGES, max_tokens=300, seed=7, logprobs=True)
+        via = await plain.chat.completions.create(**ask)
+        direct = await model.openai_client().chat.completions.create(**ask)
+        assert via.choices[0].message.content == direct.choices[0].message.content
+        assert via.usage.completion_tokens == direct.usage.completion_tokens > 50  # a long answer, whole
+        assert via.choices[0].logprobs.content and via.model == "plain@0"
+
+        # The sync client, called from the thread that runs this event loop: the endpoint has its own thread.
+        sync = openai.OpenAI(base_url=url, api_key=key).chat.completions.create(**{**ask, "max_tokens": 4})
+        assert sync.choices[0].message.content == (await plain.chat.completions.create(**{**ask, "max_tokens": 4})).choices[0].message.content
+
+        # A wrong key: 401 in the server's error shape, nothing forwarded. An error of the server passes unchanged.
+        async with httpx.AsyncClient(base_url=url) as h:
+            wrong = await h.get("/models", headers={"Authorization": "Bearer " + tiny_server.token})
+            assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "unauthorized"
+            assert "inference_api_key" in wrong.json()["error"]["message"]
+            missing = await h.post("/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                   json={"model": "nobody", "messages": MESSAGES})
+            with httpx.Client(verify=tiny_server.ssl_context(), base_url=tiny_server.url) as d:
+                same = d.post("/v1/chat/completions", headers={"Authorization": f"Bearer {tiny_server.token}"},
+                              json={"model": "nobody", "messages": MESSAGES})
+            assert (missing.status_code, missing.json()) == (same.status_code, same.json()) and missing.status_code == 404
+
+        # backend.train, then the job's NDJSON event stream through the endpoint (a chunked route).
+        groups = [await trajectories(model, plain, [0.0, 1.0, 0.5])]
+        result = await backend.train(model, groups, learning_rate=1e-3, progress=False)
+        job = (await backend.model_info(model.name))["history"][-1]["job_id"]
+        async with httpx.AsyncClient(base_url=url.removesuffix("/v1"), headers={"Authorization": f"Bearer {key}"}) as h:
+            async with h.stream("GET", f"/artcloud/jobs/{job}/events", params={"follow": "true"}) as r:
+                assert r.headers.get("transfer-encoding") == "chunked" and "content-length" not in r.headers
+                lines = [json.loads(line) async for line in r.aiter_lines() if line.strip()]
+        assert lines == result.events and lines[-1]["type"] == "end"
+
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        await backend.down()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+    asyncio.run(main())
+
+
+def test_the_endpoint_passes_a_stream_through_as_it_comes():
+    """Chunk one reaches the client while the upstream still holds chunk two back: nothing is buffered."""
+    release = threading.Event()
+
+    class Streaming(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for data, wait in ((b'data: {"n": 1}\n\n', True), (b"data: [DONE]\n\n", False)):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+                if wait:
+                    release.wait(30)
+            self.wfile.write(b"0\r\n\r\n")
+
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), Streaming)
+    threading.Thread(target=upstream.serve_forever, args=(0.05,), daemon=True).start()
+    forwarder = LoopbackForwarder(lambda: (f"http://127.0.0.1:{upstream.server_address[1]}", ssl.create_default_context(), "t"))
+    try:
+        url = forwarder.start()
+        with httpx.Client(timeout=10) as c, c.stream("POST", url + "/chat/completions", json={"stream": True},
+                                                     headers={"Authorization": f"Bearer {forwarder.key}"}) as r:
+            chunks = r.iter_bytes()
+            first = next(chunks)
+            assert first == b'data: {"n": 1}\n\n' and not release.is_set()
+            release.set()
+            assert b"".join(chunks) == b"data: [DONE]\n\n"
+            assert r.headers["content-type"] == "text/event-stream"
+    finally:
+        release.set()
+        forwarder.close()
+        upstream.shutdown()
+        upstream.server_close()
+
+
+def test_the_endpoint_refuses_a_body_over_its_limit_and_follows_the_backends_server():
+    seen: list[str] = []
+
+    class Echo(BaseHTTPRequestHandler):
+        def log_message(self, *a: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(f"{self.server.server_address[1]} {self.headers['Authorization']}")
+            body = b'{"ok": true}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), Echo) for _ in range(2)]
+    for s in servers:
+        threading.Thread(target=s.serve_forever, args=(0.05,), daemon=True).start()
+    target = {"url": f"http://127.0.0.1:{servers[0].server_address[1]}", "token": "first"}
+    context = ssl.create_default_context()
+    forwarder = LoopbackForwarder(lambda: (target["url"], context, target["token"]), max_body_bytes=1000)
+    try:
+        url = forwarder.start()
+        auth = {"Authorization": f"Bearer {forwarder.key}"}
+        with httpx.Client(timeout=10) as c:
+            assert c.post(url + "/x", content=b"y" * 1001, headers=auth).status_code == 413
+            assert c.post(url + "/x", content=b"y" * 1000, headers=auth).json() == {"ok": True}
+            target.update(url=f"http://127.0.0.1:{servers[1].server_address[1]}", token="second")  # a replaced server
+            assert c.post(url + "/x", content=b"{}", headers=auth).json() == {"ok": True}
+        assert seen == [f"{servers[0].server_address[1]} Bearer first", f"{servers[1].server_address[1]} Bearer second"]
+    finally:
+        forwarder.close()
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+
+
+# ------------------------------------------------------------------------------------- training and checkpoints
+
+
+def test_backend_train_and_delete_checkpoints(tiny_server):
+    async def main() -> None:
+        backend = backend_for(tiny_server)
+        model = artcloud.TrainableModel(name="prune", project="art", base_model=TINY)
+        with pytest.raises(InvalidArgument, match="not registered on this backend"):
+            await backend.train(model, [])
+        await model.register(backend)
+        assert model.backend() is backend  # ART calls it as a method
+        client = model.openai_client()
+        with pytest.raises(NotSupported, match="save_checkpoint=False"):
+            await backend.train(model, [await trajectories(model, client, [0.0, 1.0])], save_checkpoint=False)
+        # reward_mean per step: 0.95, 0.15, 0.25 -> step 1 is the best, step 3 the latest.
+        for rewards in ([1.0, 0.9], [0.1, 0.2], [0.3, 0.2]):
+            step, metrics, path = await backend.train(model, [await trajectories(model, client, rewards)],
+                                                      learning_rate=1e-3, beta=0.0, progress=False)
+            assert path is not None and Path(path).name == str(step) and (Path(path) / "manifest.json").exists()
+            assert metrics["reward_mean"] == pytest.approx(sum(rewards) / 2)
+        assert step == 3 == model.step
+        assert (await backend.model_info("prune"))["checkpoints"] == [0, 1, 2, 3]
+
+        with pytest.raises(ArtcloudError, match="no step of prune has 'val/reward' in its history; its metrics: .*reward_mean") as e:
+            await model.delete_checkpoints()  # ART's default metric, which nothing logged here
+        assert e.value.code == "unknown_metric" and "\n" not in str(e.value)
+        answer_ = await model.delete_checkpoints(best_checkpoint_metric="reward_mean")
+        assert (answer_["best_step"], answer_["kept"], answer_["deleted"]) == (1, [1, 3], [0, 2])
+        assert (await backend.model_info("prune"))["checkpoints"] == [1, 3]
+        served = await client.chat.completions.create(model="prune@1", messages=MESSAGES, max_tokens=2)
+        assert served.model == "prune@1"
+        await backend.down()
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------------------------- RULER's judge ids
+
+
+@pytest.fixture
+def judge():
+    servers: list[Judge] = []
+
+    def make(*script: Any) -> Judge:
+        servers.append(Judge(list(script)))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def test_litellm_judge_ids_reach_the_right_endpoint_with_the_bare_model_id(judge, monkeypatch):
+    from artcloud import rewards
+
+    two = answer([("1", 0.2), ("2", 0.8)])
+    fast = {k: v for k, v in FAST.items() if k != "api_key"}
+
+    j = judge(two)
+    monkeypatch.setenv("OPENAI_BASE_URL", j.base_url)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-openai")
+    out = asyncio.run(rewards.ruler_score_group(group("a", "b"), "openai/o4-mini", **fast))
+    assert [t.reward for t in out.trajectories] == [0.2, 0.8]
+    assert (j.requests[0]["body"]["model"], j.requests[0]["auth"]) == ("o4-mini", "Bearer sk-openai")
+
+    j = judge(two)
+    monkeypatch.setitem(rewards.JUDGE_PROVIDERS, "openrouter", (j.base_url, "OPENROUTER_API_KEY"))
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-or")
+    asyncio.run(rewards.ruler_score_group(group("a", "b"), "openrouter/qwen/qwen3-32b", **fast))
+    assert (j.requests[0]["body"]["model"], j.requests[0]["auth"]) == ("qwen/qwen3-32b", "Bearer sk-or")
+    monkeypatch.delenv("OPENROUTER_API_KEY")
+    with pytest.raises(InvalidArgument, match="needs OPENROUTER_API_KEY set"):
+        asyncio.run(rewards.ruler_score_group(group("a", "b"), "openrouter/qwen/qwen3-32b", swallow_exceptions=True, **fast))
+
+    # ART's extra_litellm_params, passed positionally as ART's signature allows.
+    j = judge(two)
+    params = {"api_base": j.base_url, "api_key": "k2", "temperature": 0.3, "reasoning_effort": "low"}
+    asyncio.run(rewards.ruler_score_group(group("a", "b"), "hosted_vllm/my-judge", params, **fast))
+    body = j.requests[0]["body"]
+    assert (body["model"], body["temperature"], body["reasoning_effort"], j.requests[0]["auth"]) == ("my-judge", 0.3, "low", "Bearer k2")
+
+    j = judge(two)  # a bare id with a slash (a Hugging Face name) is not a provider: sent as it is
+    asyncio.run(rewards.ruler([t.messages_and_choices for t in group("a", "b").trajectories], "Qwen/Qwen3-8B",
+                              base_url=j.base_url, api_key="k", retry_wait_s=0.01))
+    assert j.requests[0]["body"]["model"] == "Qwen/Qwen3-8B"
+
+    with pytest.raises(InvalidArgument, match="'azure/gpt' is a LiteLLM id for azure.*pass base_url=") as e:
+        asyncio.run(rewards.ruler_score_group(group("a", "b"), "azure/gpt", swallow_exceptions=True))
+    assert "\n" not in str(e.value)
