@@ -33,6 +33,8 @@ from typing import Any, Callable
 import h11
 import httpx
 
+from artcloud.errors import ArtcloudError
+
 log = logging.getLogger("artcloud.client")
 
 MAX_BODY_BYTES = 128 * 1024 * 1024  # the server's own default limit (server/limits.py max_body_mb)
@@ -101,7 +103,8 @@ class LoopbackForwarder:
         ready.wait()
         if failure:
             self._thread = None
-            raise failure[0]
+            raise ArtcloudError(f"could not open the loopback OpenAI endpoint on 127.0.0.1: {failure[0]}",
+                                code="endpoint_failed") from failure[0]
         return self.base_url
 
     def close(self, timeout: float = 10.0) -> None:
@@ -234,8 +237,7 @@ class LoopbackForwarder:
                     await writer.drain()
             writer.write(conn.send(h11.EndOfMessage()))
             await writer.drain()
-        except httpx.HTTPError as e:  # cut off mid-answer: the client sees the connection end early
+        except httpx.HTTPError as e:  # cut off mid-answer: the message stays unfinished, so the connection closes
             log.info("forwarding %s %s broke off: %s", request.method.decode(), request.target.decode("latin-1"), e)
-            raise ConnectionError(str(e)) from e
         finally:
             await response.aclose()
