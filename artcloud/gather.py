@@ -6,13 +6,16 @@ import asyncio
 import inspect
 from typing import Any, Awaitable, Callable, Iterable
 
+from artcloud.errors import ArtcloudError
 from artcloud.types import Trajectory, TrajectoryGroup
 
 AfterEach = Callable[[TrajectoryGroup], "TrajectoryGroup | None | Awaitable[TrajectoryGroup | None]"]
 
 
-class GatherError(Exception):
+class GatherError(ArtcloudError):
     """More rollouts failed than `max_exceptions` allows; `.exceptions` holds them all."""
+
+    code = "gather_failed"
 
     def __init__(self, message: str, exceptions: list[BaseException]):
         super().__init__(message)

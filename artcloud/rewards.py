@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from artcloud.errors import ArtcloudError
 from artcloud.types import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -78,12 +79,16 @@ _SCHEMA: dict[str, Any] = {
 }
 
 
-class RulerError(Exception):
+class RulerError(ArtcloudError):
     """The judge gave no usable answer (after retries), or cannot be called at all."""
 
+    code = "ruler_failed"
 
-class _BadAnswer(Exception):
+
+class _BadAnswer(ArtcloudError):
     """An answer that cannot be parsed or validated; worth asking again."""
+
+    code = "judge_bad_answer"
 
 
 class RulerScore(BaseModel):

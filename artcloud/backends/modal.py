@@ -61,6 +61,8 @@ DEFAULT_GPU_MAX_COUNT = 8
 class ModalError(ArtcloudError):
     """Creating, reaching or terminating a Modal sandbox failed; the message says what to do."""
 
+    code = "modal_failed"
+
 
 def check_gpu(gpu: str | None) -> None:
     if gpu is None:

@@ -52,6 +52,8 @@ def engine_args_env(engine_args: Mapping[str, Any] | None) -> dict[str, str]:
 
 
 class VersionMismatch(ArtcloudError):
+    """The server runs another artcloud version than this client; the message says which to install."""
+
     code = "version_mismatch"
 
 

@@ -53,6 +53,8 @@ FAILED_JOB = ("FAILED", "FAILED_SETUP", "FAILED_DRIVER", "FAILED_PRECHECKS", "FA
 class SkyError(ArtcloudError):
     """Launching, reaching or tearing down a SkyPilot sandbox failed; the message says what to do."""
 
+    code = "sky_failed"
+
 
 def parse_gpu(gpu: str) -> tuple[str, int]:
     """'H100:8' → ('H100', 8); 'L4' → ('L4', 1)."""

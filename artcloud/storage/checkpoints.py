@@ -20,6 +20,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from artcloud.errors import ArtcloudError
+
 log = logging.getLogger("artcloud.checkpoints")
 
 MANIFEST = "manifest.json"
@@ -37,8 +39,16 @@ MAX_FILE_SIZE = 1 << 40  # 1 TiB: far above any adapter or optimizer state
 MAX_MANIFEST_BYTES = 1 << 20  # MAX_FILES entries of ~300 bytes each fit three times over
 
 
-class CorruptCheckpoint(Exception):
+class CorruptCheckpoint(ArtcloudError):
     """A checkpoint (or its manifest) is damaged or not what it claims: never load it."""
+
+    code = "corrupt_checkpoint"
+
+
+class CheckpointExists(ArtcloudError, FileExistsError):
+    """A checkpoint is written once: this step's folder is already there."""
+
+    code = "checkpoint_exists"
 
 
 def sha256_file(path: Path) -> str:

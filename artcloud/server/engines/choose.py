@@ -36,6 +36,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
+from artcloud.errors import InvalidArgument
 from artcloud.server.engines.engine import Engine
 
 log = logging.getLogger("artcloud.engine")
@@ -53,8 +54,10 @@ MODEL_ARGS = {"gpu_memory_utilization", "max_model_len", "max_loras", "max_cpu_l
               "load_in_4bit", "max_seq_length"}
 
 
-class EngineArgsError(ValueError):
+class EngineArgsError(InvalidArgument):
     """engine_args this engine cannot take; the message names the key."""
+
+    code = "invalid_engine_args"
 
 
 def check_engine_args(args: dict[str, Any], *, from_client: bool) -> None:
