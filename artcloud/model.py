@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
+from artcloud.errors import InvalidArgument, WrongState, WrongType
 from artcloud.types import LoraConfig, TrainConfig, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ class LinearTemperatureAnnealer:
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.start < 0 or self.end < 0:
-            raise ValueError("LinearTemperatureAnnealer needs steps >= 1 and temperatures >= 0")
+            raise InvalidArgument("LinearTemperatureAnnealer needs steps >= 1 and temperatures >= 0")
 
     def temperature(self, step: int) -> float:
         frac = min(max(step, 0), self.steps) / self.steps
@@ -67,7 +68,7 @@ class Model:
     @property
     def backend(self) -> "RemoteBackend":
         if self._backend is None:
-            raise RuntimeError(f"{self.name} is not registered: call `await model.register(backend)` first")
+            raise WrongState(f"{self.name} is not registered: call `await model.register(backend)` first")
         return self._backend
 
     async def register(self, backend: "RemoteBackend") -> None:
@@ -183,25 +184,25 @@ class TrainableModel(Model):
 
 def _check_groups(groups: list[TrajectoryGroup]) -> None:
     if not groups:
-        raise ValueError("train() got no trajectory groups: gather some first (artcloud.gather_trajectory_groups)")
+        raise InvalidArgument("train() got no trajectory groups: gather some first (artcloud.gather_trajectory_groups)")
     for g, group in enumerate(groups):
         if not isinstance(group, TrajectoryGroup):
-            raise TypeError(f"groups[{g}] is a {type(group).__name__}, not an artcloud.TrajectoryGroup")
+            raise WrongType(f"groups[{g}] is a {type(group).__name__}, not an artcloud.TrajectoryGroup")
         if len(group.trajectories) < 2:
-            raise ValueError(
+            raise InvalidArgument(
                 f"groups[{g}] has {len(group.trajectories)} trajectory: GRPO compares trajectories of the same "
                 "prompt with each other, so a group needs at least 2"
             )
         for t, traj in enumerate(group.trajectories):
             choices = [m for m in traj.messages_and_choices if _is_choice(m)]
             if not choices:
-                raise ValueError(f"groups[{g}].trajectories[{t}] has no turn sampled by the model: append the "
+                raise InvalidArgument(f"groups[{g}].trajectories[{t}] has no turn sampled by the model: append the "
                                  "Choice objects returned by model.openai_client() to messages_and_choices")
             for c in choices:
                 logprobs = c.get("logprobs") if isinstance(c, dict) else getattr(c, "logprobs", None)
                 content = logprobs.get("content") if isinstance(logprobs, dict) else getattr(logprobs, "content", None)
                 if not content:
-                    raise ValueError(f"groups[{g}].trajectories[{t}] has a choice without logprobs: request "
+                    raise InvalidArgument(f"groups[{g}].trajectories[{t}] has a choice without logprobs: request "
                                      "completions with logprobs=True so training can use the sampling policy's logprobs")
 
 

@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from artcloud.errors import ArtcloudError
+from artcloud.errors import ArtcloudError, InvalidArgument
 
 log = logging.getLogger("artcloud.checkpoints")
 
@@ -95,7 +95,7 @@ def commit(
     root.mkdir(parents=True, exist_ok=True)
     final = root / str(step)
     if final.exists():
-        raise FileExistsError(f"checkpoint {final} already exists")
+        raise CheckpointExists(f"checkpoint {final} already exists")
     tmp = root / f".tmp-{step}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -186,7 +186,7 @@ def read_manifest(folder: Path, step: int | None = None) -> dict[str, Any]:
         with open(path, "rb") as f:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
         if len(raw) > MAX_MANIFEST_BYTES:
-            raise ValueError(f"larger than {MAX_MANIFEST_BYTES} bytes")
+            raise InvalidArgument(f"larger than {MAX_MANIFEST_BYTES} bytes")
         manifest = json.loads(raw)
     except (OSError, ValueError) as e:
         raise CorruptCheckpoint(f"{folder}: no readable {MANIFEST} ({e})") from e
