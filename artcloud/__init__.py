@@ -12,16 +12,18 @@ from artcloud._version import __version__
 from artcloud.types import LoraConfig, TrainConfig, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
+    from artcloud.backends.deps import MissingDependency
     from artcloud.backends.from_env import backend_from_env
     from artcloud.backends.local import LocalBackend
     from artcloud.backends.modal import ModalBackend, ModalError
     from artcloud.backends.remote import RemoteBackend, ServerGone, VersionMismatch
-    from artcloud.errors import ArtcloudError
     from artcloud.backends.sky import SkyBackend, SkyError
+    from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported, TimedOut, WrongState, WrongType
     from artcloud.gather import GatherError, gather_trajectory_groups
     from artcloud.model import LinearTemperatureAnnealer, Model, TrainableModel, TrainResult
     from artcloud.rewards import RulerError, ruler, ruler_score_group
-    from artcloud.storage.s3 import pull_checkpoint
+    from artcloud.storage.checkpoints import CorruptCheckpoint
+    from artcloud.storage.s3 import StorageError, pull_checkpoint
 
 _LAZY = {
     "LocalBackend": "artcloud.backends.local",
@@ -31,7 +33,10 @@ _LAZY = {
     "ModalBackend": "artcloud.backends.modal",
     "ModalError": "artcloud.backends.modal",
     "SkyError": "artcloud.backends.sky",
-    "ArtcloudError": "artcloud.errors",
+    **dict.fromkeys(["ArtcloudError", "InvalidArgument", "WrongType", "NotSupported", "WrongState", "TimedOut"], "artcloud.errors"),
+    "MissingDependency": "artcloud.backends.deps",
+    "StorageError": "artcloud.storage.s3",
+    "CorruptCheckpoint": "artcloud.storage.checkpoints",
     "ServerGone": "artcloud.backends.remote",
     "VersionMismatch": "artcloud.backends.remote",
     "gather_trajectory_groups": "artcloud.gather",
@@ -53,6 +58,7 @@ __all__ = [
     "gather_trajectory_groups", "GatherError",
     "Model", "TrainableModel", "TrainResult", "LinearTemperatureAnnealer", "pull_checkpoint",
     "ruler", "ruler_score_group", "RulerError",
+    "InvalidArgument", "WrongType", "NotSupported", "WrongState", "TimedOut", "MissingDependency", "StorageError", "CorruptCheckpoint",
 ]
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime as _dt
 import re
 
+from artcloud.errors import InvalidArgument
+
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
 
@@ -18,10 +20,10 @@ def parse_duration(value: str | int | float | _dt.timedelta, *, what: str = "dur
     else:
         match = _PATTERN.match(str(value))
         if match is None:
-            raise ValueError(f"{what} {value!r} is not a duration: write e.g. 90s, 15m, 8h or 1d")
+            raise InvalidArgument(f"{what} {value!r} is not a duration: write e.g. 90s, 15m, 8h or 1d")
         seconds = float(match.group(1)) * _UNITS[(match.group(2) or "m").lower()]
     if seconds <= 0:
-        raise ValueError(f"{what} must be positive, not {value!r}")
+        raise InvalidArgument(f"{what} must be positive, not {value!r}")
     return seconds
 
 

@@ -39,3 +39,16 @@ class NotSupported(ArtcloudError, NotImplementedError):
     says what to write instead."""
 
     code = "not_supported"
+
+
+class WrongState(ArtcloudError, RuntimeError):
+    """A call made at the wrong moment (a model not registered yet, a group whose rollouts have not run,
+    a job that already ended); the message names what to call first."""
+
+    code = "wrong_state"
+
+
+class TimedOut(ArtcloudError, TimeoutError):
+    """Something artcloud waited for (a server starting, a push) did not happen in time."""
+
+    code = "timeout"

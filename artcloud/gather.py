@@ -6,13 +6,16 @@ import asyncio
 import inspect
 from typing import Any, Awaitable, Callable, Iterable
 
+from artcloud.errors import ArtcloudError, WrongType
 from artcloud.types import Trajectory, TrajectoryGroup
 
 AfterEach = Callable[[TrajectoryGroup], "TrajectoryGroup | None | Awaitable[TrajectoryGroup | None]"]
 
 
-class GatherError(Exception):
+class GatherError(ArtcloudError):
     """More rollouts failed than `max_exceptions` allows; `.exceptions` holds them all."""
+
+    code = "gather_failed"
 
     def __init__(self, message: str, exceptions: list[BaseException]):
         super().__init__(message)
@@ -62,7 +65,7 @@ async def gather_trajectory_groups(
                 raise
             return None
         if not isinstance(traj, Trajectory):
-            raise TypeError(f"a rollout returned {type(traj).__name__}, not an artcloud.Trajectory")
+            raise WrongType(f"a rollout returned {type(traj).__name__}, not an artcloud.Trajectory")
         state["done"] += 1
         state["tokens"] += _completion_tokens(traj)
         state["reward"] += traj.reward

@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
-from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported, WrongType
+from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported, WrongState, WrongType
 from artcloud.types import LoraConfig, TrainConfig, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("artcloud")
 
 
-class NotRegistered(ArtcloudError):
+class NotRegistered(WrongState):
     """A model used before `await model.register(backend)` (or without an endpoint)."""
 
     code = "not_registered"
@@ -40,7 +40,7 @@ class LinearTemperatureAnnealer:
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.start < 0 or self.end < 0:
-            raise ValueError("LinearTemperatureAnnealer needs steps >= 1 and temperatures >= 0")
+            raise InvalidArgument("LinearTemperatureAnnealer needs steps >= 1 and temperatures >= 0")
 
     def temperature(self, step: int) -> float:
         frac = min(max(step, 0), self.steps) / self.steps
@@ -334,25 +334,25 @@ def apply_art_options(config: TrainConfig, options: Mapping[str, Any], *, where:
 
 def _check_groups(groups: list[TrajectoryGroup]) -> None:
     if not groups:
-        raise ValueError("train() got no trajectory groups: gather some first (artcloud.gather_trajectory_groups)")
+        raise InvalidArgument("train() got no trajectory groups: gather some first (artcloud.gather_trajectory_groups)")
     for g, group in enumerate(groups):
         if not isinstance(group, TrajectoryGroup):
-            raise TypeError(f"groups[{g}] is a {type(group).__name__}, not an artcloud.TrajectoryGroup")
+            raise WrongType(f"groups[{g}] is a {type(group).__name__}, not an artcloud.TrajectoryGroup")
         if len(group.trajectories) < 2:
-            raise ValueError(
+            raise InvalidArgument(
                 f"groups[{g}] has {len(group.trajectories)} trajectory: GRPO compares trajectories of the same "
                 "prompt with each other, so a group needs at least 2"
             )
         for t, traj in enumerate(group.trajectories):
             choices = [m for m in traj.messages_and_choices if _is_choice(m)]
             if not choices:
-                raise ValueError(f"groups[{g}].trajectories[{t}] has no turn sampled by the model: append the "
+                raise InvalidArgument(f"groups[{g}].trajectories[{t}] has no turn sampled by the model: append the "
                                  "Choice objects returned by model.openai_client() to messages_and_choices")
             for c in choices:
                 logprobs = c.get("logprobs") if isinstance(c, dict) else getattr(c, "logprobs", None)
                 content = logprobs.get("content") if isinstance(logprobs, dict) else getattr(logprobs, "content", None)
                 if not content:
-                    raise ValueError(f"groups[{g}].trajectories[{t}] has a choice without logprobs: request "
+                    raise InvalidArgument(f"groups[{g}].trajectories[{t}] has a choice without logprobs: request "
                                      "completions with logprobs=True so training can use the sampling policy's logprobs")
 
 

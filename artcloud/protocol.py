@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, field_validator
 
+from artcloud.errors import InvalidArgument
 from artcloud.types import FiniteFloat, LoraConfig, Seed, TrainConfig
 
 # ---------------------------------------------------------------------------------------------- models
@@ -119,7 +120,7 @@ class ChatCompletionRequest(BaseModel):
             return []
         stops = [v] if isinstance(v, str) else v
         if len(stops) > MAX_STOP or any(not s for s in stops):
-            raise ValueError(f"stop takes at most {MAX_STOP} non-empty strings")
+            raise InvalidArgument(f"stop takes at most {MAX_STOP} non-empty strings")
         return stops
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from artcloud.errors import InvalidArgument
+from artcloud.errors import ArtcloudError, InvalidArgument, WrongState, WrongType
 from artcloud.types import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -79,12 +79,16 @@ _SCHEMA: dict[str, Any] = {
 }
 
 
-class RulerError(Exception):
+class RulerError(ArtcloudError):
     """The judge gave no usable answer (after retries), or cannot be called at all."""
 
+    code = "ruler_failed"
 
-class _BadAnswer(Exception):
+
+class _BadAnswer(ArtcloudError):
     """An answer that cannot be parsed or validated; worth asking again."""
+
+    code = "judge_bad_answer"
 
 
 class RulerScore(BaseModel):
@@ -118,7 +122,7 @@ def _plain(item: Any) -> dict[str, Any]:
     if hasattr(item, "model_dump"):
         item = item.model_dump(mode="json", exclude_none=True)
     if not isinstance(item, dict):
-        raise TypeError(f"a message must be a dict or an OpenAI Choice, not {type(item).__name__}")
+        raise WrongType(f"a message must be a dict or an OpenAI Choice, not {type(item).__name__}")
     if "message" in item and "role" not in item:  # a Choice: the policy's own turn
         item = item["message"] or {}
     out: dict[str, Any] = {"role": item.get("role") or "assistant"}
@@ -293,7 +297,7 @@ def _client(client: Any, base_url: str | None, api_key: str | None) -> "openai.A
 
     if client is not None:
         if base_url or api_key:
-            raise ValueError("pass either client or base_url/api_key, not both")
+            raise InvalidArgument("pass either client or base_url/api_key, not both")
         return client.with_options(max_retries=0)  # tenacity owns the retries
     return openai.AsyncOpenAI(base_url=base_url, api_key=api_key or os.environ.get("OPENAI_API_KEY") or "none", max_retries=0)
 
@@ -438,7 +442,7 @@ async def _score(
     if not plain:
         return [], {"prompt_tokens": 0, "completion_tokens": 0, "calls": 0, "cache_hits": 0}
     if any(not p for p in plain):
-        raise ValueError("every trajectory needs at least one message")
+        raise InvalidArgument("every trajectory needs at least one message")
     # Identical trajectories are judged once, and get the same score.
     index: dict[str, int] = {}
     unique: list[list[dict[str, Any]]] = []
@@ -542,7 +546,7 @@ async def ruler_score_group(
     resolve_judge(judge_model, client=client, base_url=base_url, api_key=api_key, extra_litellm_params=extra_litellm_params)
     try:
         if group.pending:
-            raise ValueError("this group still has rollouts to run: use gather_trajectory_groups or await group.resolve()")
+            raise WrongState("this group still has rollouts to run: use gather_trajectory_groups or await group.resolve()")
         if not group.trajectories:
             return group
         tools = [t for traj in group.trajectories for t in (traj.tools or [])]

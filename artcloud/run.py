@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from artcloud.durations import format_duration
+from artcloud.errors import ArtcloudError
 
 log = logging.getLogger("artcloud.run")
 
@@ -49,8 +50,10 @@ REPLACE_CHECK_S = 10.0  # how often a spot run asks whether its machine is still
 SNAPSHOT_EVERY_S = 5.0
 
 
-class RunError(Exception):
+class RunError(ArtcloudError):
     """Bad options: one line, exit 2."""
+
+    code = "run_options"
 
 
 @dataclass

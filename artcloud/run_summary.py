@@ -12,6 +12,8 @@ import re
 import tempfile
 from pathlib import Path
 
+from artcloud.errors import InvalidArgument
+
 __all__ = ["downsample", "format_seconds", "render_markdown", "sparkline", "write_summary"]
 
 _BARS = "▁▂▃▄▅▆▇█"
@@ -100,7 +102,7 @@ def write_summary(summary: dict, path: str | Path) -> tuple[Path, Path]:
     """
     json_path = Path(path)
     if json_path.suffix.lower() == ".md":
-        raise ValueError(f"{json_path} is the Markdown path: give the JSON path; the .md is written beside it")
+        raise InvalidArgument(f"{json_path} is the Markdown path: give the JSON path; the .md is written beside it")
     md_path = json_path.with_suffix(".md")
     markdown = render_markdown(summary)
     _atomic_write(json_path, json.dumps(summary, indent=2, ensure_ascii=False, default=str) + "\n")

@@ -11,12 +11,14 @@ from typing import Annotated, Any, Awaitable, Iterable, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr
 
+from artcloud.errors import InvalidArgument, WrongState
+
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _finite(v: float) -> float:
     if not math.isfinite(v):
-        raise ValueError("must be a finite number, not NaN or infinity")
+        raise InvalidArgument("must be a finite number, not NaN or infinity")
     return v
 
 
@@ -128,5 +130,5 @@ class TrajectoryGroup(BaseModel):
 
     def to_wire(self) -> dict[str, Any]:
         if self._pending:
-            raise RuntimeError("this group still has rollouts to run: use gather_trajectory_groups or await group.resolve()")
+            raise WrongState("this group still has rollouts to run: use gather_trajectory_groups or await group.resolve()")
         return {"trajectories": [t.to_wire() for t in self.trajectories]}

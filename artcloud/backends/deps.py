@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import importlib.util
 
-from artcloud.backends.remote import ArtcloudError
+from artcloud.errors import ArtcloudError
 
 EXTRAS = {"sky": ("SkyPilot", "sky"), "modal": ("Modal's client", "modal"), "boto3": ("boto3", "s3")}
 
 
 class MissingDependency(ArtcloudError):
     """An optional package is not installed here; the message names the pip extra that brings it."""
+
+    code = "missing_dependency"
 
 
 def installed(module: str) -> bool:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone, _first_line
+from artcloud.errors import InvalidArgument
 
 # Set by `artcloud run` for the script it starts (the token travels in a 0600 file, never in the env).
 ENV_URL = "ARTCLOUD_RUN_URL"
@@ -49,8 +50,8 @@ def backend_from_env(default: Callable[[], RemoteBackend] | None = None) -> Remo
             with open(env[ENV_TOKEN_FILE]) as f:
                 token = f.read().strip()
         except (KeyError, OSError) as e:
-            raise RuntimeError(f"{ENV_URL} is set but the run's token file is not readable ({e}): "
-                               "start the script with `artcloud run SCRIPT`") from e
+            raise ArtcloudError(f"{ENV_URL} is set but the run's token file is not readable ({e}): "
+                               "start the script with `artcloud run SCRIPT`", code="run_token_unreadable") from e
         kind = RunnerBackend if env.get(ENV_CONNECTION) else RemoteBackend
         return kind(env[ENV_URL], token=token, ca_cert=env.get(ENV_CA_FILE) or None,
                     check_hostname=env.get(ENV_CHECK_HOSTNAME, "1") != "0")
@@ -81,14 +82,14 @@ def make_backend(
 ) -> RemoteBackend:
     """A backend of `kind` from the options `artcloud run` and the env share; None leaves a default."""
     if kind not in BACKENDS:
-        raise ValueError(f"backend {kind!r} is not one of {', '.join(BACKENDS)}")
+        raise InvalidArgument(f"backend {kind!r} is not one of {', '.join(BACKENDS)}")
     given = {k: v for k, v in dict(lease=lease, s3=s3, **extra).items() if v is not None}
     if kind == "local":
         from artcloud.backends.local import LocalBackend
 
         if gpu or cloud or name or env or secrets:
             used = [f for f, v in (("gpu", gpu), ("cloud", cloud), ("name", name), ("env", env), ("secrets", secrets)) if v]
-            raise ValueError(f"{', '.join(used)} {'does' if len(used) == 1 else 'do'} not apply to the local backend")
+            raise InvalidArgument(f"{', '.join(used)} {'does' if len(used) == 1 else 'do'} not apply to the local backend")
         return LocalBackend(engine=engine or "cpu", max_duration=max_duration, **given)
     common = dict(env=dict(env or {}), secrets=list(secrets or []), engine=engine or "auto", **given)
     if kind == "sky":
@@ -99,7 +100,7 @@ def make_backend(
     from artcloud.backends.modal import ModalBackend
 
     if cloud:
-        raise ValueError("cloud does not apply to the modal backend (Modal picks its own)")
+        raise InvalidArgument("cloud does not apply to the modal backend (Modal picks its own)")
     return ModalBackend(gpu=gpu or "H100", name=name, **({"timeout": max_duration} if max_duration is not None else {}),
                         **common)
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from artcloud.backends.remote import ArtcloudError, ServerGone, engine_args_env
 from artcloud.backends.sandbox import SandboxBackend
+from artcloud.errors import InvalidArgument
 from artcloud.tls import make_launch_secrets
 
 DEFAULT_PATH = Path(".artcloud") / "local"
@@ -73,7 +74,7 @@ class LocalBackend(SandboxBackend):
             warnings.warn("LocalBackend(in_process=True): artcloud always runs the server as a child process "
                           "(it trains the same); in_process is ignored", UserWarning, stacklevel=2)
         if s3 is not None and not (s3.startswith("s3://") and len(s3) > 5):
-            raise ValueError(f"s3 must look like s3://BUCKET/PREFIX, not {s3!r}")
+            raise InvalidArgument(f"s3 must look like s3://BUCKET/PREFIX, not {s3!r}")
         self.path = Path(path) if path is not None else DEFAULT_PATH
         self.port = port
         self.host = host

@@ -41,6 +41,7 @@ from artcloud.backends.remote import ArtcloudError, ServerGone, engine_args_env
 from artcloud.backends.sandbox import SandboxBackend
 from artcloud.backends.state import SandboxRecord, StateDir, check_name
 from artcloud.durations import format_duration, parse_duration
+from artcloud.errors import InvalidArgument
 from artcloud.tls import new_token
 
 log = logging.getLogger("artcloud.modal")
@@ -61,18 +62,20 @@ DEFAULT_GPU_MAX_COUNT = 8
 class ModalError(ArtcloudError):
     """Creating, reaching or terminating a Modal sandbox failed; the message says what to do."""
 
+    code = "modal_failed"
+
 
 def check_gpu(gpu: str | None) -> None:
     if gpu is None:
         return
     name, colon, count = gpu.partition(":")
     if name.upper() not in GPU_TYPES or (colon and not (count.isdigit() and int(count) >= 1)):
-        raise ValueError(f"Modal has no GPU {gpu!r}: use one of {', '.join(GPU_TYPES)}, optionally with :COUNT "
+        raise InvalidArgument(f"Modal has no GPU {gpu!r}: use one of {', '.join(GPU_TYPES)}, optionally with :COUNT "
                          f"(1-{DEFAULT_GPU_MAX_COUNT}, A10 1-4), e.g. 'H100' or 'A100-80GB:2'")
     cap = GPU_MAX_COUNT.get(name.upper(), DEFAULT_GPU_MAX_COUNT)
     if colon and int(count) > cap:
         other = f", or a type that allows up to {DEFAULT_GPU_MAX_COUNT} (e.g. L40S)" if cap < DEFAULT_GPU_MAX_COUNT else ""
-        raise ValueError(f"Modal puts at most {cap} {name.upper()} GPUs in one sandbox, not {count}: ask for "
+        raise InvalidArgument(f"Modal puts at most {cap} {name.upper()} GPUs in one sandbox, not {count}: ask for "
                          f"'{name}:{cap}' or fewer{other}")
 
 
@@ -165,12 +168,12 @@ class ModalBackend(SandboxBackend):
         check_gpu(gpu)
         self.timeout_s = parse_duration(timeout, what="timeout")
         if self.timeout_s > MAX_TIMEOUT_S:
-            raise ValueError(f"timeout {timeout!r} is over Modal's 24 h cap: use at most 24h (resume on a new sandbox from S3)")
+            raise InvalidArgument(f"timeout {timeout!r} is over Modal's 24 h cap: use at most 24h (resume on a new sandbox from S3)")
         self.idle_timeout_s = parse_duration(idle_timeout, what="idle_timeout") if idle_timeout is not None else None
         self.lease_s = parse_duration(lease, what="lease")
         if self.idle_timeout_s is not None and self.idle_timeout_s <= self.lease_s + PUSH_MARGIN_S:
             least = f"{int((self.lease_s + PUSH_MARGIN_S) // 60) + 1}m"
-            raise ValueError(
+            raise InvalidArgument(
                 f"idle_timeout {idle_timeout!r} must be over lease + {format_duration(PUSH_MARGIN_S)} "
                 f"({format_duration(self.lease_s)} + {format_duration(PUSH_MARGIN_S)}): Modal's idle timer sees only "
                 "requests through the tunnel, so it would kill a paused client's server before the lease pushes "
@@ -178,7 +181,7 @@ class ModalBackend(SandboxBackend):
                 "idle server)")
         self.startup_timeout_s = parse_duration(startup_timeout, what="startup_timeout")
         if s3 is not None and not (s3.startswith("s3://") and len(s3) > 5):
-            raise ValueError(f"s3 must look like s3://BUCKET/PREFIX, not {s3!r}")
+            raise InvalidArgument(f"s3 must look like s3://BUCKET/PREFIX, not {s3!r}")
         self.gpu, self.app_name, self.s3, self.image, self.engine = gpu, app_name, s3, image, engine
         self.name = check_name(name) if name else f"artcloud-{_secrets.token_hex(3)}"
         self.cpu, self.memory, self.region, self.keep = cpu, memory, region, keep

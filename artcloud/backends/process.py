@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 
+from artcloud.errors import ArtcloudError, TimedOut
+
 
 class ServerProcess:
     def __init__(self, path: Path, *args: str, env: dict[str, str] | None = None, log_level: str = "info"):
@@ -56,9 +58,9 @@ class ServerProcess:
             if found:
                 self.url = found[-1]
             elif self.proc.poll() is not None:
-                raise RuntimeError(f"artcloud serve exited with {self.proc.returncode}:\n{self.tail()}")
+                raise ArtcloudError(f"artcloud serve exited with {self.proc.returncode}:\n{self.tail()}", code="server_exited")
             elif time.monotonic() > deadline:
-                raise TimeoutError(f"artcloud serve did not start in {timeout:.0f} s:\n{self.tail()}")
+                raise TimedOut(f"artcloud serve did not start in {timeout:.0f} s:\n{self.tail()}")
             else:
                 time.sleep(0.1)
         self.wait_ready(deadline - time.monotonic())
@@ -69,14 +71,14 @@ class ServerProcess:
         with httpx.Client(base_url=self.url, verify=self.ssl_context(), timeout=5) as c:
             while time.monotonic() < deadline:
                 if self.proc is None or self.proc.poll() is not None:
-                    raise RuntimeError(f"artcloud serve exited:\n{self.tail()}")
+                    raise ArtcloudError(f"artcloud serve exited:\n{self.tail()}", code="server_exited")
                 try:
                     if c.get("/health").json().get("ready"):
                         return
                 except httpx.TransportError:
                     pass
                 time.sleep(0.1)
-        raise TimeoutError(f"artcloud serve never became ready:\n{self.tail()}")
+        raise TimedOut(f"artcloud serve never became ready:\n{self.tail()}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
         if self.proc is None:

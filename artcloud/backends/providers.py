@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Iterator, Protocol
 
 from artcloud.backends.state import SandboxRecord
+from artcloud.errors import InvalidArgument
 
 
 class Sandboxes(Protocol):
@@ -44,4 +45,4 @@ def sandboxes(provider: str) -> Sandboxes:
         from artcloud.backends.modal import ModalSandboxes
 
         return ModalSandboxes()
-    raise ValueError(f"unknown provider {provider!r} in the state registry")
+    raise InvalidArgument(f"unknown provider {provider!r} in the state registry")

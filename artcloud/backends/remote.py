@@ -21,7 +21,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from artcloud._version import __version__
 from artcloud.tls import client_ssl_context
-from artcloud.errors import ArtcloudError
+from artcloud.errors import ArtcloudError, InvalidArgument
 
 log = logging.getLogger("artcloud.client")
 
@@ -47,11 +47,13 @@ def engine_args_env(engine_args: Mapping[str, Any] | None) -> dict[str, str]:
     if not engine_args:
         return {}
     if not isinstance(engine_args, Mapping) or not all(isinstance(k, str) for k in engine_args):
-        raise ValueError("engine_args must be a dict of vLLM settings, e.g. {'max_model_len': 8192}")
+        raise InvalidArgument("engine_args must be a dict of vLLM settings, e.g. {'max_model_len': 8192}")
     return {"ARTCLOUD_ENGINE_ARGS": json.dumps(dict(engine_args), sort_keys=True)}
 
 
 class VersionMismatch(ArtcloudError):
+    """The server runs another artcloud version than this client; the message says which to install."""
+
     code = "version_mismatch"
 
 
@@ -160,7 +162,7 @@ class RemoteBackend:
         health_probe_timeout_s: float = HEALTH_PROBE_TIMEOUT_S,
     ):
         if not base_url.startswith("https://"):
-            raise ValueError(f"artcloud servers speak HTTPS only: use https://..., not {base_url!r}")
+            raise InvalidArgument(f"artcloud servers speak HTTPS only: use https://..., not {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self._token = token
         self.ca_cert = ca_cert

@@ -40,6 +40,7 @@ from artcloud.backends.sky_api import ClusterInfo, GPUOffer, Launched, SkyAPI, s
 from artcloud.backends.sky_task import SECRET_NAMES, SERVER_PORT, ServerTask, build_task, describe
 from artcloud.backends.state import SandboxRecord, StateDir, check_name
 from artcloud.durations import parse_duration
+from artcloud.errors import InvalidArgument
 from artcloud.tls import make_launch_secrets
 
 log = logging.getLogger("artcloud.sky")
@@ -53,12 +54,14 @@ FAILED_JOB = ("FAILED", "FAILED_SETUP", "FAILED_DRIVER", "FAILED_PRECHECKS", "FA
 class SkyError(ArtcloudError):
     """Launching, reaching or tearing down a SkyPilot sandbox failed; the message says what to do."""
 
+    code = "sky_failed"
+
 
 def parse_gpu(gpu: str) -> tuple[str, int]:
     """'H100:8' → ('H100', 8); 'L4' → ('L4', 1)."""
     name, _, count = gpu.partition(":")
     if not name or (count and not count.isdigit()) or (count and int(count) < 1):
-        raise ValueError(f"gpu {gpu!r} is not a GPU spec: write NAME or NAME:COUNT, e.g. 'H100:1' or 'A100-80GB:2'")
+        raise InvalidArgument(f"gpu {gpu!r} is not a GPU spec: write NAME or NAME:COUNT, e.g. 'H100:1' or 'A100-80GB:2'")
     return name, int(count or 1)
 
 
@@ -68,21 +71,21 @@ def pick_offer(offers: list[GPUOffer], gpu: str, *, cloud: str | None, use_spot:
     SkyPilot's optimizer picks it. Raises ValueError if none can serve it."""
     name, count = parse_gpu(gpu)
     if not offers:
-        raise ValueError(f"SkyPilot knows no GPU named {name!r}: `sky show-gpus` lists the names (e.g. H100, A100-80GB, L4)")
+        raise InvalidArgument(f"SkyPilot knows no GPU named {name!r}: `sky show-gpus` lists the names (e.g. H100, A100-80GB, L4)")
     if cloud:
         offers = [o for o in offers if o.cloud.lower() == cloud.lower()]
         if not offers:
-            raise ValueError(f"{cloud} offers no {name}: `sky show-gpus {name}` lists the clouds that do")
+            raise InvalidArgument(f"{cloud} offers no {name}: `sky show-gpus {name}` lists the clouds that do")
     elif enabled is not None:
         clouds = sorted({o.cloud for o in offers})
         offers = [o for o in offers if o.cloud.lower() in enabled]
         if not offers:
-            raise ValueError(f"no enabled cloud offers {name} (enabled: {', '.join(enabled) or 'none'}; {name} is on "
+            raise InvalidArgument(f"no enabled cloud offers {name} (enabled: {', '.join(enabled) or 'none'}; {name} is on "
                              f"{', '.join(clouds)}): set one of those up, then `sky check`")
     fitting = [o for o in offers if o.count == count]
     if not fitting:
         counts = sorted({o.count for o in offers})
-        raise ValueError(f"no machine has {count}x {name}: choose a count among {counts}, e.g. gpu='{name}:{counts[0]}'")
+        raise InvalidArgument(f"no machine has {count}x {name}: choose a count among {counts}, e.g. gpu='{name}:{counts[0]}'")
     priced = [o for o in fitting if (o.spot_price if use_spot else o.price) is not None]
     if not priced:
         return None
@@ -172,13 +175,13 @@ class SkyBackend(SandboxBackend):
         if gpu is not None:
             parse_gpu(gpu)
         if region and not cloud:
-            raise ValueError("region= needs cloud= too (e.g. cloud='aws', region='us-east-1')")
+            raise InvalidArgument("region= needs cloud= too (e.g. cloud='aws', region='us-east-1')")
         if idle_minutes < 0:
-            raise ValueError(f"idle_minutes must be 0 or more, not {idle_minutes}")
+            raise InvalidArgument(f"idle_minutes must be 0 or more, not {idle_minutes}")
         if image is not None and not image.startswith("docker:"):
-            raise ValueError(f"image {image!r} must be a docker image, written 'docker:REPO/NAME:TAG'")
+            raise InvalidArgument(f"image {image!r} must be a docker image, written 'docker:REPO/NAME:TAG'")
         if s3 is not None and not (s3.startswith("s3://") and len(s3) > 5):
-            raise ValueError(f"s3 must look like s3://BUCKET/PREFIX, not {s3!r}")
+            raise InvalidArgument(f"s3 must look like s3://BUCKET/PREFIX, not {s3!r}")
         self.gpu, self.cloud, self.region, self.use_spot = gpu, cloud, region, use_spot
         self.cluster_name = check_name(cluster_name) if cluster_name else f"artcloud-{_secrets.token_hex(3)}"
         self.idle_minutes = int(idle_minutes)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from artcloud._version import __version__
+from artcloud.errors import InvalidArgument
 
 TEMPLATE_NAME = "artcloud-server.yaml"
 SERVER_PORT = 8080  # the one port every SkyPilot cloud forwards (Vast forwards no other)
@@ -84,9 +85,9 @@ def build_task(
     `workdir`: the folder to sync when there is no wheel (a prebuilt image)."""
     missing = [name for name in SECRET_NAMES if not secrets.get(name)]
     if missing:
-        raise ValueError(f"the task needs the secrets {', '.join(missing)}")
+        raise InvalidArgument(f"the task needs the secrets {', '.join(missing)}")
     if region and not cloud:
-        raise ValueError("a region needs its cloud too: pass cloud= (e.g. cloud='aws', region='us-east-1')")
+        raise InvalidArgument("a region needs its cloud too: pass cloud= (e.g. cloud='aws', region='us-east-1')")
     config = load_template()
 
     res = config["resources"]
@@ -126,7 +127,7 @@ def build_task(
         envs["ARTCLOUD_RUN_ARGS"] = shlex.join(run_args)
     for key, value in (env or {}).items():
         if key in secrets:
-            raise ValueError(f"{key} is given both as an env and as a secret: keep it a secret only")
+            raise InvalidArgument(f"{key} is given both as an env and as a secret: keep it a secret only")
         envs[key] = str(value)
 
     # Only the names: the values stay in ServerTask.secrets and go to SkyPilot as task secrets.

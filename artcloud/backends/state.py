@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from artcloud.errors import InvalidArgument
+
 ENV_HOME = "ARTCLOUD_HOME"
 # SkyPilot's rule is [a-zA-Z]([-_.a-zA-Z0-9]*[a-zA-Z0-9])? (sky/skylet/constants.py CLUSTER_NAME_VALID_REGEX), Modal's
 # for a sandbox [a-zA-Z0-9-_.]{1,64} (modal/_utils/name_utils.py): this is stricter than both, and a DNS label.
@@ -32,7 +34,7 @@ def check_name(name: str) -> str:
     """Cluster names as every provider accepts them: lower case, digits and dashes, a letter first, no dash last.
     Checked before anything is built or launched."""
     if not _NAME.fullmatch(name):
-        raise ValueError(f"sandbox name {name!r} must start with a letter, end with a letter or digit and hold only "
+        raise InvalidArgument(f"sandbox name {name!r} must start with a letter, end with a letter or digit and hold only "
                          "a-z, 0-9 and '-' (63 at most), e.g. 'mail-agent-1'")
     return name
 

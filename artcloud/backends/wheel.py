@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterable
 
 from artcloud._version import __version__
+from artcloud.errors import ArtcloudError, InvalidArgument
 
 _SKIP_SUFFIXES = (".pyc", ".pyo")
 
@@ -50,9 +51,10 @@ def build_wheel(out_dir: Path) -> Path:
             entry_points = dist.read_text("entry_points.txt") or ""
             break
     if not meta:
-        raise RuntimeError(
+        raise ArtcloudError(
             "artcloud is imported from a folder that was never installed, so its dependencies are unknown: "
-            "install it (pip install -e .) or launch with image=... (a prebuilt server image)"
+            "install it (pip install -e .) or launch with image=... (a prebuilt server image)",
+            code="not_installed",
         )
     info = f"artcloud-{__version__}.dist-info"
     wheel_meta = "Wheel-Version: 1.0\nGenerator: artcloud\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
@@ -106,7 +108,7 @@ def wheel_requirements(wheel: Path, *, extras: Iterable[str], python: str) -> li
     with zipfile.ZipFile(wheel) as zf:
         name = next((n for n in zf.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")), None)
         if name is None:
-            raise ValueError(f"{wheel} has no .dist-info/METADATA: not a wheel (build one with build_wheel)")
+            raise InvalidArgument(f"{wheel} has no .dist-info/METADATA: not a wheel (build one with build_wheel)")
         meta = Parser().parsestr(zf.read(name).decode())
     own = canonicalize_name(meta["Name"])
     reqs = [Requirement(line) for line in meta.get_all("Requires-Dist") or []]

@@ -10,6 +10,8 @@ import sys
 
 import typer
 
+from artcloud.errors import ArtcloudError
+
 app = typer.Typer(
     name="artcloud",
     help="Train LLM agents with GRPO on LoRA adapters, on GPUs that live only as long as the job.",
@@ -19,8 +21,10 @@ app = typer.Typer(
 )
 
 
-class CLIError(Exception):
+class CLIError(ArtcloudError):
     """Printed as one line on stderr; the process exits with status 2."""
+
+    code = "cli_usage"
 
 
 @app.callback()

@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
+from artcloud.errors import WrongState
 from artcloud.protocol import Event
 
 log = logging.getLogger("artcloud.server")
@@ -92,7 +93,7 @@ class Job:
 
     def emit(self, type_: str, **data: Any) -> Event:
         if self.done:
-            raise RuntimeError(f"job {self.id} already ended")
+            raise WrongState(f"job {self.id} already ended")
         event = Event(seq=len(self.events) + 1, type=type_, job_id=self.id, time=time.time(), data=data)
         with open(self._path, "a") as f:  # in the file before any reader can see it
             f.write(event.model_dump_json() + "\n")

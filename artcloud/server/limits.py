@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from artcloud.errors import InvalidArgument
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -33,4 +35,4 @@ class Limits:
     def check(self) -> None:
         for name in ("max_body_mb", "max_request_tokens", "max_queued_jobs", "max_kept_jobs", "max_base_models", "max_models"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+                raise InvalidArgument(f"--{name.replace('_', '-')} must be positive")

@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from artcloud.storage.s3 import CheckpointStore, ClaimLost
+from artcloud.errors import TimedOut
+from artcloud.storage.s3 import CheckpointStore, ClaimLost, StorageError
 
 log = logging.getLogger("artcloud.server")
 
@@ -166,7 +167,7 @@ class Pusher:
             self._kick.set()  # no backoff while someone waits
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"the push of {self.model} did not finish in {timeout:.0f} s (last error: {self.last_error})")
+                raise TimedOut(f"the push of {self.model} did not finish in {timeout:.0f} s (last error: {self.last_error})")
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), min(left, 1.0))
             except asyncio.TimeoutError:
@@ -174,7 +175,7 @@ class Pusher:
             if self.lost is not None:
                 raise ClaimLost(self.lost)
             if self.errors - errors_before >= attempts:
-                raise RuntimeError(f"the push of {self.model} failed {attempts} times: {self.last_error}")
+                raise StorageError(f"the push of {self.model} failed {attempts} times: {self.last_error}", code="push_failed")
 
     def status(self) -> dict[str, Any]:
         return {

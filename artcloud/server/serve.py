@@ -23,6 +23,7 @@ from pathlib import Path
 
 from artcloud._version import __version__
 from artcloud.durations import format_duration
+from artcloud.errors import ArtcloudError
 from artcloud.server.lease import FORCE_EXIT_AFTER_S
 from artcloud.tls import LaunchSecrets, make_launch_secrets
 
@@ -41,8 +42,10 @@ TCP_KEEPALIVE = (30, 10, 3)  # idle seconds before the first probe, seconds betw
 GRACEFUL_SHUTDOWN_S = 10
 
 
-class ServeError(Exception):
+class ServeError(ArtcloudError):
     """A problem with how the server was started; the message is one line saying what to do."""
+
+    code = "serve_failed"
 
 
 @dataclass

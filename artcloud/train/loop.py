@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from artcloud.errors import ArtcloudError
 from artcloud.train import grpo, packing
 from artcloud.train.packing import PackedBatch
 
@@ -32,8 +33,10 @@ if TYPE_CHECKING:
     from artcloud.types import TrainConfig
 
 
-class NonFiniteError(Exception):
+class NonFiniteError(ArtcloudError):
     """The loss, the gradient norm or (after an optimizer step) a LoRA parameter is NaN or infinite."""
+
+    code = "non_finite"
 
     _WHAT = {
         "loss": "the loss",

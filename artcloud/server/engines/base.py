@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from artcloud.errors import ArtcloudError
 from artcloud.types import LoraConfig, TrainConfig
 
 
@@ -158,9 +159,18 @@ class Sampler(abc.ABC):
     def close(self) -> None: ...
 
 
-class SamplerUnavailable(Exception):
+class SamplerUnavailable(ArtcloudError):
     """The sampler cannot answer now (its process died and is restarting); the message says when to
     retry. The server answers 503 with it."""
+
+    code = "sampler_unavailable"
+
+
+class EngineError(ArtcloudError, RuntimeError):
+    """An engine failed (vLLM exited, answered an error or contradicted itself); a bug or a broken machine,
+    answered as a 500."""
+
+    code = "engine_failed"
 
 
 class StopStrings:

@@ -36,6 +36,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
+from artcloud.errors import InvalidArgument
 from artcloud.server.engines.engine import Engine
 
 log = logging.getLogger("artcloud.engine")
@@ -53,23 +54,25 @@ MODEL_ARGS = {"gpu_memory_utilization", "max_model_len", "max_loras", "max_cpu_l
               "load_in_4bit", "max_seq_length"}
 
 
-class EngineArgsError(ValueError):
+class EngineArgsError(InvalidArgument):
     """engine_args this engine cannot take; the message names the key."""
+
+    code = "invalid_engine_args"
 
 
 def check_engine_args(args: dict[str, Any], *, from_client: bool) -> None:
-    """ValueError naming the first key that may not be set (`from_client`: a register request's, which
+    """EngineArgsError (a ValueError) naming the first key that may not be set (`from_client`: a register request's, which
     must be in MODEL_ARGS; the operator's --engine-args may set any vLLM flag but artcloud's own)."""
     for key, value in args.items():
         if not isinstance(key, str) or not key.replace("_", "").isalnum():
-            raise ValueError(f"engine_args key {key!r} is not a flag name (letters, digits and _)")
+            raise EngineArgsError(f"engine_args key {key!r} is not a flag name (letters, digits and _)")
         if key in RESERVED_ARGS:
-            raise ValueError(f"engine_args {key!r} is set by artcloud (vLLM listens on loopback with its own key)")
+            raise EngineArgsError(f"engine_args {key!r} is set by artcloud (vLLM listens on loopback with its own key)")
         if from_client and key not in MODEL_ARGS:
-            raise ValueError(f"engine_args {key!r} cannot be set per model; allowed: {', '.join(sorted(MODEL_ARGS))} "
+            raise EngineArgsError(f"engine_args {key!r} cannot be set per model; allowed: {', '.join(sorted(MODEL_ARGS))} "
                              "(the server's operator can set others with artcloud serve --engine-args)")
         if from_client and (not isinstance(value, (str, int, float, bool)) or (isinstance(value, str) and len(value) > 64)):
-            raise ValueError(f"engine_args {key!r} must be a number, a boolean or a short string")
+            raise EngineArgsError(f"engine_args {key!r} must be a number, a boolean or a short string")
 
 
 def vllm_defaults(cuda_devices: int) -> tuple[dict[str, Any], dict[str, str]]:
@@ -169,7 +172,7 @@ def engine_factory(kind: str, *, workdir: Path, engine_args: dict[str, Any] | No
                    vllm_python: str | None = None) -> Callable[[str], Engine]:
     """A function base_model -> Engine for `--engine KIND`, after one log line saying what and why."""
     if kind not in KINDS:
-        raise ValueError(f"unknown engine {kind!r}: choose one of {', '.join(KINDS)}")
+        raise InvalidArgument(f"unknown engine {kind!r}: choose one of {', '.join(KINDS)}")
     check_engine_args(engine_args or {}, from_client=False)
 
     if kind == "cpu":

@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from artcloud.errors import ArtcloudError
 from artcloud.server.engines import tiny
 
 log = logging.getLogger("artcloud.engine")
@@ -27,8 +28,10 @@ SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class ModelNotFound(Exception):
+class ModelNotFound(ArtcloudError):
     """The base model cannot be found or loaded; the message says what to do."""
+
+    code = "base_model_not_found"
 
 
 def cache_dir() -> Path:

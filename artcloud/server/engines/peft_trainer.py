@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from artcloud.errors import InvalidArgument
 from artcloud.server.engines import loading
 from artcloud.server.engines.base import StepCallback, Trainer, TrainSample
 from artcloud.train import loop, packing
@@ -222,7 +223,7 @@ class PeftTrainer(Trainer):
         result = set_peft_model_state_dict(self.peft, state, adapter_name=name)
         unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
         if unexpected:
-            raise ValueError(f"adapter in {folder} does not match this model: {unexpected[:3]}")
+            raise InvalidArgument(f"adapter in {folder} does not match this model: {unexpected[:3]}")
         self.optimizers.pop(slot, None)
         if optimizer:
             opt = self._optimizer(slot)

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from artcloud.server.engines.base import Completion, GenerationRequest, Sampler, SamplerUnavailable
+from artcloud.errors import InvalidArgument
+from artcloud.server.engines.base import Completion, EngineError, GenerationRequest, Sampler, SamplerUnavailable
 from artcloud.types import LoraConfig
 
 log = logging.getLogger("artcloud.engine")
@@ -163,7 +164,7 @@ class VLLMSampler(Sampler):
             except ValueError:
                 pass
         if self.state == "closed":
-            raise RuntimeError("the vLLM sampler is closed")
+            raise EngineError("the vLLM sampler is closed")
         port = _free_port()
         env = {**os.environ, **self.cfg.env, "VLLM_API_KEY": self.key, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
                "VLLM_SERVER_DEV_MODE": "1" if self.can_sleep else "0", "VLLM_NO_USAGE_STATS": "1",
@@ -176,13 +177,13 @@ class VLLMSampler(Sampler):
         self.pgid_file.write_text(str(self.proc.pid))  # setsid: its pid is its group's id
         if self.state == "closed":  # closed while this one was being started (a restart racing a shutdown)
             self._kill()
-            raise RuntimeError("the vLLM sampler is closed")
+            raise EngineError("the vLLM sampler is closed")
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             code = self.proc.poll()
             if code is not None:
-                raise RuntimeError(f"vLLM exited with code {code} while starting; the end of {self.log_path}:\n"
+                raise EngineError(f"vLLM exited with code {code} while starting; the end of {self.log_path}:\n"
                                    + self.log_tail())
             try:
                 if self._http.get(self.url + "/health", timeout=2.0).status_code == 200:
@@ -191,7 +192,7 @@ class VLLMSampler(Sampler):
                 pass
             if time.monotonic() > deadline:
                 self._kill()
-                raise RuntimeError(f"vLLM did not answer within {START_TIMEOUT_S:.0f} s (ARTCLOUD_VLLM_START_TIMEOUT); "
+                raise EngineError(f"vLLM did not answer within {START_TIMEOUT_S:.0f} s (ARTCLOUD_VLLM_START_TIMEOUT); "
                                    f"the end of {self.log_path}:\n" + self.log_tail())
             time.sleep(0.5)
         self.asleep = False
@@ -284,7 +285,7 @@ class VLLMSampler(Sampler):
                                          "restarting; retry in a minute") from e
             raise
         if r.status_code >= 400:
-            raise RuntimeError(f"vLLM {path} answered {r.status_code}: {r.text[:500]}")
+            raise EngineError(f"vLLM {path} answered {r.status_code}: {r.text[:500]}")
         return r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
 
     # ------------------------------------------------------------------------------------- adapters
@@ -292,7 +293,7 @@ class VLLMSampler(Sampler):
     def check_lora(self, lora: LoraConfig) -> None:
         if lora.rank > self.max_lora_rank:
             fits = next((r for r in VLLM_LORA_RANKS if r >= lora.rank), lora.rank)
-            raise ValueError(f"rank {lora.rank} is over this vLLM sampler's max_lora_rank {self.max_lora_rank}: "
+            raise InvalidArgument(f"rank {lora.rank} is over this vLLM sampler's max_lora_rank {self.max_lora_rank}: "
                              f"register with rank <= {self.max_lora_rank}, or start the server with "
                              f"engine_args max_lora_rank={fits}")
 
@@ -352,7 +353,7 @@ class VLLMSampler(Sampler):
         else:
             entry = self.adapters.get(slot)
             if entry is None:
-                raise KeyError(f"adapter {slot!r} is not served by this vLLM sampler")
+                raise EngineError(f"adapter {slot!r} is not served by this vLLM sampler", code="adapter_not_loaded")
             model = entry[0]
         return list(self._pool.map(lambda r: self._one(model, r), requests))
 
@@ -383,7 +384,7 @@ class VLLMSampler(Sampler):
         lp = choice["logprobs"]
         logprobs = [float(x) for x in lp["token_logprobs"]]
         if len(logprobs) != len(ids):
-            raise RuntimeError(f"vLLM returned {len(ids)} token ids but {len(logprobs)} logprobs")
+            raise EngineError(f"vLLM returned {len(ids)} token ids but {len(logprobs)} logprobs")
         tops = None
         if top_k:
             tops = []
