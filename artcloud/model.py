@@ -51,7 +51,12 @@ class Model:
     """A model served by a backend, for inference only (no `train`). Registered as an adapter that is
     never trained, so it answers exactly as its base model does, under its own name."""
 
-    def __init__(self, *, name: str, project: str, base_model: str, engine_args: dict[str, Any] | None = None):
+    def __init__(self, *, name: str, project: str, base_model: str, engine_args: dict[str, Any] | None = None,
+                 report_metrics: list[str] | None = None):
+        from artcloud import report
+
+        self.report_metrics = report.check_reporting(report_metrics)  # ["wandb"]; None: W&B if WANDB_API_KEY
+        self._wandb: report.WandbReporter | None = None
         self.name = name
         self.project = project
         self.base_model = base_model
@@ -92,13 +97,36 @@ class Model:
         self.step = (await self.backend.model_info(self.name))["step"]
         return self.step
 
+    async def log(self, trajectories: Iterable[Any] | None = None, split: str = "val", *,
+                  metrics: dict[str, float] | None = None, step: int | None = None) -> dict[str, Any]:
+        """ART's `model.log`: record `split`'s metrics at `step` (default: the model's step) in the server's
+        history, and on W&B when reporting is on (artcloud/report.py). `trajectories`: Trajectory objects
+        (exceptions count as failed rollouts) or TrajectoryGroups, summarized as ART does; `metrics` are
+        merged in and win. Returns the history record."""
+        from artcloud import report
+
+        batch = report.summarize(trajectories)
+        body = {"split": split, "step": step, "metrics": {**batch.metrics, **report.check_metrics(metrics)}}
+        record = await self.backend.log(self.name, body)
+        self._report(record, batch)
+        return record
+
+    def _report(self, record: dict[str, Any], batch: Any = None) -> None:
+        from artcloud import report
+
+        if report.wandb_enabled(self.report_metrics):
+            if self._wandb is None:
+                self._wandb = report.WandbReporter(self.project, self.name)
+            self._wandb.report(record, batch)
+
 
 class TrainableModel(Model):
     """A LoRA adapter on `base_model` that `train` updates with GRPO, one step per call."""
 
     def __init__(self, *, name: str, project: str, base_model: str, config: LoraConfig | None = None,
-                 engine_args: dict[str, Any] | None = None):
-        super().__init__(name=name, project=project, base_model=base_model, engine_args=engine_args)
+                 engine_args: dict[str, Any] | None = None, report_metrics: list[str] | None = None):
+        super().__init__(name=name, project=project, base_model=base_model, engine_args=engine_args,
+                         report_metrics=report_metrics)
         self.config = config or LoraConfig()
         self._annealer: LinearTemperatureAnnealer | None = None
         self._pending: asyncio.Task | None = None
@@ -177,8 +205,17 @@ class TrainableModel(Model):
             raise ArtcloudError(f"training {self.name} failed: {last['data'].get('message')}", code=last["data"].get("code", "error"))
         self.step = last["data"]["step"]
         await self._push_temperature()
-        return TrainResult(step=self.step, trained=last["data"].get("trained", False),
-                           metrics=last["data"].get("metrics", {}), events=events)
+        result = TrainResult(step=self.step, trained=last["data"].get("trained", False),
+                             metrics=last["data"].get("metrics", {}), events=events)
+        self._report_train(groups, result)
+        return result
+
+    def _report_train(self, groups: list[TrajectoryGroup], result: TrainResult) -> None:
+        """A training step's history record (its metrics) to W&B, with the batch's rewards and samples."""
+        from artcloud import report
+
+        record = {"step": result.step, "split": "train", **result.metrics}
+        self._report(record, report.summarize(groups))
 
 
 def _check_groups(groups: list[TrajectoryGroup]) -> None:
