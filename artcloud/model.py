@@ -215,7 +215,10 @@ class TrainableModel(Model):
         from artcloud import report
 
         record = {"step": result.step, "split": "train", **result.metrics}
-        self._report(record, report.summarize(groups))
+        try:
+            self._report(record, report.summarize(groups))
+        except Exception as e:  # the step is committed: raising now would have a retrying loop train it twice
+            log.warning("%s: step %d trained, but reporting it to W&B failed: %s", self.name, result.step, e)
 
 
 def _check_groups(groups: list[TrajectoryGroup]) -> None:

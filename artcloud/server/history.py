@@ -83,7 +83,7 @@ def training_record(step: int, job_id: str, stats: dict[str, Any], steps: list[d
         values = [s[key] for s in steps if key in s]
         if values:
             record[key] = sum(values) / len(values)
-    return record
+    return {k: v for k, v in record.items() if not isinstance(v, float) or math.isfinite(v)}  # JSON has no NaN
 
 
 def log_record(req: LogRequest, step: int) -> dict[str, Any]:

@@ -234,7 +234,10 @@ class Trainer:
     async def _save_history(self) -> None:
         """The model folder's history.jsonl and reward.svg, as the history is now (history.py)."""
         async with self._history_lock:
-            await asyncio.to_thread(history.write_live, self.model.folder, list(self.model.history))
+            try:
+                await asyncio.to_thread(history.write_live, self.model.folder, list(self.model.history))
+            except OSError as e:  # a full disk: the history stays in memory and in the next checkpoint
+                log.warning("could not write the history files of %s: %s", self.name, e)
 
     # ------------------------------------------------------------------------------------- commits
 
