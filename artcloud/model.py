@@ -81,7 +81,11 @@ class Model:
     def __init__(self, *, name: str, project: str, base_model: str | None = None, config: Any = None,
                  inference_model_name: str | None = None, inference_base_url: str | None = None,
                  inference_api_key: str | None = None, engine_args: dict[str, Any] | None = None,
-                 entity: str | None = None, id: str | None = None):
+                 entity: str | None = None, id: str | None = None, report_metrics: list[str] | None = None):
+        from artcloud import report
+
+        self.report_metrics = report.check_reporting(report_metrics)  # ["wandb"]; None: W&B if WANDB_API_KEY
+        self._wandb: report.WandbReporter | None = None
         self.name = name
         self.project = project
         self.base_model = base_model
@@ -161,6 +165,28 @@ class Model:
         self.step = (await self.backend.model_info(self.name))["step"]
         return self.step
 
+    async def log(self, trajectories: Iterable[Any] | None = None, split: str = "val", *,
+                  metrics: dict[str, float] | None = None, step: int | None = None) -> dict[str, Any]:
+        """ART's `model.log`: record `split`'s metrics at `step` (default: the model's step) in the server's
+        history, and on W&B when reporting is on (artcloud/report.py). `trajectories`: Trajectory objects
+        (exceptions count as failed rollouts) or TrajectoryGroups, summarized as ART does; `metrics` are
+        merged in and win. Returns the history record."""
+        from artcloud import report
+
+        batch = report.summarize(trajectories)
+        body = {"split": split, "step": step, "metrics": {**batch.metrics, **report.check_metrics(metrics)}}
+        record = await self.backend.log(self.name, body)
+        self._report(record, batch)
+        return record
+
+    def _report(self, record: dict[str, Any], batch: Any = None) -> None:
+        from artcloud import report
+
+        if report.wandb_enabled(self.report_metrics):
+            if self._wandb is None:
+                self._wandb = report.WandbReporter(self.project, self.name)
+            self._wandb.report(record, batch)
+
 
 class TrainableModel(Model):
     """A LoRA adapter on `base_model` that `train` updates with GRPO, one step per call.
@@ -174,9 +200,9 @@ class TrainableModel(Model):
 
     def __init__(self, *, name: str, project: str, base_model: str, config: Any = None,
                  lora: LoraConfig | None = None, engine_args: dict[str, Any] | None = None,
-                 entity: str | None = None, id: str | None = None):
+                 entity: str | None = None, id: str | None = None, report_metrics: list[str] | None = None):
         super().__init__(name=name, project=project, base_model=base_model, config=config,
-                         engine_args=engine_args, entity=entity, id=id)
+                         engine_args=engine_args, entity=entity, id=id, report_metrics=report_metrics)
         if isinstance(config, LoraConfig):
             if lora is not None:
                 raise InvalidArgument("TrainableModel got a LoraConfig both as config= and lora=: pass it as lora= only",
@@ -274,9 +300,21 @@ class TrainableModel(Model):
             raise ArtcloudError(f"training {self.name} failed: {last['data'].get('message')}", code=last["data"].get("code", "error"))
         self.step = last["data"]["step"]
         await self._push_temperature()
-        return TrainResult(step=self.step, trained=last["data"].get("trained", False),
-                           metrics=last["data"].get("metrics", {}), events=events,
-                           checkpoint_path=last["data"].get("checkpoint"))
+        result = TrainResult(step=self.step, trained=last["data"].get("trained", False),
+                             metrics=last["data"].get("metrics", {}), events=events,
+                             checkpoint_path=last["data"].get("checkpoint"))
+        self._report_train(groups, result)
+        return result
+
+    def _report_train(self, groups: list[TrajectoryGroup], result: TrainResult) -> None:
+        """A training step's history record (its metrics) to W&B, with the batch's rewards and samples."""
+        from artcloud import report
+
+        record = {"step": result.step, "split": "train", **result.metrics}
+        try:
+            self._report(record, report.summarize(groups))
+        except Exception as e:  # the step is committed: raising now would have a retrying loop train it twice
+            log.warning("%s: step %d trained, but reporting it to W&B failed: %s", self.name, result.step, e)
 
 
 # ------------------------------------------------------------------------------------- ART's training options

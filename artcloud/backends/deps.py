@@ -10,7 +10,8 @@ import importlib.util
 
 from artcloud.errors import ArtcloudError
 
-EXTRAS = {"sky": ("SkyPilot", "sky"), "modal": ("Modal's client", "modal"), "boto3": ("boto3", "s3")}
+EXTRAS = {"sky": ("SkyPilot", "sky"), "modal": ("Modal's client", "modal"), "boto3": ("boto3", "s3"),
+          "wandb": ("wandb (Weights & Biases)", "wandb")}
 
 
 class MissingDependency(ArtcloudError):

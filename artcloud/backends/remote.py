@@ -412,6 +412,10 @@ class RemoteBackend:
     async def model_info(self, name: str) -> dict[str, Any]:
         return await self._call("GET", f"/artcloud/models/{name}")
 
+    async def log(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Record a split's metrics in the model's history (model.log). Not retried: a retry could record twice."""
+        return await self._call("POST", f"/artcloud/models/{name}/log", json_body=body, retry=False)
+
     async def set_temperature(self, name: str, temperature: float) -> None:
         await self._call("PUT", f"/artcloud/models/{name}/temperature", json_body={"temperature": temperature})
         self._temperatures[name] = temperature

@@ -28,7 +28,7 @@ def serve(
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
     parent_pid: Optional[int] = typer.Option(None, "--parent-pid", help="Exit when this process is gone (set by LocalBackend)."),
     keep_last: int = typer.Option(0, "--keep-last", min=0, help="Keep only the newest K checkpoints (plus the best, and always the latest), here and on S3. 0 keeps all."),
-    keep_best: str = typer.Option("reward_mean", "--keep-best", help="The training metric whose best step --keep-last also keeps."),
+    keep_best: str = typer.Option("reward_mean", "--keep-best", help="The metric whose best step --keep-last also keeps: a training record's key, or SPLIT/KEY of model.log's (e.g. val/reward)."),
     s3: Optional[str] = typer.Option(None, "--s3", help="Push every checkpoint to s3://BUCKET/PREFIX and resume from it. Default: $ARTCLOUD_S3. Endpoint and credentials: ARTCLOUD_S3_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY."),
     lease: Optional[str] = typer.Option(None, "--lease", help="Exit (after a final checkpoint push) when no authenticated request or heartbeat came for this long: 90s, 15m, 8h; a bare number is minutes. Default: never."),
     behind_https_proxy: bool = typer.Option(False, "--behind-https-proxy", help="Serve plain HTTP to an HTTPS-terminating proxy in front (Modal's encrypted tunnel); the token is still required (from $ARTCLOUD_TOKEN or --token-file). Never on an open port."),
@@ -99,7 +99,7 @@ def pull(
     step: str = typer.Option("latest", "--step", help="A step number, or 'latest' (the newest committed one)."),
     to: Optional[Path] = typer.Option(None, "--to", help="Folder to pull into; the checkpoint lands in TO/STEP. Default: ./checkpoints/PROJECT/MODEL."),
     keep_last: int = typer.Option(0, "--keep-last", min=0, help="Keep only the newest K checkpoints (plus the best, and always the latest), here and on S3. 0 keeps all."),
-    keep_best: str = typer.Option("reward_mean", "--keep-best", help="The training metric whose best step --keep-last also keeps."),
+    keep_best: str = typer.Option("reward_mean", "--keep-best", help="The metric whose best step --keep-last also keeps: a training record's key, or SPLIT/KEY of model.log's (e.g. val/reward)."),
     s3: Optional[str] = typer.Option(None, "--s3", help="Where the checkpoints are: s3://BUCKET/PREFIX. Default: $ARTCLOUD_S3."),
 ) -> None:
     """Download a checkpoint from S3, verified against its manifest.

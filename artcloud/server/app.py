@@ -11,6 +11,7 @@
     PUT  /artcloud/models/{name}/temperature       default sampling temperature (a request's own wins)
     POST /artcloud/models/{name}/checkpoints/prune delete all checkpoints but the latest and the best by a metric
     POST /artcloud/models/{name}/train             start a training job -> 202 {job_id}
+    POST /artcloud/models/{name}/log               model.log: a split's metrics at a step join the history
     GET  /artcloud/jobs/{job_id}                   job status
     GET  /artcloud/jobs/{job_id}/events?after=N    NDJSON events after cursor N (&follow=true to wait)
     POST /artcloud/shutdown                        refuse new training, wait for jobs (optional), push
@@ -34,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from artcloud._version import __version__
 from artcloud.protocol import (NAME_PATTERN, ChatCompletionRequest, PruneRequest, RegisterRequest, TemperatureRequest,
                                TrainRequest)
-from artcloud.server import chat, schemas
+from artcloud.server import chat, history, schemas
 from artcloud.server.engines.base import GenerationRequest, SamplingParams
 from artcloud.server.errors import ApiError, field_path
 from artcloud.server.jobs import Job, request_hash
@@ -55,7 +56,7 @@ JobId = Path(pattern=JOB_ID_PATTERN, description="a job id, as POST /artcloud/mo
 # OpenAPI links: what a register or a training POST answers feeds the routes that take its name or job.
 _MODEL_LINKS = {
     op: {"operationId": op, "parameters": {"name": "$response.body#/name"}}
-    for op in ("get_model_info", "set_temperature", "train", "prune_checkpoints")
+    for op in ("get_model_info", "set_temperature", "train", "prune_checkpoints", "log_metrics")
 }
 _JOB_LINKS = {
     op: {"operationId": op, "parameters": {"job_id": "$response.body#/job_id"}}
@@ -207,6 +208,14 @@ def create_app(registry: Registry, token: str) -> FastAPI:
               response_model=schemas.Pruned, responses=errors(400, 404, 503))
     async def prune_checkpoints(body: PruneRequest, name: str = ModelName) -> dict[str, Any]:
         return await registry.get(name).trainer.prune(body.best_metric)
+
+    @app.post("/artcloud/models/{name}/log", operation_id="log_metrics", response_model=history.HistoryRecord,
+              responses=errors(400, 404, 409, 503))
+    async def log_metrics(body: history.LogRequest, name: str = ModelName) -> dict[str, Any]:
+        """Record a split's metrics (model.log's aggregates of its trajectories, and the user's own) for a step,
+        by default the model's current one. The record joins the history that GET /artcloud/models/{name}
+        answers and the history.jsonl and reward.svg beside the checkpoints (server/history.py)."""
+        return await registry.get(name).trainer.log(body)
 
     # ------------------------------------------------------------------------------------- training
 

@@ -6,6 +6,7 @@
                 NAME@STEP+1 is served; on any failure the adapter and optimizer go back to the last
                 committed step, so a half-applied or non-finite update is never served or trained on
     _commit     checkpoints.commit (manifest last, renamed into place), then a background S3 push
+    log         model.log's metrics join the history (history.py: records, files, what a resume keeps)
     _retain     --keep-last on disk; with S3, only steps already on S3 may go (a push still reading a
                 folder never loses it); S3's own retention runs in the pusher
     freeze      shutdown: no step commits after this, so what the server answers is what S3 holds
@@ -21,6 +22,7 @@ from functools import partial
 from typing import Any
 
 from artcloud.errors import ArtcloudError
+from artcloud.server import history
 from artcloud.server.engines.base import TrainSample
 from artcloud.server.errors import ApiError
 from artcloud.server.jobs import Job, JobStore
@@ -40,7 +42,7 @@ class Retention:
     The latest committed checkpoint is never deleted."""
 
     keep_last: int = 0
-    metric: str = "reward_mean"
+    metric: str = "reward_mean"  # a training record's key, or SPLIT/KEY (e.g. val/reward): history.metric_by_step
 
 
 class Abandoned(ArtcloudError):
@@ -70,6 +72,7 @@ class Trainer:
         # Shutdown freezes the model: from then on no step commits, so what it answers is what S3 holds.
         self.commit_lock = asyncio.Lock()
         self.frozen = False
+        self._history_lock = asyncio.Lock()  # one writer of the model folder's history files at a time
 
     @property
     def name(self) -> str:
@@ -103,7 +106,7 @@ class Trainer:
             await model.host.call(model.engine.load_adapter, model.slot, model.spec.lora, folder, optimizer=True)
             state = checkpoints.read_trainer_state(folder)
             model.step = step
-            model.history = state.get("history", [])
+            model.history = await asyncio.to_thread(history.restore, folder, model.folder, step, state)
             model.temperature = state.get("temperature", 1.0)
             if "rng" in state:
                 model.engine.set_rng_state(state["rng"])
@@ -112,6 +115,7 @@ class Trainer:
             elif self.pusher is not None and self.pusher.pushed_step is None:
                 self.pusher.pushed_step = remote  # resumed from S3: that step is there already
             resumed = True
+        await self._save_history()
         self.jobs.load()
         self._worker = asyncio.get_running_loop().create_task(self._loop(), name=f"train-{self.name}")
         return resumed
@@ -188,9 +192,10 @@ class Trainer:
 
         async with model.lock.write():  # inference waits from here until NAME@next_step is served
             t0 = time.time()
+            record: dict[str, Any] | None = None
             try:
                 steps = await model.host.call(model.engine.train_step, model.slot, samples, config, on_step)
-                record = _history_record(next_step, job.id, stats, steps, time.time() - t0)
+                record = history.training_record(next_step, job.id, stats, steps, time.time() - t0)
                 async with self.commit_lock:
                     if self.frozen:
                         raise Abandoned(next_step)
@@ -199,27 +204,60 @@ class Trainer:
             except BaseException:
                 # Put the adapter and optimizer back to the last committed step: a half-applied update
                 # is never served and never trained on.
-                if model.history and model.history[-1].get("step") == next_step:
-                    model.history.pop()
+                model.history = [r for r in model.history if r is not record]  # a log may have come after it
                 await self._rollback()
                 raise
             model.step = next_step
+        await self._save_history()
         await self._retain()
         job.emit("end", step=next_step, served_as=model.served_as, trained=True, metrics=record, checkpoint=str(folder),
                  s3=self.s3_status())
+
+    # ------------------------------------------------------------------------------------- history
+
+    async def log(self, req: history.LogRequest) -> dict[str, Any]:
+        """Record model.log's metrics for a step (default: the model's step); the history files follow."""
+        model = self.model
+        reserved = history.reserved_metric(req)
+        if reserved is not None:
+            raise ApiError(400, "invalid_request", f"metrics.{reserved}: '{reserved}' is a field of every history record, "
+                           "not a metric name: rename it", f"metrics.{reserved}")
+        step = model.step if req.step is None else req.step
+        if step > model.step:
+            raise ApiError(400, "invalid_request", f"step: {self.name} is at step {model.step}; metrics for step {step} "
+                           "cannot be logged before that step exists", "step")
+        if len(model.history) >= history.MAX_RECORDS:
+            raise ApiError(409, "history_full", f"{self.name} already has {len(model.history)} history records, the "
+                           "most a model keeps: log less often, or fewer splits", "name")
+        record = history.log_record(req, step)
+        model.history.append(record)
+        await self._save_history()
+        return record
+
+    async def _save_history(self) -> None:
+        """The model folder's history.jsonl and reward.svg, as the history is now (history.py)."""
+        async with self._history_lock:
+            try:
+                await asyncio.to_thread(history.write_live, self.model.folder, list(self.model.history))
+            except OSError as e:  # a full disk: the history stays in memory and in the next checkpoint
+                log.warning("could not write the history files of %s: %s", self.name, e)
 
     # ------------------------------------------------------------------------------------- commits
 
     async def _commit(self, step: int) -> Any:
         model = self.model
+        records = list(model.history)  # as of this commit: a log may append while the files are written
         state = {
-            "history": model.history,
             "rng": model.engine.rng_state(),
             "base_model": model.spec.base_model,
             "lora": model.spec.lora.model_dump(),
             "temperature": model.temperature,
         }
-        write = partial(model.engine.save_adapter, model.slot, optimizer=True)
+        save = partial(model.engine.save_adapter, model.slot, optimizer=True)
+
+        def write(folder: Any) -> list[str]:
+            return [*save(folder), *history.write_files(folder, records)]
+
         folder = await model.host.call(checkpoints.commit, model.folder, step, write, state)
         # The sampler serves what was committed (vLLM loads the adapter; the CPU engine already has it). A
         # step the sampler cannot serve is not kept: the disk must not get ahead of what the model is at.
@@ -241,7 +279,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------- retention
 
     def _to_delete(self, steps: list[int]) -> list[int]:
-        metric = {r["step"]: r[self.retention.metric] for r in self.model.history if self.retention.metric in r}
+        metric = history.metric_by_step(self.model.history, self.retention.metric)
         return checkpoints.plan_retention(steps, keep_last=self.retention.keep_last, metric=metric)
 
     async def _retain(self) -> None:
@@ -257,23 +295,21 @@ class Trainer:
             await model.forget(step)
 
     async def prune(self, metric: str) -> dict[str, Any]:
-        """Delete every committed checkpoint but the latest and the best by `metric` (a history key,
-        averaged per step, highest best; ART's delete_checkpoints). With S3, a step not yet pushed stays
+        """Delete every committed checkpoint but the latest and the best by `metric` (history.metric_by_step:
+        a training record's key, or SPLIT/KEY such as ART's default val/reward; highest best; ART's
+        delete_checkpoints). With S3, a step not yet pushed stays
         (as in _retain); S3's copies stay too."""
         model = self.model
-        by_step: dict[int, list[float]] = {}
-        for record in model.history:
-            value = record.get(metric)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and "step" in record:
-                by_step.setdefault(record["step"], []).append(float(value))
+        by_step = history.metric_by_step(model.history, metric)
         if not by_step:
-            known = sorted({k for r in model.history for k, v in r.items()
-                            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"})
+            known = sorted({(f"{r['split']}/" if r.get("split", "train") != "train" else "") + k
+                            for r in model.history for k, v in r.items()
+                            if history._number(v) and k not in ("step", "time")})
             raise ApiError(400, "unknown_metric", f"no step of {self.name} has {metric!r} in its history; "
                            f"its metrics: {', '.join(known) or 'none yet'}", "best_metric")
         steps = checkpoints.committed_steps(model.folder)
         scored = [s for s in steps if s in by_step]
-        best = max(scored, key=lambda s: (sum(by_step[s]) / len(by_step[s]), s)) if scored else None
+        best = max(scored, key=lambda s: (by_step[s], s)) if scored else None
         keep = {steps[-1]} if steps else set()
         if best is not None:
             keep.add(best)
@@ -344,12 +380,3 @@ class Trainer:
                 log.warning("could not release the S3 claim on %s: %s", self.name, e)
             self.pusher.close()
 
-
-def _history_record(step: int, job_id: str, stats: dict[str, Any], steps: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
-    record = {k: v for k, v in stats.items() if k != "skipped_groups"}
-    record.update(step=step, job_id=job_id, time=time.time(), seconds=seconds, gradient_steps=len(steps))
-    for key in ("loss", "grad_norm", "clip_fraction", "mean_ratio", "kl"):
-        values = [s[key] for s in steps if key in s]
-        if values:
-            record[key] = sum(values) / len(values)
-    return record
