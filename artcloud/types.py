@@ -304,14 +304,15 @@ class TrajectoryGroup(BaseModel):
             trajectories = data.pop("trajectories", None)
         ready: list[Any] = []
         pending: list[Any] = []
-        failed = [e if not isinstance(e, BaseException) else PydanticException.of(e) for e in exceptions]
+        failed: list[Any] = []
         for item in trajectories or ():
             if isinstance(item, BaseException):
-                failed.append(PydanticException.of(item))
+                failed.append(item)
             elif inspect.isawaitable(item):
                 pending.append(item)
             else:
                 ready.append(item)
+        failed = [PydanticException.of(e) if isinstance(e, BaseException) else e for e in [*failed, *exceptions]]
         super().__init__(trajectories=ready, exceptions=failed, **data)
         self._pending = pending
 
