@@ -138,7 +138,7 @@ def _from_art_names(data: dict[str, Any]) -> dict[str, Any]:
         elif key == "kl_penalty_coef":
             if value:
                 warnings.warn("TrainConfig(kl_penalty_coef=...): artcloud applies it as kl_coef, a KL(policy || base "
-                              "model) loss term, not as ART's per-token advantage penalty", UserWarning, stacklevel=4)
+                              "model) loss term, not as ART's per-token advantage penalty", UserWarning, stacklevel=3)
                 out["kl_coef"] = value
         elif key in _ART_UNSUPPORTED:
             neutral, instead = _ART_UNSUPPORTED[key]
