@@ -59,33 +59,34 @@ class LoraConfig(BaseModel):
 
 # OpenPipe ART's training knobs (art.TrainConfig, art.dev.TrainConfig / `_config`) under artcloud's names.
 _ART_ALIASES = {"beta": "kl_coef", "epsilon": "clip_epsilon", "epsilon_high": "clip_epsilon_high", "loss_fn": "loss"}
-# ART knobs artcloud has no counterpart for: the value that changes nothing (accepted), and what to do instead.
+# ART knobs artcloud has no counterpart for: ART's default (accepted, as None is: artcloud trains as ART does
+# at it), and what to write instead of any other value.
 _ART_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "kl_penalty_source": ("current_learner", "artcloud's KL term (kl_coef) is always taken against the base model"),
-    "grad_accumulation_sequences": (None, "artcloud sizes its micro-batches itself; for several optimizer steps per "
-                                          "train() call set gradient_steps"),
-    "final_training_step": (None, "artcloud has no learning-rate schedule to end; stop calling train() instead"),
-    "ppo": (None, "set loss='ppo' or loss='cispo'"),
-    "precalculate_logprobs": (None, "artcloud always trains on the logprobs the choices were sampled with"),
-    "allow_training_without_logprobs": (None, "request completions with logprobs=True"),
-    "importance_sampling_level": ("token", "artcloud's ratio is per token"),
-    "advantage_balance": (0.0, "leave it out"),
-    "normalize_advantages": (None, "set scale_rewards (True divides by the group's reward std)"),
-    "truncated_importance_sampling": (None, "leave it out"),
-    "max_negative_advantage_importance_sampling_weight": (None, "leave it out"),
-    "kimi_k2_tau": (None, "leave it out"),
-    "mask_prob_ratio": (False, "leave it out"),
-    "scale_learning_rate_by_reward_std_dev": (None, "leave it out"),
-    "num_trajectories_learning_rate_multiplier_power": (None, "leave it out"),
     "kl_ref_adapter_path": (None, "artcloud's KL term (kl_coef) is always taken against the base model"),
     "kl_penalty_reference_step": (None, "artcloud's KL term (kl_coef) is always taken against the base model"),
     "kl_penalty_step_lag": (None, "artcloud's KL term (kl_coef) is always taken against the base model"),
-    "logprob_calculation_chunk_size": (None, "artcloud sizes its micro-batches itself; leave it out"),
-    "packed_sequence_length": (None, "artcloud packs sequences itself; leave it out"),
-    "plot_tensors": (None, "leave it out"),
+    "grad_accumulation_sequences": (None, "artcloud sizes its micro-batches itself; for several optimizer steps per "
+                                          "train() call set gradient_steps"),
+    "final_training_step": (None, "artcloud has no learning-rate schedule to end; stop calling train() instead"),
+    "allow_training_without_logprobs": (False, "request completions with logprobs=True"),
+    "precalculate_logprobs": (False, "artcloud always trains on the logprobs the choices were sampled with"),
+    "normalize_advantages": (None, "set scale_rewards (True divides by the group's reward std)"),
+    "importance_sampling_level": ("token", "leave it out: artcloud's ratio is per token"),
+    "advantage_balance": (0.0, "leave it out"),
+    "mask_prob_ratio": (False, "leave it out"),
+    "plot_tensors": (False, "leave it out"),
+    "scale_learning_rate_by_reward_std_dev": (False, "leave it out"),
+    "num_trajectories_learning_rate_multiplier_power": (0.0, "leave it out"),
+    "max_negative_advantage_importance_sampling_weight": (None, "leave it out"),
+    "truncated_importance_sampling": (None, "leave it out"),
+    "kimi_k2_tau": (None, "leave it out"),
 }
-# ART knobs whose request artcloud already meets: accepted, and nothing more to do.
-_ART_MET = {"optimizer_save_interval"}  # artcloud saves the optimizer with every checkpoint (every step)
+# ART knobs that change only speed or memory, or ask what artcloud does anyway: accepted, no effect.
+_ART_MET = {
+    "optimizer_save_interval",  # artcloud saves the optimizer with every checkpoint (every step)
+    "logprob_calculation_chunk_size", "packed_sequence_length",  # artcloud sizes and packs its batches itself
+}
 
 
 class TrainConfig(BaseModel):
@@ -135,6 +136,9 @@ def _from_art_names(data: dict[str, Any]) -> dict[str, Any]:
         elif key in _ART_ALIASES:
             if value is not None:  # ART's dev config passes None for "the default"
                 out[_ART_ALIASES[key]] = value
+        elif key == "ppo":
+            if value:  # ART's ppo=True: PPO's clipped ratio, artcloud's loss="ppo"
+                out["loss"] = "ppo"
         elif key == "kl_penalty_coef":
             if value:
                 warnings.warn("TrainConfig(kl_penalty_coef=...): artcloud applies it as kl_coef, a KL(policy || base "

@@ -202,8 +202,10 @@ def test_train_config_takes_arts_names_and_sends_artclouds():
     assert config.model_dump() == {**art.TrainConfig().model_dump(), "learning_rate": 1e-5, "kl_coef": 0.1}
     assert art.TrainConfig().learning_rate == 5e-6  # ART's default
     dev = art.TrainConfig(epsilon=0.3, epsilon_high=0.4, loss_fn="cispo", scale_rewards=False, kl_penalty_coef=None,
-                          optimizer_save_interval=10, grad_accumulation_sequences=None)
+                          optimizer_save_interval=10, grad_accumulation_sequences=None,
+                          allow_training_without_logprobs=False)  # ART's default: what artcloud does
     assert (dev.clip_epsilon, dev.clip_epsilon_high, dev.loss, dev.scale_rewards) == (0.3, 0.4, "cispo", False)
+    assert art.TrainConfig(ppo=False, loss_fn="cispo").loss == "cispo" and art.TrainConfig(ppo=True).loss == "ppo"
     with pytest.warns(UserWarning, match="KL"):
         assert art.TrainConfig(kl_penalty_coef=0.2).kl_coef == 0.2
 
