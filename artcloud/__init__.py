@@ -24,6 +24,10 @@ if TYPE_CHECKING:
     from artcloud.rewards import RulerError, ruler, ruler_score_group
     from artcloud.storage.checkpoints import CorruptCheckpoint
     from artcloud.storage.s3 import StorageError, pull_checkpoint
+    from artcloud import utils  # OpenPipe ART's names
+    from artcloud.gather import gather_trajectories
+    from artcloud.types import History, Messages, MessagesAndChoices, Tools
+    from artcloud.utils import DatasetBatch, retry
 
 _LAZY = {
     "LocalBackend": "artcloud.backends.local",
@@ -49,6 +53,15 @@ _LAZY = {
     "ruler": "artcloud.rewards",
     "ruler_score_group": "artcloud.rewards",
     "RulerError": "artcloud.rewards",
+    # OpenPipe ART's names
+    "History": "artcloud.types",
+    "Messages": "artcloud.types",
+    "MessagesAndChoices": "artcloud.types",
+    "Tools": "artcloud.types",
+    "gather_trajectories": "artcloud.gather",
+    "retry": "artcloud.utils",
+    "DatasetBatch": "artcloud.utils",
+    "utils": "artcloud.utils",
 }
 
 __all__ = [
@@ -59,6 +72,7 @@ __all__ = [
     "Model", "TrainableModel", "TrainResult", "LinearTemperatureAnnealer", "pull_checkpoint",
     "ruler", "ruler_score_group", "RulerError",
     "InvalidArgument", "WrongType", "NotSupported", "WrongState", "TimedOut", "MissingDependency", "StorageError", "CorruptCheckpoint",
+    "History", "Messages", "MessagesAndChoices", "Tools", "gather_trajectories", "retry", "DatasetBatch", "utils",
 ]
 
 
@@ -68,6 +82,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'artcloud' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(module), name)
+    imported = importlib.import_module(module)
+    value = imported if module == f"artcloud.{name}" else getattr(imported, name)  # a submodule, or a name in one
     globals()[name] = value
     return value

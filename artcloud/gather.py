@@ -1,15 +1,23 @@
-"""Run many rollouts at once and collect them into trajectory groups, with a progress bar."""
+"""Run many rollouts at once and collect them into trajectory groups, with a progress bar.
+
+OpenPipe ART's forms work too: groups given as awaitables (`make_group(scenario)` coroutines), `await
+TrajectoryGroup(rollouts)` inside them, `pbar_desc`, `max_metrics`, an `after_each` that returns a list of
+groups, and `gather_trajectories`. One thing differs on purpose: whatever ends a gather early cancels
+every rollout still running and waits for it to end, so none goes on calling the server unobserved.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
-from typing import Any, Awaitable, Callable, Iterable
+import warnings
+from typing import Any, Awaitable, Callable, Iterable, Sequence
 
-from artcloud.errors import ArtcloudError, WrongType
-from artcloud.types import Trajectory, TrajectoryGroup
+from artcloud.errors import ArtcloudError, InvalidArgument, WrongType
+from artcloud.types import PydanticException, Trajectory, TrajectoryGroup
 
-AfterEach = Callable[[TrajectoryGroup], "TrajectoryGroup | None | Awaitable[TrajectoryGroup | None]"]
+AfterEach = Callable[[TrajectoryGroup], "TrajectoryGroup | list[TrajectoryGroup] | None | Awaitable[Any]"]
 
 
 class GatherError(ArtcloudError):
@@ -24,86 +32,256 @@ class GatherError(ArtcloudError):
 
 def _completion_tokens(traj: Trajectory) -> int:
     total = 0
-    for item in traj.messages_and_choices:
-        ids = item.get("token_ids") if isinstance(item, dict) else (getattr(item, "model_extra", None) or {}).get("token_ids")
-        total += len(ids or [])
+    for items in (traj.messages_and_choices, *(h.messages_and_choices for h in traj.additional_histories)):
+        for item in items:
+            ids = item.get("token_ids") if isinstance(item, dict) else (getattr(item, "model_extra", None) or {}).get("token_ids")
+            total += len(ids or [])
     return total
 
 
+class _State:
+    """One gather's counts, shown on its bar. Rollouts started inside it (`await group` within a group
+    coroutine, too) find it through a context variable and report here."""
+
+    def __init__(self, bar: "_Bar", max_exceptions: int | float):
+        self.bar = bar
+        self.max_exceptions = max_exceptions
+        self.errors: list[BaseException] = []
+        self.done = 0
+        self.tokens = 0
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self._seen: set[int] = set()
+
+    def over_limit(self) -> bool:
+        limit = self.max_exceptions
+        if isinstance(limit, float) and limit < 1:
+            limit *= self.bar.total
+        return len(self.errors) > limit
+
+    def expect(self, n: int) -> None:
+        self.bar.total += n
+        self.bar.show(self)
+
+    def seen(self, traj: Trajectory) -> bool:
+        return id(traj) in self._seen
+
+    def record(self, traj: Trajectory) -> None:
+        if self.seen(traj):
+            return
+        self._seen.add(id(traj))
+        self.done += 1
+        self.tokens += _completion_tokens(traj)
+        for key, value in {"reward": traj.reward, **traj.metrics}.items():
+            self.sums[key] = self.sums.get(key, 0.0) + float(value)
+            self.counts[key] = self.counts.get(key, 0) + 1
+        self.bar.show(self)
+
+    def failed(self, e: BaseException) -> bool:
+        """Counts a failed rollout; True when that is one too many (the caller raises)."""
+        self.errors.append(e)
+        self.bar.show(self)
+        return self.over_limit()
+
+
+_current: contextvars.ContextVar[_State | None] = contextvars.ContextVar("artcloud_gather", default=None)
+
+
+def _check(traj: Any) -> Trajectory:
+    if not isinstance(traj, Trajectory):
+        raise WrongType(f"a rollout returned {type(traj).__name__}, not an artcloud.Trajectory")
+    return traj
+
+
+async def resolve_group(group: TrajectoryGroup, counted: bool = False) -> TrajectoryGroup:
+    """Run a group's pending rollouts concurrently (TrajectoryGroup.resolve, `await group`).
+
+    Inside a gather, a failed rollout is left out, kept in `group.exceptions` and counted against the
+    gather's `max_exceptions`; alone, the first failure is raised. Either way, raising first cancels the
+    group's other rollouts and waits for them to end. `counted`: the gather has counted them already."""
+    pending, group._pending = group._pending, []
+    if not pending:
+        return group
+    state = _current.get()
+    if state is not None and not counted:
+        state.expect(len(pending))
+    tasks = [asyncio.ensure_future(p) for p in pending]
+
+    async def one(task: asyncio.Future) -> Trajectory | None:
+        try:
+            traj = await task
+        except Exception as e:
+            if state is None:
+                raise
+            group.exceptions.append(PydanticException.of(e))
+            if state.over_limit() or state.failed(e):
+                raise
+            return None
+        _check(traj)
+        if state is not None:
+            state.record(traj)
+        return traj
+
+    try:
+        results = await asyncio.gather(*(one(t) for t in tasks))
+    except BaseException:
+        await _cancel_and_wait(tasks)
+        raise
+    group.trajectories.extend(t for t in results if t is not None)
+    return group
+
+
 async def gather_trajectory_groups(
-    groups: Iterable[TrajectoryGroup],
+    groups: Iterable[TrajectoryGroup | Awaitable[TrajectoryGroup]],
     *,
     max_exceptions: int | float = 0,
     after_each: AfterEach | None = None,
     progress: bool = True,
     description: str = "rollouts",
+    pbar_desc: str | None = None,
+    max_metrics: int | None = None,
+    pbar_total_completion_tokens: bool = False,
 ) -> list[TrajectoryGroup]:
     """Run every group's pending rollouts concurrently and return the groups, in order.
 
-    A rollout that raises is left out of its group; a group left with fewer than 2 trajectories is
-    dropped (GRPO needs something to compare). More failures than `max_exceptions` (a count, or a
-    fraction of all rollouts when < 1) raise GatherError. `after_each(group)` runs on each finished
-    group (e.g. to score it with a judge) and may return a replacement, or None to drop it.
-    Whatever ends the call early (GatherError, an error in `after_each`, a cancellation) first cancels
-    every rollout still running and waits for it to end: none goes on calling the server unobserved.
+    `groups` holds TrajectoryGroups (built from rollout coroutines) or awaitables that return one (ART's
+    style). A rollout that raises is left out of its group (and kept in its `exceptions`); a group left with
+    fewer than 2 trajectories is dropped (GRPO needs something to compare); a group awaitable that raises
+    drops its group. More failures than `max_exceptions` (a count, or a fraction of all rollouts when < 1)
+    raise GatherError. `after_each(group)` runs on each finished group (e.g. to score it with a judge) and
+    may return it, a replacement, a list of groups, or None to drop it.
+    The bar shows the mean reward and metrics (the first `max_metrics` of them), failures and tokens.
+    `pbar_desc` is ART's name for `description`. Whatever ends the call early (GatherError, an error in
+    `after_each`, a cancellation) first cancels every rollout still running and waits for it to end.
     """
-    groups = list(groups)
-    total = sum(g.pending + len(g.trajectories) for g in groups)
-    limit = max_exceptions * total if isinstance(max_exceptions, float) and max_exceptions < 1 else max_exceptions
-    errors: list[BaseException] = []
-    state = {"done": 0, "tokens": 0, "reward": 0.0}
+    if pbar_total_completion_tokens:
+        warnings.warn("pbar_total_completion_tokens is deprecated in ART and does nothing in artcloud: the bar "
+                      "always shows the completion tokens", DeprecationWarning, stacklevel=2)
+    items = list(groups)
+    state = _State(_Bar(pbar_desc if pbar_desc is not None else description, progress, max_metrics), max_exceptions)
 
-    bar = _Bar(description, total, enabled=progress)
-
-    async def one(rollout: "asyncio.Future[Trajectory]") -> Trajectory | None:
-        try:
-            traj = await rollout
-        except Exception as e:  # collected, counted against max_exceptions
-            errors.append(e)
-            bar.advance(state, errors)
-            if len(errors) > limit:
-                raise
-            return None
-        if not isinstance(traj, Trajectory):
-            raise WrongType(f"a rollout returned {type(traj).__name__}, not an artcloud.Trajectory")
-        state["done"] += 1
-        state["tokens"] += _completion_tokens(traj)
-        state["reward"] += traj.reward
-        bar.advance(state, errors)
-        return traj
-
-    async def run_group(group: TrajectoryGroup, rollouts: list[asyncio.Future]) -> TrajectoryGroup | None:
-        results = await asyncio.gather(*(one(r) for r in rollouts))
-        group.trajectories.extend(t for t in results if t is not None)
+    async def finish(group: TrajectoryGroup) -> list[TrajectoryGroup]:
         if len(group.trajectories) < 2:
-            return None
-        if after_each is not None:
-            out = after_each(group)
-            group = await out if inspect.isawaitable(out) else out
-        return group
+            return []
+        if after_each is None:
+            return [group]
+        out = after_each(group)
+        if not isinstance(out, (TrajectoryGroup, list)) and inspect.isawaitable(out):
+            out = await out
+        if out is None:
+            return []
+        out = out if isinstance(out, list) else [out]
+        for g in out:
+            if not isinstance(g, TrajectoryGroup):
+                raise WrongType(f"after_each returned {type(g).__name__}: return a TrajectoryGroup, a list of them, or None")
+        return out
 
-    # Every rollout is a task of its own, started here, so that whatever ends this call early can cancel
-    # the ones still running: otherwise they would go on calling the server, unobserved.
-    tasks: list[asyncio.Future] = []
-    group_tasks = []
-    for group in groups:
-        pending, group._pending = group._pending, []
-        rollouts = [asyncio.ensure_future(p) for p in pending]
-        tasks += rollouts
-        group_tasks.append(asyncio.ensure_future(run_group(group, rollouts)))
-    tasks += group_tasks
+    async def from_group(group: TrajectoryGroup) -> list[TrajectoryGroup]:
+        await resolve_group(group, counted=True)
+        return await finish(group)
 
-    with bar:
+    async def from_awaitable(awaitable: Awaitable[TrajectoryGroup]) -> list[TrajectoryGroup]:
         try:
-            finished = await asyncio.gather(*group_tasks)
+            group = await awaitable
+        except Exception as e:  # as ART: the group is lost, and counts as one failure
+            if state.over_limit() or state.failed(e):
+                raise
+            state.expect(-1)
+            return []
+        if not isinstance(group, TrajectoryGroup):
+            raise WrongType(f"a group awaitable returned {type(group).__name__}, not an artcloud.TrajectoryGroup")
+        # Its placeholder becomes its trajectories, less those an `await group` inside it has counted.
+        unseen = [t for t in group.trajectories if not state.seen(t)]
+        state.expect(len(unseen) - 1)
+        for traj in unseen:
+            state.record(traj)
+        return await finish(group)
+
+    for item in items:
+        if not isinstance(item, TrajectoryGroup) and not inspect.isawaitable(item):
+            raise WrongType(f"gather_trajectory_groups got a {type(item).__name__}: pass TrajectoryGroups, or "
+                            "awaitables that return one")
+    token = _current.set(state)
+    try:
+        # Every group (and, in resolve_group, every rollout) is a task of its own, started here, so that
+        # whatever ends this call early can cancel the ones still running.
+        tasks: list[asyncio.Future] = []
+        for item in items:
+            if isinstance(item, TrajectoryGroup):
+                state.bar.total += item.pending + len(item.trajectories)
+                for traj in item.trajectories:
+                    state.record(traj)
+                tasks.append(asyncio.ensure_future(from_group(item)))
+            else:
+                state.bar.total += 1  # how many trajectories it holds is known when it is done
+                tasks.append(asyncio.ensure_future(from_awaitable(item)))
+    finally:
+        _current.reset(token)
+
+    with state.bar:
+        try:
+            finished = await asyncio.gather(*tasks)
         except BaseException as e:  # a failure, an after_each error, or our own cancellation
             await _cancel_and_wait(tasks)
-            if isinstance(e, Exception) and len(errors) > limit:
+            if isinstance(e, Exception) and state.over_limit():
+                errors = state.errors
                 raise GatherError(
-                    f"{len(errors)} of {total} rollouts failed (max_exceptions={max_exceptions}); the first: "
+                    f"{len(errors)} of {state.bar.total} rollouts failed (max_exceptions={max_exceptions}); the first: "
                     f"{type(errors[0]).__name__}: {errors[0]}", errors) from e
             raise
-    return [g for g in finished if g is not None]
+    return [g for out in finished for g in out]
+
+
+async def gather_trajectories(
+    trajectories: Iterable[Awaitable[Trajectory] | Awaitable[Iterable[Trajectory]]],
+    *,
+    max_exceptions: int | float = 0,
+    progress: bool = True,
+    description: str = "rollouts",
+    pbar_desc: str | None = None,
+    pbar_total_completion_tokens: bool = False,
+) -> Sequence[Trajectory | list[Trajectory] | BaseException]:
+    """ART's `gather_trajectories`: await rollouts that are not grouped (e.g. for evaluation), in order.
+
+    Each item gives a Trajectory or a list of them; a failed one gives its exception in its place, up to
+    `max_exceptions`; past it, GatherError (after cancelling and awaiting the rest, as gathering groups does).
+    """
+    if pbar_total_completion_tokens:
+        warnings.warn("pbar_total_completion_tokens is deprecated in ART and does nothing in artcloud",
+                      DeprecationWarning, stacklevel=2)
+    if isinstance(trajectories, TrajectoryGroup):
+        raise InvalidArgument("gather_trajectories takes rollouts, not a TrajectoryGroup: use gather_trajectory_groups")
+    items = list(trajectories)
+    state = _State(_Bar(pbar_desc if pbar_desc is not None else description, progress, None), max_exceptions)
+    state.bar.total = len(items)
+
+    async def one(task: asyncio.Future) -> Trajectory | list[Trajectory] | BaseException:
+        try:
+            result = await task
+        except Exception as e:
+            if state.failed(e):
+                raise
+            return e
+        out = _check(result) if isinstance(result, Trajectory) else [_check(t) for t in result]
+        for traj in [out] if isinstance(out, Trajectory) else out:
+            state.record(traj)
+        return out
+
+    token = _current.set(state)
+    try:
+        tasks = [asyncio.ensure_future(t) for t in items]
+    finally:
+        _current.reset(token)
+    with state.bar:
+        try:
+            return await asyncio.gather(*(one(t) for t in tasks))
+        except BaseException as e:
+            await _cancel_and_wait(tasks)
+            if isinstance(e, Exception) and state.over_limit():
+                raise GatherError(f"{len(state.errors)} of {len(items)} rollouts failed (max_exceptions="
+                                  f"{max_exceptions}); the first: {type(state.errors[0]).__name__}: {state.errors[0]}",
+                                  state.errors) from e
+            raise
 
 
 async def _cancel_and_wait(tasks: list[asyncio.Future]) -> None:
@@ -125,8 +303,12 @@ async def _cancel_and_wait(tasks: list[asyncio.Future]) -> None:
 
 
 class _Bar:
-    def __init__(self, description: str, total: int, enabled: bool):
-        self.description, self.total, self.enabled = description, total, enabled
+    """A rich progress bar: rollouts done of all, the mean reward and metrics, failures, tokens."""
+
+    def __init__(self, description: str, enabled: bool, max_metrics: int | None):
+        self.description, self.enabled, self.max_metrics = description, enabled, max_metrics
+        self.total = 0
+        self.status = ""
         self._progress: Any = None
         self._task: Any = None
 
@@ -137,17 +319,20 @@ class _Bar:
             self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                       TextColumn("{task.fields[status]}"), TimeElapsedColumn(), transient=True)
             self._progress.start()
-            self._task = self._progress.add_task(self.description, total=self.total, status="")
+            self._task = self._progress.add_task(self.description, total=self.total, status=self.status)
         return self
 
-    def advance(self, state: dict[str, Any], errors: list[BaseException]) -> None:
-        if self._progress is None:
-            return
-        done = state["done"]
-        status = f"{state['tokens']} tokens, reward {state['reward'] / done:.3f}" if done else ""
-        if errors:
-            status += f", {len(errors)} failed"
-        self._progress.update(self._task, completed=done + len(errors), status=status)
+    def show(self, state: _State) -> None:
+        means = [(k, state.sums[k] / state.counts[k]) for k in state.sums]
+        parts = [f"{k} {v:.3g}" for k, v in means[: self.max_metrics]]
+        if state.errors:
+            parts.append(f"exceptions {len(state.errors)}")
+        if state.tokens:
+            parts.append(f"{state.tokens} tokens")
+        self.status = ", ".join(parts)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=state.done + len(state.errors), total=self.total,
+                                  status=self.status)
 
     def __exit__(self, *exc: Any) -> None:
         if self._progress is not None:

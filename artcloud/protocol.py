@@ -172,12 +172,19 @@ Item = Annotated[
 ]
 
 
-class WireTrajectory(BaseModel):
+class WireHistory(BaseModel):
+    """A further conversation of a trajectory (ART's `additional_histories`): its choices train with the
+    trajectory's reward, each rendered in its own context with its own tools."""
+
     model_config = ConfigDict(extra="ignore")
 
     messages_and_choices: list[Item] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
+
+
+class WireTrajectory(WireHistory):
     reward: FiniteFloat
+    additional_histories: list[WireHistory] = Field(default_factory=list, max_length=256)
 
 
 class WireGroup(BaseModel):

@@ -1,17 +1,24 @@
 """The types a user touches: trajectories, groups, and the knobs of training.
 
 These are plain pydantic models, shared by the laptop SDK and the server; nothing heavy is imported here.
+OpenPipe ART's names work here too (`beta`, `Trajectory.messages()`, `additional_histories`, iterating a
+group, `await TrajectoryGroup(rollouts)`), so an ART script runs with only its import changed.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from typing import Annotated, Any, Awaitable, Iterable, Literal
+import time
+import traceback
+import warnings
+from contextlib import asynccontextmanager
+from datetime import datetime
+from typing import Annotated, Any, AsyncIterator, Generator, Iterable, Iterator, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr
 
-from artcloud.errors import InvalidArgument, WrongState
+from artcloud.errors import InvalidArgument, NotSupported, WrongState
 
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -27,6 +34,14 @@ FiniteFloat = Annotated[float, AfterValidator(_finite)]
 # A random seed: torch takes 64 bits (a larger one raises inside the engine, failing the whole batch).
 # lt, not le=2**63 - 1: the OpenAPI schema holds its bounds as floats, and only 2**63 is one exactly.
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+# What ART allows in metadata: anything JSON can hold.
+MetadataValue = Any
+MetricValue = float | int | bool
+# ART's aliases for annotations (`messages: art.Messages`): OpenAI message dicts, those and Choices, tool specs.
+Message = dict[str, Any]
+Messages = list[Message]
+MessagesAndChoices = list[Any]
+Tools = list[dict[str, Any]]
 
 
 class LoraConfig(BaseModel):
@@ -42,21 +57,56 @@ class LoraConfig(BaseModel):
     init_seed: Seed = 0
 
 
+# OpenPipe ART's training knobs (art.TrainConfig, art.dev.TrainConfig / `_config`) under artcloud's names.
+_ART_ALIASES = {"beta": "kl_coef", "epsilon": "clip_epsilon", "epsilon_high": "clip_epsilon_high", "loss_fn": "loss"}
+# ART knobs artcloud has no counterpart for: ART's default (accepted, as None is: artcloud trains as ART does
+# at it), and what to write instead of any other value.
+_ART_UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "kl_penalty_source": ("current_learner", "artcloud's KL term (kl_coef) is always taken against the base model"),
+    "kl_ref_adapter_path": (None, "artcloud's KL term (kl_coef) is always taken against the base model"),
+    "kl_penalty_reference_step": (None, "artcloud's KL term (kl_coef) is always taken against the base model"),
+    "kl_penalty_step_lag": (None, "artcloud's KL term (kl_coef) is always taken against the base model"),
+    "grad_accumulation_sequences": (None, "artcloud sizes its micro-batches itself; for several optimizer steps per "
+                                          "train() call set gradient_steps"),
+    "final_training_step": (None, "artcloud has no learning-rate schedule to end; stop calling train() instead"),
+    "allow_training_without_logprobs": (False, "request completions with logprobs=True"),
+    "precalculate_logprobs": (False, "artcloud always trains on the logprobs the choices were sampled with"),
+    "normalize_advantages": (None, "set scale_rewards (True divides by the group's reward std)"),
+    "importance_sampling_level": ("token", "leave it out: artcloud's ratio is per token"),
+    "advantage_balance": (0.0, "leave it out"),
+    "mask_prob_ratio": (False, "leave it out"),
+    "plot_tensors": (False, "leave it out"),
+    "scale_learning_rate_by_reward_std_dev": (False, "leave it out"),
+    "num_trajectories_learning_rate_multiplier_power": (0.0, "leave it out"),
+    "max_negative_advantage_importance_sampling_weight": (None, "leave it out"),
+    "truncated_importance_sampling": (None, "leave it out"),
+    "kimi_k2_tau": (None, "leave it out"),
+}
+# ART knobs that change only speed or memory, or ask what artcloud does anyway: accepted, no effect.
+_ART_MET = {
+    "optimizer_save_interval",  # artcloud saves the optimizer with every checkpoint (every step)
+    "logprob_calculation_chunk_size", "packed_sequence_length",  # artcloud sizes and packs its batches itself
+}
+
+
 class TrainConfig(BaseModel):
     """How one training step turns trajectory groups into an adapter update.
 
     One `train` call is one step (the served name moves from NAME@STEP to NAME@STEP+1); it may take
     several gradient steps (`gradient_steps` minibatches over the groups), each reported as an event.
+    OpenPipe ART's names are accepted in the constructor (`beta` for `kl_coef`, `epsilon`, `loss_fn`...);
+    what goes over the wire (`model_dump()`) is always artcloud's names.
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    learning_rate: float = Field(5e-5, gt=0.0, le=1.0)
+    # ART's default: larger rates quickly wreck a LoRA on an instruct model under RL.
+    learning_rate: float = Field(5e-6, gt=0.0, le=1.0)
     loss: Literal["ppo", "cispo"] = "ppo"
     clip_epsilon: float = Field(0.2, gt=0.0, le=10.0)
     # Upper clip bound (DAPO's "clip higher"); None means the same as clip_epsilon.
     clip_epsilon_high: float | None = Field(None, gt=0.0, le=10.0)
-    # k3 estimator of KL(policy || base model); 0 skips the reference forward pass entirely.
+    # k3 estimator of KL(policy || base model); 0 skips the reference forward pass entirely. ART: `beta`.
     kl_coef: float = Field(0.0, ge=0.0)
     max_grad_norm: float | None = Field(1.0, gt=0.0)
     gradient_steps: int = Field(1, ge=1, le=64)
@@ -64,69 +114,235 @@ class TrainConfig(BaseModel):
     # Divide advantages by the group's reward std (GRPO); False keeps only the mean baseline (Dr. GRPO).
     scale_rewards: bool = True
 
+    def __init__(self, **data: Any):
+        super().__init__(**_from_art_names(data))
 
-class Trajectory(BaseModel):
-    """One rollout: the conversation, with the policy's own turns kept as OpenAI `Choice`s (token ids, logprobs).
+    @property
+    def beta(self) -> float:
+        """ART's name for `kl_coef`."""
+        return self.kl_coef
 
-    `messages_and_choices` mixes plain message dicts (context: system, user, tool results) with the
-    `Choice` objects (or their dicts) that the server returned; only the choices are trained on.
-    """
+    @beta.setter
+    def beta(self, value: float) -> None:
+        self.kl_coef = value
+
+
+def _from_art_names(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with ART's names turned into artcloud's; one line naming the fix for any other name."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in TrainConfig.model_fields:
+            out[key] = value
+        elif key in _ART_ALIASES:
+            if value is not None:  # ART's dev config passes None for "the default"
+                out[_ART_ALIASES[key]] = value
+        elif key == "ppo":
+            if value:  # ART's ppo=True: PPO's clipped ratio, artcloud's loss="ppo"
+                out["loss"] = "ppo"
+        elif key == "kl_penalty_coef":
+            if value:
+                warnings.warn("TrainConfig(kl_penalty_coef=...): artcloud applies it as kl_coef, a KL(policy || base "
+                              "model) loss term, not as ART's per-token advantage penalty", UserWarning, stacklevel=3)
+                out["kl_coef"] = value
+        elif key in _ART_UNSUPPORTED:
+            neutral, instead = _ART_UNSUPPORTED[key]
+            if value is not None and value != neutral:
+                raise NotSupported(f"TrainConfig({key}={value!r}) is OpenPipe ART's and artcloud has no counterpart: "
+                                   f"{instead}", field=key)
+        elif key not in _ART_MET:
+            import difflib
+
+            close = difflib.get_close_matches(key, [*TrainConfig.model_fields, *_ART_ALIASES], n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise InvalidArgument(f"TrainConfig has no field {key!r}: {hint}its fields are "
+                                  f"{', '.join(TrainConfig.model_fields)}", field=key)
+    for alias, name in _ART_ALIASES.items():
+        if alias in data and name in data and data[alias] is not None:
+            raise InvalidArgument(f"TrainConfig got both {alias!r} and {name!r}, which are the same setting: pass one",
+                                  field=alias)
+    return out
+
+
+class PydanticException(BaseModel):
+    """A rollout's exception, kept in its group (as ART keeps it) so the run's logs can show it."""
+
+    type: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def of(cls, e: BaseException) -> "PydanticException":
+        return cls(type=str(type(e)), message=str(e),
+                   traceback="".join(traceback.format_exception(type(e), e, e.__traceback__)))
+
+
+def _is_choice(item: Any) -> bool:
+    return ("message" in item) if isinstance(item, dict) else hasattr(item, "message")
+
+
+def get_messages(messages_and_choices: Iterable[Any]) -> list[dict[str, Any]]:
+    """The conversation as plain OpenAI message dicts: each sampled choice becomes its assistant message
+    (content and tool calls); other messages pass as they are."""
+    messages = []
+    for item in messages_and_choices:
+        if not _is_choice(item):
+            messages.append(item if isinstance(item, dict) else item.model_dump(exclude_none=True))
+            continue
+        message = item["message"] if isinstance(item, dict) else item.message
+        if not isinstance(message, dict):
+            message = message.model_dump(exclude_none=True)
+        out: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+        tool_calls = message.get("tool_calls")
+        if tool_calls:
+            out["tool_calls"] = [{"id": c["id"], "type": c.get("type", "function"),
+                                  "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}}
+                                 for c in tool_calls]
+        messages.append(out)
+    return messages
+
+
+def _wire_items(messages_and_choices: Iterable[Any]) -> list[Any]:
+    return [item.model_dump(mode="json", exclude_none=True) if hasattr(item, "model_dump") else item
+            for item in messages_and_choices]
+
+
+class History(BaseModel):
+    """A further conversation inside one trajectory (a sub-agent's, a second player's): its choices are
+    trained on too, with the trajectory's reward. ART's `art.trajectories.History`."""
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
     messages_and_choices: list[Any] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
+
+    def messages(self) -> list[dict[str, Any]]:
+        return get_messages(self.messages_and_choices)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"messages_and_choices": _wire_items(self.messages_and_choices), "tools": self.tools}
+
+
+class Trajectory(BaseModel):
+    """One rollout: the conversation, with the policy's own turns kept as OpenAI `Choice`s (token ids, logprobs).
+
+    `messages_and_choices` mixes plain message dicts (context: system, user, tool results) with the
+    `Choice` objects (or their dicts) that the server returned; only the choices are trained on, those of
+    `additional_histories` too. `reward` defaults to 0, as in ART's newer releases.
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    messages_and_choices: list[Any] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    additional_histories: list[History] = Field(default_factory=list)
     reward: FiniteFloat = 0.0
-    metrics: dict[str, float] = Field(default_factory=dict)
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metrics: dict[str, MetricValue] = Field(default_factory=dict)
+    metadata: dict[str, MetadataValue] = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
+    # When the rollout began: `finish()` turns it into the `duration` metric.
+    start_time: datetime = Field(default_factory=datetime.now, exclude=True, repr=False)
+
+    def __str__(self) -> str:
+        return f"Trajectory(reward={self.reward}, metrics={self.metrics}, metadata={self.metadata})"
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The conversation as plain message dicts (choices become assistant messages), e.g. for a judge."""
+        return get_messages(self.messages_and_choices)
+
+    def log(self, message: str) -> None:
+        self.logs.append(message)
+
+    def finish(self) -> "Trajectory":
+        """Records the seconds since the trajectory was made as the `duration` metric; returns self."""
+        self.metrics["duration"] = (datetime.now() - self.start_time).total_seconds()
+        return self
+
+    @asynccontextmanager
+    async def track_duration(self, metric_name: str) -> AsyncIterator[None]:
+        """Adds the seconds spent inside the block to the `{metric_name}_duration` metric."""
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            key = f"{metric_name}_duration"
+            self.metrics[key] = self.metrics.get(key, 0.0) + time.monotonic() - start
+
+    def for_logging(self) -> dict[str, Any]:
+        """reward, metrics, metadata, logs, tools and the messages, each marked `trainable` or not."""
+        messages = [{**m, "trainable": _is_choice(item)}
+                    for item, m in zip(self.messages_and_choices, get_messages(self.messages_and_choices))]
+        return {"reward": self.reward, "metrics": self.metrics, "metadata": self.metadata, "messages": messages,
+                "tools": self.tools, "logs": self.logs}
 
     def to_wire(self) -> dict[str, Any]:
         """The JSON the server's training route takes (Choice objects become plain dicts)."""
-        items = []
-        for item in self.messages_and_choices:
-            if hasattr(item, "model_dump"):
-                item = item.model_dump(mode="json", exclude_none=True)
-            items.append(item)
-        return {"messages_and_choices": items, "tools": self.tools, "reward": self.reward}
+        wire: dict[str, Any] = {"messages_and_choices": _wire_items(self.messages_and_choices), "tools": self.tools,
+                                "reward": self.reward}
+        if self.additional_histories:
+            wire["additional_histories"] = [h.to_wire() for h in self.additional_histories]
+        return wire
 
 
 class TrajectoryGroup(BaseModel):
     """Trajectories that answer the same prompt; GRPO compares them with each other.
 
     Built from trajectories, or from awaitables that produce them (`TrajectoryGroup(rollout(s) for _ in
-    range(8))`), which `gather_trajectory_groups` (or `await group.resolve()`) runs concurrently.
+    range(8))`), which `gather_trajectory_groups` (or `await group`, as in ART) runs concurrently.
+    Exceptions among the items, or passed as `exceptions=`, are kept in `exceptions`, as ART keeps them.
+    Iterating a group yields its trajectories; `len(group)` counts them.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     trajectories: list[Trajectory] = Field(default_factory=list)
+    exceptions: list[PydanticException] = Field(default_factory=list)
+    metadata: dict[str, MetadataValue] = Field(default_factory=dict)
     # Numbers about the group as a whole (e.g. a judge's tokens and cost); not sent to the server.
-    metrics: dict[str, float] = Field(default_factory=dict)
+    metrics: dict[str, MetricValue] = Field(default_factory=dict)
+    logs: list[str] = Field(default_factory=list)
     _pending: list[Any] = PrivateAttr(default_factory=list)
 
-    def __init__(self, trajectories: Iterable[Trajectory | Awaitable[Trajectory]] | None = None, /, **data: Any):
+    def __init__(self, trajectories: Iterable[Any] | None = None, /, *,
+                 exceptions: Iterable[BaseException | PydanticException | dict[str, Any]] = (), **data: Any):
+        if trajectories is None:
+            trajectories = data.pop("trajectories", None)
+        ready: list[Any] = []
         pending: list[Any] = []
-        if trajectories is not None:
-            ready = []
-            for item in trajectories:
-                (pending if inspect.isawaitable(item) else ready).append(item)
-            data["trajectories"] = ready
-        super().__init__(**data)
+        failed: list[Any] = []
+        for item in trajectories or ():
+            if isinstance(item, BaseException):
+                failed.append(item)
+            elif inspect.isawaitable(item):
+                pending.append(item)
+            else:
+                ready.append(item)
+        failed = [PydanticException.of(e) if isinstance(e, BaseException) else e for e in [*failed, *exceptions]]
+        super().__init__(trajectories=ready, exceptions=failed, **data)
         self._pending = pending
+
+    def __iter__(self) -> Iterator[Trajectory]:  # type: ignore[override]  # ART's groups iterate their trajectories
+        return iter(self.trajectories)
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    def __await__(self) -> Generator[Any, None, "TrajectoryGroup"]:
+        """`await TrajectoryGroup(rollouts)` runs them (ART's style); the group is its own result."""
+        return self.resolve().__await__()
 
     @property
     def pending(self) -> int:
         return len(self._pending)
 
-    async def resolve(self) -> "TrajectoryGroup":
-        """Await the pending rollouts (concurrently); an exception in one is raised."""
-        if self._pending:
-            import asyncio  # here, not at the top: asyncio is a third of `import artcloud` otherwise
+    def log(self, message: str) -> None:
+        self.logs.append(message)
 
-            pending, self._pending = self._pending, []
-            self.trajectories.extend(await asyncio.gather(*pending))
-        return self
+    async def resolve(self) -> "TrajectoryGroup":
+        """Await the pending rollouts (concurrently). Alone, the first exception ends the others and is raised;
+        inside gather_trajectory_groups, failures count against its `max_exceptions`."""
+        from artcloud.gather import resolve_group
+
+        return await resolve_group(self)
 
     def to_wire(self) -> dict[str, Any]:
         if self._pending:

@@ -14,7 +14,7 @@ import math
 import statistics
 from typing import Any, NamedTuple
 
-from artcloud.protocol import Choice, TrainRequest, WireTrajectory
+from artcloud.protocol import Choice, TrainRequest, WireHistory, WireTrajectory
 from artcloud.server import chat
 from artcloud.server.engines.base import TrainSample
 from artcloud.server.errors import ApiError
@@ -38,7 +38,22 @@ class Turn(NamedTuple):
 
 
 def trajectory_turns(tokenizer: Any, vocab_size: int, traj: WireTrajectory, where: str) -> list[Turn]:
-    """The policy turns of one trajectory, each checked against what was sampled."""
+    """The policy turns of one trajectory and of its additional histories, each checked against what was
+    sampled."""
+    turns = history_turns(tokenizer, vocab_size, traj, where)
+    for h, history in enumerate(traj.additional_histories):
+        turns += history_turns(tokenizer, vocab_size, history, f"{where}.additional_histories[{h}]")
+    if not turns:
+        raise _bad(
+            f"{where}.messages_and_choices",
+            "has no assistant turn sampled by the policy: include the Choice objects returned by the "
+            "server (with token_ids and logprobs) among the messages",
+        )
+    return turns
+
+
+def history_turns(tokenizer: Any, vocab_size: int, traj: WireHistory, where: str) -> list[Turn]:
+    """The policy turns of one conversation, each checked against what was sampled."""
     turns = []
     context: list[dict[str, Any]] = []
     for i, item in enumerate(traj.messages_and_choices):
@@ -92,12 +107,6 @@ def trajectory_turns(tokenizer: Any, vocab_size: int, traj: WireTrajectory, wher
             )
         turns.append(Turn(prompt, list(ids), [float(c.logprob) for c in content], logprob_temperature(item.temperature)))
         context.append(item.message.model_dump(exclude_none=True))
-    if not turns:
-        raise _bad(
-            f"{where}.messages_and_choices",
-            "has no assistant turn sampled by the policy: include the Choice objects returned by the "
-            "server (with token_ids and logprobs) among the messages",
-        )
     return turns
 
 
