@@ -319,54 +319,23 @@ class TrainableModel(Model):
 
 # ------------------------------------------------------------------------------------- ART's training options
 
-# ART's options (LocalBackend.train keywords, art.dev.TrainConfig keys) that artcloud has, by its own name.
-_RENAMED = {"epsilon": "clip_epsilon", "epsilon_high": "clip_epsilon_high", "scale_rewards": "scale_rewards",
-            "learning_rate": "learning_rate"}
-_KL_NAMES = ("beta", "kl_coef", "kl_penalty_coef")  # ART's beta / kl_penalty_coef, artcloud's kl_coef
-# Knobs of ART's trainer that change only its speed or memory, never the update: accepted, no effect.
-_NO_EFFECT = {"logprob_calculation_chunk_size", "packed_sequence_length"}
-# The rest, at the value ART defaults to (which is what artcloud does); any other value is refused.
-_ART_DEFAULTS: dict[str, Any] = {
-    "advantage_balance": 0.0, "allow_training_without_logprobs": False, "importance_sampling_level": "token",
-    "mask_prob_ratio": False, "plot_tensors": False, "precalculate_logprobs": False,
-    "scale_learning_rate_by_reward_std_dev": False, "num_trajectories_learning_rate_multiplier_power": 0.0,
-    "max_negative_advantage_importance_sampling_weight": None, "kimi_k2_tau": None,
-    "truncated_importance_sampling": None, "normalize_by_length": True, "kl_ref_adapter_path": None,
-    "moe_routing_replay_bundle": None, "moe_routing_replay_path": None, "moe_routing_replay_strict": False,
-    "save_checkpoint": True,
-}
-
 
 def apply_art_options(config: TrainConfig, options: Mapping[str, Any], *, where: str) -> TrainConfig:
-    """`config` with ART's training options applied (see the tables above); one line for any that
-    artcloud cannot honour, naming what to write instead."""
+    """`config` with ART's training options applied (LocalBackend.train keywords, art.dev.TrainConfig keys:
+    TrainConfig's own table of ART's names, types._from_art_names); one line for any that artcloud cannot
+    honour, naming what to write instead."""
+    from artcloud.types import _from_art_names
+
     if not isinstance(options, Mapping):
         raise WrongType(f"{where} must be a dict of art.dev.TrainConfig keys, not {type(options).__name__}", field=where)
-    fields = type(config).model_fields
-    kl_field = next(k for k in _KL_NAMES if k in fields)
-    update: dict[str, Any] = {}
-    for key, value in options.items():
-        if key in _RENAMED:
-            if value is not None:
-                update[_RENAMED[key]] = value
-        elif key in _KL_NAMES:
-            if value is not None:
-                update[kl_field] = value
-        elif key == "ppo":
-            if value:  # ART's ppo=True: PPO's clipped ratio, which is artcloud's loss="ppo"
-                update["loss"] = "ppo"
-        elif key in _NO_EFFECT:
-            pass
-        elif key in _ART_DEFAULTS:
-            if value != _ART_DEFAULTS[key]:
-                hint = (" (artcloud commits every step: NAME@STEP is its checkpoint)" if key == "save_checkpoint" else "")
-                raise NotSupported(f"{where}: {key}={value!r} is an OpenPipe ART option artcloud does not have{hint}; "
-                                   f"leave it out (artcloud trains as ART does at {key}={_ART_DEFAULTS[key]!r})", field=key)
-        elif key in fields:
-            update[key] = value  # artcloud's own TrainConfig fields are welcome here too
-        else:
-            raise InvalidArgument(f"{where}: unknown training option {key!r}; artcloud's are the fields of "
-                                  f"artcloud.TrainConfig ({', '.join(fields)})", field=key)
+    options = dict(options)
+    if options.pop("save_checkpoint", True) is not True:
+        raise NotSupported(f"{where}: save_checkpoint=False is an OpenPipe ART option artcloud does not have "
+                           "(artcloud commits every step: NAME@STEP is its checkpoint); leave it out", field="save_checkpoint")
+    try:
+        update = _from_art_names(options)
+    except ArtcloudError as e:
+        raise type(e)(f"{where}: {e}", field=e.field) from None
     return type(config).model_validate({**config.model_dump(), **update}) if update else config
 
 
@@ -382,16 +351,18 @@ def _check_groups(groups: list[TrajectoryGroup]) -> None:
                 "prompt with each other, so a group needs at least 2"
             )
         for t, traj in enumerate(group.trajectories):
-            choices = [m for m in traj.messages_and_choices if _is_choice(m)]
+            histories = [traj.messages_and_choices, *(h.messages_and_choices for h in traj.additional_histories)]
+            choices = [m for history in histories for m in history if _is_choice(m)]
             if not choices:
                 raise InvalidArgument(f"groups[{g}].trajectories[{t}] has no turn sampled by the model: append the "
-                                 "Choice objects returned by model.openai_client() to messages_and_choices")
+                                      "Choice objects returned by the model's OpenAI client to messages_and_choices")
             for c in choices:
                 logprobs = c.get("logprobs") if isinstance(c, dict) else getattr(c, "logprobs", None)
                 content = logprobs.get("content") if isinstance(logprobs, dict) else getattr(logprobs, "content", None)
                 if not content:
-                    raise InvalidArgument(f"groups[{g}].trajectories[{t}] has a choice without logprobs: request "
-                                     "completions with logprobs=True so training can use the sampling policy's logprobs")
+                    raise InvalidArgument(f"groups[{g}].trajectories[{t}] has a choice without logprobs (sampled with "
+                                          "logprobs=False?): leave logprobs out or set it True, so training can use "
+                                          "the sampling policy's logprobs")
 
 
 def _is_choice(item: Any) -> bool:

@@ -353,3 +353,22 @@ def test_additional_histories_are_trained_on(tiny_server):
         error = r.json()["error"]
         assert error["code"] == "context_mismatch"
         assert error["field"] == "groups[0].trajectories[1].additional_histories[0].messages_and_choices[2]"
+
+
+def test_sampled_turns_only_in_additional_histories_are_enough_to_train():
+    from artcloud.model import _check_groups
+
+    choice = {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hi"},
+              "logprobs": {"content": [{"token": "hi", "logprob": -0.5, "bytes": None, "top_logprobs": []}]}}
+    user = {"role": "user", "content": "play"}
+
+    def traj(history: list) -> artcloud.Trajectory:
+        return artcloud.Trajectory(messages_and_choices=[user], reward=1.0,
+                                   additional_histories=[artcloud.History(messages_and_choices=history)])
+
+    _check_groups([artcloud.TrajectoryGroup([traj([user, choice]), traj([user, choice])])])
+    with pytest.raises(artcloud.InvalidArgument, match=r"trajectories\[0\] has no turn sampled"):
+        _check_groups([artcloud.TrajectoryGroup([traj([user]), traj([user, choice])])])
+    unlogged = {**choice, "logprobs": None}
+    with pytest.raises(artcloud.InvalidArgument, match="without logprobs"):
+        _check_groups([artcloud.TrajectoryGroup([traj([user, unlogged]), traj([user, choice])])])
