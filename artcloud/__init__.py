@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from artcloud.backends.from_env import backend_from_env
     from artcloud.backends.local import LocalBackend
     from artcloud.backends.modal import ModalBackend, ModalError
-    from artcloud.backends.remote import RemoteBackend, ServerGone, VersionMismatch
+    from artcloud.backends.remote import Backend, RemoteBackend, ServerGone, VersionMismatch
     from artcloud.backends.sky import SkyBackend, SkyError
     from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported, TimedOut, WrongState, WrongType
     from artcloud.gather import GatherError, gather_trajectory_groups
@@ -33,6 +33,7 @@ _LAZY = {
     "LocalBackend": "artcloud.backends.local",
     "backend_from_env": "artcloud.backends.from_env",
     "RemoteBackend": "artcloud.backends.remote",
+    "Backend": "artcloud.backends.remote",
     "SkyBackend": "artcloud.backends.sky",
     "ModalBackend": "artcloud.backends.modal",
     "ModalError": "artcloud.backends.modal",
@@ -66,7 +67,7 @@ _LAZY = {
 
 __all__ = [
     "__version__", "LoraConfig", "TrainConfig", "Trajectory", "TrajectoryGroup",
-    "LocalBackend", "RemoteBackend", "SkyBackend", "SkyError", "ModalBackend", "ModalError", "ArtcloudError", "ServerGone", "VersionMismatch",
+    "LocalBackend", "RemoteBackend", "Backend", "SkyBackend", "SkyError", "ModalBackend", "ModalError", "ArtcloudError", "ServerGone", "VersionMismatch",
     "backend_from_env",
     "gather_trajectory_groups", "GatherError",
     "Model", "TrainableModel", "TrainResult", "LinearTemperatureAnnealer", "pull_checkpoint",

@@ -100,10 +100,20 @@ def accepts(path: str, kw: str) -> bool:
     target = resolve(path)
     if isinstance(target, property):
         return False
+    from artcloud.types import _ART_ALIASES
+
+    # TrainConfig and the train calls also take ART's names for its fields (types._ART_ALIASES: beta, epsilon...).
+    training_names = {*artcloud.TrainConfig.model_fields, *_ART_ALIASES}
     if inspect.isclass(target) and kw in getattr(target, "model_fields", {}):
         return True
+    if target is artcloud.TrainConfig:
+        return kw in training_names
     params = inspect.signature(target).parameters
-    return kw in params and params[kw].kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    if kw in params:
+        return params[kw].kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    # backend.train(model, groups, **options): TrainConfig's fields under either name
+    takes_options = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return takes_options and path.endswith(".train") and kw in training_names
 
 
 def check_resolves(name: str) -> None:

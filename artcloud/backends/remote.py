@@ -545,3 +545,7 @@ class RemoteBackend:
                 "is what a new server resumes from", code="server_unreachable") from cause
         log.info("event stream of %s silent for %.0f s (%s) but /health answers %d: reconnecting",
                  job_id, self.event_read_timeout_s, type(cause).__name__, response.status_code)
+
+
+# OpenPipe ART's name for the class every backend is (artcloud's backends are a provisioner plus this protocol).
+Backend = RemoteBackend
