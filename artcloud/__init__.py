@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from artcloud.model import LinearTemperatureAnnealer, Model, TrainableModel, TrainResult
     from artcloud.rewards import RulerError, ruler, ruler_score_group
     from artcloud.storage.s3 import pull_checkpoint
+    from artcloud.streaming import collect_stream
 
 _LAZY = {
     "LocalBackend": "artcloud.backends.local",
@@ -44,6 +45,7 @@ _LAZY = {
     "ruler": "artcloud.rewards",
     "ruler_score_group": "artcloud.rewards",
     "RulerError": "artcloud.rewards",
+    "collect_stream": "artcloud.streaming",
 }
 
 __all__ = [
@@ -52,7 +54,7 @@ __all__ = [
     "backend_from_env",
     "gather_trajectory_groups", "GatherError",
     "Model", "TrainableModel", "TrainResult", "LinearTemperatureAnnealer", "pull_checkpoint",
-    "ruler", "ruler_score_group", "RulerError",
+    "ruler", "ruler_score_group", "RulerError", "collect_stream",
 ]
 
 
