@@ -207,6 +207,8 @@ async def _chunks(sink: ChatStream, task: asyncio.Task, stop: Callable[[], None]
             for i, (ids, lps, tops) in new.items():
                 text = texts[i].add(ids)
                 yield chunk([token_choice(i, ids, lps, tops, {"content": text} if text else {})])
+        if task.cancelled():  # the batcher stopped: the server is shutting down
+            raise ApiError(503, "shutting_down", "the server stopped generating: it is shutting down")
         completions, _ = task.result()
         for i, c in enumerate(completions):
             yield chunk([_last_choice(i, c, texts[i], sent_ids[i], parse_tools, token_choice)])

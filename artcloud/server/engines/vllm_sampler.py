@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from artcloud.errors import ArtcloudError
 from artcloud.server.engines.base import Completion, GenerationRequest, Sampler, SamplerUnavailable, TokenSink
 from artcloud.types import LoraConfig
 
@@ -304,7 +305,8 @@ class VLLMSampler(Sampler):
             with self._http.stream("POST", self.url + path, json={**payload, "stream": True},
                                    headers={"Authorization": f"Bearer {self.key}"}) as r:
                 if r.status_code >= 400:
-                    raise RuntimeError(f"vLLM {path} answered {r.status_code}: {r.read().decode(errors='replace')[:500]}")
+                    raise ArtcloudError(f"vLLM {path} answered {r.status_code}: "
+                                        f"{r.read().decode(errors='replace')[:500]}", code="sampler_error")
                 for line in r.iter_lines():
                     if sink.cancelled:
                         return
@@ -315,7 +317,7 @@ class VLLMSampler(Sampler):
                         return
                     event = json.loads(data)
                     if "error" in event:
-                        raise RuntimeError(f"vLLM {path} failed while streaming: {event['error']}")
+                        raise ArtcloudError(f"vLLM {path} failed while streaming: {event['error']}", code="sampler_error")
                     yield event
         except httpx.TransportError as e:
             raise self._lost(e) from e
