@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from artcloud.gather import gather_trajectories
     from artcloud.types import History, Messages, MessagesAndChoices, Tools
     from artcloud.utils import DatasetBatch, retry
+    from artcloud.streaming import collect_stream
 
 _LAZY = {
     "LocalBackend": "artcloud.backends.local",
@@ -63,6 +64,7 @@ _LAZY = {
     "retry": "artcloud.utils",
     "DatasetBatch": "artcloud.utils",
     "utils": "artcloud.utils",
+    "collect_stream": "artcloud.streaming",
 }
 
 __all__ = [
@@ -71,7 +73,7 @@ __all__ = [
     "backend_from_env",
     "gather_trajectory_groups", "GatherError",
     "Model", "TrainableModel", "TrainResult", "LinearTemperatureAnnealer", "pull_checkpoint",
-    "ruler", "ruler_score_group", "RulerError",
+    "ruler", "ruler_score_group", "RulerError", "collect_stream",
     "InvalidArgument", "WrongType", "NotSupported", "WrongState", "TimedOut", "MissingDependency", "StorageError", "CorruptCheckpoint",
     "History", "Messages", "MessagesAndChoices", "Tools", "gather_trajectories", "retry", "DatasetBatch", "utils",
 ]

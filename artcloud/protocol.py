@@ -8,6 +8,10 @@ standard `logprobs.content[i].logprob` is the logprob of each sampled token unde
 was drawn from: log_softmax(logits / T) before top-p (at T = 1 for greedy), as training computes it.
 A trajectory sent for training keeps its choices as returned: the server re-renders the conversation
 before each one and rejects it (400 `context_mismatch`) if its hash differs from `prompt_sha256`.
+Logprobs come unless a request says `logprobs: false`. A streamed response (`stream: true`) carries the
+same in its `chat.completion.chunk`s: each chunk's choice has the `token_ids` of its delta and their
+`logprobs.content`; the first chunk has `prompt_token_ids`, each choice's first chunk its `prompt_sha256`
+and `temperature` (artcloud.streaming.collect puts them back together into a choice to train on).
 """
 
 from __future__ import annotations
@@ -93,6 +97,13 @@ _STOP_SCHEMA = {"anyOf": [
 ]}
 
 
+class StreamOptions(BaseModel):
+    # Newer OpenAI options (include_obfuscation, ...) are accepted and ignored, as the request's are.
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False  # one more chunk before [DONE], with `usage` and no choices
+
+
 class ChatCompletionRequest(BaseModel):
     # OpenAI clients send fields we do not use (user, metadata, ...): accept and ignore them.
     model_config = ConfigDict(extra="ignore")
@@ -107,10 +118,12 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: Annotated[str | list[str] | None, WithJsonSchema(_STOP_SCHEMA)] = Field(None, validate_default=True)
-    logprobs: bool = False
+    # Unset means yes (as ART's server does: training needs them, and ART scripts never ask); false means no.
+    logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     seed: Seed | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     return_token_ids: bool = True
 
     @field_validator("stop")

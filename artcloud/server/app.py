@@ -4,7 +4,8 @@
     GET  /artcloud/status                          models, engines, lease, limits (never renews the lease)
     GET  /openapi.json                             this API's schema, with its limits and links
     GET  /v1/models, /v1/models/{id}               OpenAI-compatible listing
-    POST /v1/chat/completions                      OpenAI-compatible; + prompt_token_ids, choices[].token_ids
+    POST /v1/chat/completions                      OpenAI-compatible; + prompt_token_ids, choices[].token_ids;
+                                                   stream=true: Server-Sent Events (server/chat_stream.py)
     POST /artcloud/heartbeat                       a client's sign of life (the lease)
     POST /artcloud/models                          register (idempotent; resumes from the latest checkpoint)
     GET  /artcloud/models/{name}                   step, temperature, checkpoints, history
@@ -35,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from artcloud._version import __version__
 from artcloud.protocol import (NAME_PATTERN, ChatCompletionRequest, PruneRequest, RegisterRequest, TemperatureRequest,
                                TrainRequest)
-from artcloud.server import chat, history, schemas
+from artcloud.server import chat, chat_stream, history, schemas
 from artcloud.server.engines.base import GenerationRequest, SamplingParams
 from artcloud.server.errors import ApiError, field_path
 from artcloud.server.jobs import Job, request_hash
@@ -134,11 +135,12 @@ def create_app(registry: Registry, token: str) -> FastAPI:
         return {"id": model_id, "object": "model", "owned_by": m.spec.project, "root": m.spec.base_model, "step": m.step}
 
     @app.post("/v1/chat/completions", operation_id="chat_completions", response_model=schemas.ChatCompletion,
-              responses=errors(400, 404, 503))
-    async def chat_completions(req: ChatCompletionRequest) -> dict[str, Any]:
-        if req.stream:
-            raise ApiError(400, "unsupported", "streaming responses are not supported: set stream=false", "stream")
-        if req.top_logprobs and not req.logprobs:
+              responses={200: schemas.CHAT_STREAM, **errors(400, 404, 503)})
+    async def chat_completions(req: ChatCompletionRequest) -> Any:
+        if req.stream_options is not None and not req.stream:
+            raise ApiError(400, "invalid_request", "stream_options is only allowed with stream=true", "stream_options")
+        want_logprobs = req.logprobs is not False  # unset: yes (training needs them; ART scripts never ask)
+        if req.top_logprobs and not want_logprobs:
             raise ApiError(400, "invalid_request", "top_logprobs needs logprobs=true", "top_logprobs")
         target = registry.resolve(req.model)
         engine = target.host.engine
@@ -167,15 +169,22 @@ def create_app(registry: Registry, token: str) -> FastAPI:
             max_tokens=max_tokens,
             stop=req.stop,
             seed=req.seed,
-            top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+            top_logprobs=(req.top_logprobs or 0) if want_logprobs else 0,
         )
+        if req.stream:
+            return await chat_stream.stream(
+                batcher=target.host.batcher, key=target.key, request=GenerationRequest(prompt, req.n, params),
+                prompt_ids=prompt, tokenizer=engine.tokenizer, want_logprobs=want_logprobs,
+                want_token_ids=req.return_token_ids, parse_tools=bool(req.tools),
+                include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            )
         completions, served = await target.host.batcher.submit(target.key, GenerationRequest(prompt, req.n, params))
         return chat.completion_response(
             served_as=served,
             prompt_ids=prompt,
             completions=completions,
             tokenizer=engine.tokenizer,
-            want_logprobs=req.logprobs,
+            want_logprobs=want_logprobs,
             want_token_ids=req.return_token_ids,
             parse_tools=bool(req.tools),
         )

@@ -152,6 +152,9 @@ class Batcher:
             for item in items:
                 groups.setdefault(item.key, []).append(item)
             for key, group in groups.items():
+                for p in group:  # a streamed request whose client went away before its turn
+                    if p.request.sink is not None and p.request.sink.cancelled:
+                        p.future.cancel()
                 live = [p for p in group if not p.future.done()]  # a client may have gone away
                 if not live:
                     continue

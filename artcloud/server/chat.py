@@ -156,18 +156,15 @@ def completion_response(
     prompt_hash = prompt_sha256(prompt_ids)
     choices = []
     for i, c in enumerate(completions):
-        content: str | None = c.text
-        tool_calls: list[dict[str, Any]] = []
-        if parse_tools:
-            content, tool_calls = parse_tool_calls(c.text)
+        content, tool_calls, finish_reason = final_message(c, parse_tools)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = tool_calls
         choice: dict[str, Any] = {
             "index": i,
             "message": message,
-            "finish_reason": "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason,
-            "logprobs": _logprobs(c, tokenizer) if want_logprobs else None,
+            "finish_reason": finish_reason,
+            "logprobs": logprobs_content(tokenizer, c.token_ids, c.logprobs, c.top_logprobs) if want_logprobs else None,
         }
         if want_token_ids:
             choice["token_ids"] = c.token_ids
@@ -190,6 +187,15 @@ def completion_response(
     if want_token_ids:
         body["prompt_token_ids"] = prompt_ids
     return body
+
+
+def final_message(c: Completion, parse_tools: bool) -> tuple[str | None, list[dict[str, Any]], str]:
+    """(content, tool_calls, finish_reason) of a finished completion, streamed or not."""
+    content: str | None = c.text
+    tool_calls: list[dict[str, Any]] = []
+    if parse_tools:
+        content, tool_calls = parse_tool_calls(c.text)
+    return content, tool_calls, "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
 
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -225,12 +231,12 @@ def _token_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any
     return {"token": tokenizer.decode([token_id]), "logprob": logprob, "bytes": token_bytes(tokenizer, token_id)}
 
 
-def _logprobs(c: Completion, tokenizer: Any) -> dict[str, Any]:
+def logprobs_content(tokenizer: Any, token_ids: list[int], logprobs: list[float],
+                     top_logprobs: list[list[tuple[int, float]]] | None) -> dict[str, Any]:
+    """OpenAI's `logprobs` of a choice (or of a streamed chunk's tokens)."""
     content = []
-    for k, (tid, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+    for k, (tid, lp) in enumerate(zip(token_ids, logprobs)):
         entry = _token_entry(tokenizer, tid, lp)
-        entry["top_logprobs"] = (
-            [_token_entry(tokenizer, t, v) for t, v in c.top_logprobs[k]] if c.top_logprobs else []
-        )
+        entry["top_logprobs"] = [_token_entry(tokenizer, t, v) for t, v in top_logprobs[k]] if top_logprobs else []
         content.append(entry)
     return {"content": content}

@@ -190,6 +190,15 @@ class ChatChoice(_Open):
     token_ids: list[int] | None = Field(None, description="the sampled token ids (what training needs)")
 
 
+# The 200 of a streamed request (stream=true), beside the JSON ChatCompletion: its chunks are described
+# in artcloud/server/chat_stream.py.
+CHAT_STREAM: dict[str, Any] = {
+    "description": "a ChatCompletion; with stream=true, Server-Sent Events: `data: {chat.completion.chunk}` "
+                   "lines (each choice with the token_ids and logprobs of its delta), then `data: [DONE]`",
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}
+
+
 class Usage(_Open):
     prompt_tokens: int
     completion_tokens: int

@@ -217,10 +217,12 @@ class Registry:
         _, name, step = key
         try:
             if name is None:
+                _started(requests, host.base_model)
                 return await host.generate(None, requests), host.base_model
             model = self.models[name]
             async with model.lock.read():
                 slot, served_step = await model.slot_for(step)
+                _started(requests, f"{name}@{served_step}")
                 results = await host.generate(slot, requests)
         except SamplerUnavailable as e:
             raise ApiError(503, "sampler_unavailable", str(e)) from e
@@ -264,3 +266,10 @@ class Registry:
                 await host.batcher.stop()
             host.close()
         await asyncio.to_thread(SYNCER.sync)
+
+
+def _started(requests: list[GenerationRequest], served_as: str) -> None:
+    """Tell streamed requests what serves them (NAME@STEP, fixed from here on): their first chunk says it."""
+    for r in requests:
+        if r.sink is not None:
+            r.sink.started(served_as)

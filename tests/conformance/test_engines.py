@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 
 import pytest
 import torch
 
-from artcloud.server.engines.base import GenerationRequest, SamplingParams, TrainSample
+from artcloud.server.engines.base import GenerationRequest, SamplingParams, TokenSink, TrainSample
 from artcloud.types import LoraConfig, TrainConfig
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -150,6 +151,53 @@ def test_sampled_logprobs_equal_the_trainers_recomputation(engine, tmp_path, tem
     got = [s.old_logprobs for s in fresh]
     want = engine.trainer_logprobs("lp", fresh)
     assert_logprobs_close(got, want)
+
+
+# ------------------------------------------------------------------------------------------ streaming
+
+
+class Recorder(TokenSink):
+    """What a sampler streams (sample, ids, logprobs, top logprobs, when); hangs up once sample 0 has
+    `hang_up_after` tokens, as a client that goes away does."""
+
+    def __init__(self, hang_up_after: int | None = None):
+        self.calls: list[tuple[int, list[int], list[float], list | None, float]] = []
+        self.hang_up_after = hang_up_after
+
+    def tokens(self, sample, token_ids, logprobs, top_logprobs):
+        self.calls.append((sample, list(token_ids), list(logprobs), top_logprobs, time.monotonic()))
+        if self.hang_up_after is not None and len(self.of(0)[0]) >= self.hang_up_after:
+            self.cancelled = True
+
+    def of(self, sample: int) -> tuple[list[int], list[float], list, list[float]]:
+        calls = [c for c in self.calls if c[0] == sample]
+        return ([t for c in calls for t in c[1]], [x for c in calls for x in c[2]],
+                [x for c in calls for x in (c[3] or [])], [c[4] for c in calls])
+
+
+def test_streamed_tokens_come_as_they_are_generated_and_make_the_completion(engine, tmp_path):
+    publish(engine, "st", tmp_path / "0", new=True)
+    ids = prompt(engine, "Tell me about the sea.")
+    params = SamplingParams(temperature=1.0, max_tokens=24, seed=4, top_logprobs=2)
+    sink = Recorder()
+    started = time.monotonic()
+    streamed = engine.generate("st", [GenerationRequest(ids, 2, params, sink=sink)])[0]
+    took = time.monotonic() - started
+    plain = engine.generate("st", [GenerationRequest(ids, 2, params)])[0]
+    for i, (s, p) in enumerate(zip(streamed, plain)):
+        tokens, logprobs, tops, times = sink.of(i)
+        assert tokens == s.token_ids == p.token_ids and logprobs == s.logprobs and tops == s.top_logprobs
+        assert s.text == p.text and s.finish_reason == p.finish_reason
+        assert_logprobs_close([s.logprobs], [p.logprobs])
+        # As generated: in many calls, spread over the generation (not all at its end).
+        assert len(times) > len(tokens) // 2 and times[-1] - times[0] > took / 4, (len(times), times[-1] - times[0], took)
+
+    # A client that goes away stops its sample within a step or two; the sampler serves on.
+    whole = greedy(engine, "st", ids, 40)
+    hang_up = Recorder(hang_up_after=3)
+    cut = engine.generate("st", [GenerationRequest(ids, 1, SamplingParams(temperature=0.0, max_tokens=40), sink=hang_up)])[0][0]
+    assert 3 <= len(cut.token_ids) <= 10 < len(whole.token_ids) and cut.token_ids == whole.token_ids[:len(cut.token_ids)]
+    assert greedy(engine, "st", ids, 40).token_ids == whole.token_ids
 
 
 # ------------------------------------------------------------------------------------------ adapters

@@ -36,11 +36,29 @@ class SamplingParams:
     top_logprobs: int = 0  # how many alternatives to report per sampled token
 
 
+class TokenSink:
+    """Where a streamed request's tokens go as they are sampled. A sampler calls `tokens` from its own
+    thread, at least once per sample that has new tokens (the torch sampler: every decoding step; vLLM:
+    every chunk it streams), in order; the returned `Completion`s hold the same tokens again, whole.
+    `cancelled` turns true when the client went away: the sampler stops this request's samples at its
+    next step (what it returns for them then is thrown away)."""
+
+    cancelled: bool = False
+
+    def tokens(self, sample: int, token_ids: list[int], logprobs: list[float],
+               top_logprobs: list[list[tuple[int, float]]] | None) -> None:
+        """New tokens of sample `sample` (0 .. n-1), with their logprobs (see `Completion`)."""
+
+    def started(self, served_as: str) -> None:
+        """The server's, not a sampler's: what serves the request (NAME@STEP), just before it is generated."""
+
+
 @dataclass
 class GenerationRequest:
     prompt_ids: list[int]
     n: int
     params: SamplingParams
+    sink: TokenSink | None = None  # a streamed request: hear its tokens as they come
 
 
 @dataclass

@@ -95,6 +95,10 @@ class TorchSampler(Sampler):
             for u, r in enumerate(requests) if r.params.seed is not None
         }
         stops = [StopStrings(self.tokenizer, p.stop) for p in params]
+        # Streamed requests hear each row's token as soon as it is sampled (one call per row and step).
+        sinks = [requests[u].sink for u in row_req]
+        streaming = any(s is not None for s in sinks)
+        sample_of = [k for r in requests for k in range(r.n)]  # row -> its sample's index in its request
 
         tokens: list[list[int]] = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
@@ -120,8 +124,13 @@ class TorchSampler(Sampler):
                     tops[b].append(list(zip(top.indices[a, :k].tolist(), top.values[a, :k].tolist())))
                 if eos_l[a] or stops[b].check(tokens[b]):
                     finish[b] = "stop"
-                elif len(tokens[b]) < max_tokens[b]:
-                    keep.append(a)
+                elif len(tokens[b]) < max_tokens[b] and not (streaming and sinks[b] is not None and sinks[b].cancelled):
+                    keep.append(a)  # a row whose client went away leaves the batch
+            if streaming:
+                for b in alive:
+                    if sinks[b] is not None:
+                        sinks[b].tokens(sample_of[b], tokens[b][-1:], lps[b][-1:],
+                                        tops[b][-1:] if params[b].top_logprobs else None)
             if not keep:
                 break
             if len(keep) < len(alive):

@@ -37,10 +37,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from artcloud.errors import InvalidArgument
-from artcloud.server.engines.base import Completion, EngineError, GenerationRequest, Sampler, SamplerUnavailable
+from artcloud.errors import ArtcloudError, InvalidArgument
+from artcloud.server.engines.base import Completion, EngineError, GenerationRequest, Sampler, SamplerUnavailable, TokenSink
 from artcloud.types import LoraConfig
 
 log = logging.getLogger("artcloud.engine")
@@ -274,19 +274,53 @@ class VLLMSampler(Sampler):
               force: bool = False) -> Any:
         import httpx
 
-        if self.state != "ready" and not force:
-            raise SamplerUnavailable((self.detail or f"the vLLM sampler is {self.state}") + "; retry in a minute")
+        self._check_ready(force)
         try:
             r = self._http.post(self.url + path, json=payload, params=params,
                                 headers={"Authorization": f"Bearer {self.key}"})
         except httpx.TransportError as e:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise SamplerUnavailable(f"the vLLM sampler process exited (code {self.proc.returncode}) and is "
-                                         "restarting; retry in a minute") from e
-            raise
+            raise self._lost(e) from e
         if r.status_code >= 400:
             raise EngineError(f"vLLM {path} answered {r.status_code}: {r.text[:500]}")
         return r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
+
+    def _check_ready(self, force: bool = False) -> None:
+        if self.state != "ready" and not force:
+            raise SamplerUnavailable((self.detail or f"the vLLM sampler is {self.state}") + "; retry in a minute")
+
+    def _lost(self, e: Exception) -> Exception:
+        """What a transport error means: the process died (SamplerUnavailable), or itself."""
+        if self.proc is not None and self.proc.poll() is not None:
+            return SamplerUnavailable(f"the vLLM sampler process exited (code {self.proc.returncode}) and is "
+                                      "restarting; retry in a minute")
+        return e
+
+    def _events(self, path: str, payload: dict[str, Any], sink: TokenSink) -> Iterator[dict[str, Any]]:
+        """POST with stream=true: vLLM's Server-Sent Events, one JSON object each. Stops reading when the
+        sink is cancelled; closing the response then makes vLLM abort the request."""
+        import httpx
+
+        self._check_ready()
+        try:
+            with self._http.stream("POST", self.url + path, json={**payload, "stream": True},
+                                   headers={"Authorization": f"Bearer {self.key}"}) as r:
+                if r.status_code >= 400:
+                    raise ArtcloudError(f"vLLM {path} answered {r.status_code}: "
+                                        f"{r.read().decode(errors='replace')[:500]}", code="sampler_error")
+                for line in r.iter_lines():
+                    if sink.cancelled:
+                        return
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    event = json.loads(data)
+                    if "error" in event:
+                        raise ArtcloudError(f"vLLM {path} failed while streaming: {event['error']}", code="sampler_error")
+                    yield event
+        except httpx.TransportError as e:
+            raise self._lost(e) from e
 
     # ------------------------------------------------------------------------------------- adapters
 
@@ -374,15 +408,36 @@ class VLLMSampler(Sampler):
             payload["stop"] = p.stop
         if p.seed is not None:
             payload["seed"] = p.seed
+        if req.sink is not None:
+            return self._streamed(payload, req)
         out = self._post("/v1/completions", payload)
         choices = sorted(out["choices"], key=lambda c: c["index"])
         return [self._completion(c, p.top_logprobs, p.temperature) for c in choices]
 
+    def _streamed(self, payload: dict[str, Any], req: GenerationRequest) -> list[Completion]:
+        """vLLM streams the completions; each chunk's tokens go to the request's sink as they arrive."""
+        p, sink = req.params, req.sink
+        assert sink is not None
+        merged = [{"token_ids": [], "logprobs": {"token_logprobs": [], "top_logprobs": []}, "text": "",
+                   "finish_reason": None} for _ in range(req.n)]
+        for event in self._events("/v1/completions", payload, sink):
+            for choice in event.get("choices") or []:
+                part = self._completion(choice, p.top_logprobs, p.temperature)
+                whole = merged[choice["index"]]
+                whole["token_ids"] += part.token_ids
+                whole["logprobs"]["token_logprobs"] += part.logprobs
+                whole["logprobs"]["top_logprobs"] += (choice.get("logprobs") or {}).get("top_logprobs") or []
+                whole["text"] += part.text
+                whole["finish_reason"] = choice.get("finish_reason") or whole["finish_reason"]
+                if part.token_ids:
+                    sink.tokens(choice["index"], part.token_ids, part.logprobs, part.top_logprobs)
+        return [self._completion(c, p.top_logprobs, p.temperature) for c in merged]
+
     @staticmethod
     def _completion(choice: dict[str, Any], top_k: int, temperature: float) -> Completion:
-        ids = list(choice["token_ids"])
-        lp = choice["logprobs"]
-        logprobs = [float(x) for x in lp["token_logprobs"]]
+        ids = list(choice.get("token_ids") or [])
+        lp = choice.get("logprobs") or {}
+        logprobs = [float(x) for x in lp.get("token_logprobs") or []]
         if len(logprobs) != len(ids):
             raise EngineError(f"vLLM returned {len(ids)} token ids but {len(logprobs)} logprobs")
         tops = None
