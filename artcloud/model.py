@@ -335,7 +335,8 @@ def apply_art_options(config: TrainConfig, options: Mapping[str, Any], *, where:
     try:
         update = _from_art_names(options)
     except ArtcloudError as e:
-        raise type(e)(f"{where}: {e}", field=e.field) from None
+        e.args = (f"{where}: {e}",)  # the same error, saying which argument it is about
+        raise
     return type(config).model_validate({**config.model_dump(), **update}) if update else config
 
 

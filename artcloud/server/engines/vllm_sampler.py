@@ -288,12 +288,12 @@ class VLLMSampler(Sampler):
         if self.state != "ready" and not force:
             raise SamplerUnavailable((self.detail or f"the vLLM sampler is {self.state}") + "; retry in a minute")
 
-    def _lost(self, e: Exception) -> Exception:
-        """What a transport error means: the process died (SamplerUnavailable), or itself."""
+    def _lost(self, e: Exception) -> ArtcloudError:
+        """What a transport error means: the process died (SamplerUnavailable), or it did not answer."""
         if self.proc is not None and self.proc.poll() is not None:
             return SamplerUnavailable(f"the vLLM sampler process exited (code {self.proc.returncode}) and is "
                                       "restarting; retry in a minute")
-        return e
+        return EngineError(f"the vLLM sampler did not answer ({type(e).__name__}: {e})")
 
     def _events(self, path: str, payload: dict[str, Any], sink: TokenSink) -> Iterator[dict[str, Any]]:
         """POST with stream=true: vLLM's Server-Sent Events, one JSON object each. Stops reading when the
