@@ -240,8 +240,12 @@ class TrainableModel(Model):
     async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> dict[str, Any]:
         """Delete every checkpoint on the server but the latest and the best by `best_checkpoint_metric`
         (a key of the model's history, averaged per step; highest is best), as ART does. Returns the
-        steps kept and deleted. Copies already on S3 stay (S3's own retention: `--keep-last`)."""
-        return await self.backend.delete_checkpoints(self.name, best_checkpoint_metric)
+        steps kept and deleted. A metric that no step has keeps the latest step alone, with a warning (as ART).
+        Copies already on S3 stay (S3's own retention: `--keep-last`)."""
+        answer = await self.backend.delete_checkpoints(self.name, best_checkpoint_metric)
+        if answer.get("note"):  # a metric nothing logged (ART's default val/reward without model.log(..., "val"))
+            log.warning("%s", answer["note"])
+        return answer
 
     async def train(
         self,

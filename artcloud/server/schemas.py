@@ -141,6 +141,7 @@ class Pruned(_Open):
                                             "committed step has it")
     kept: list[int]
     deleted: list[int]
+    note: str | None = Field(None, description="why only the latest step was kept (no committed step has `metric`)")
 
 
 class JobSummary(_Open):

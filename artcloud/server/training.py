@@ -297,16 +297,17 @@ class Trainer:
     async def prune(self, metric: str) -> dict[str, Any]:
         """Delete every committed checkpoint but the latest and the best by `metric` (history.metric_by_step:
         a training record's key, or SPLIT/KEY such as ART's default val/reward; highest best; ART's
-        delete_checkpoints). With S3, a step not yet pushed stays
+        delete_checkpoints). A metric no step has keeps the latest step alone, as ART does. With S3, a step not yet pushed stays
         (as in _retain); S3's copies stay too."""
         model = self.model
         by_step = history.metric_by_step(model.history, metric)
-        if not by_step:
+        note = None
+        if not by_step:  # as ART: the latest step alone is kept, and the answer says why
             known = sorted({(f"{r['split']}/" if r.get("split", "train") != "train" else "") + k
                             for r in model.history for k, v in r.items()
                             if history._number(v) and k not in ("step", "time")})
-            raise ApiError(400, "unknown_metric", f"no step of {self.name} has {metric!r} in its history; "
-                           f"its metrics: {', '.join(known) or 'none yet'}", "best_metric")
+            note = (f"no step of {self.name} has {metric!r} in its history (its metrics: {', '.join(known) or 'none yet'}): "
+                    "kept the latest step only")
         steps = checkpoints.committed_steps(model.folder)
         scored = [s for s in steps if s in by_step]
         best = max(scored, key=lambda s: (by_step[s], s)) if scored else None
@@ -321,7 +322,7 @@ class Trainer:
             await model.host.call(checkpoints.delete, model.folder, step)
             await model.forget(step)
         return {"name": self.name, "metric": metric, "best_step": best,
-                "kept": [s for s in steps if s not in doomed], "deleted": doomed}
+                "kept": [s for s in steps if s not in doomed], "deleted": doomed, "note": note}
 
     def _pushed(self, step: int) -> None:
         asyncio.get_running_loop().create_task(self._retain(), name=f"retain-{self.name}")
