@@ -296,7 +296,7 @@ class TrainableModel(Model):
                                 self.name, self.step)
                     await self._push_temperature()
                     history = {h.get("step"): h for h in info.get("history", [])}
-                    return TrainResult(step=self.step, trained=True, metrics=history.get(self.step, {}), events=[])
+                    return TrainResult(step=self.step, trained=True, metrics=_numbers(history.get(self.step, {})), events=[])
                 log.warning("%s: training step %d again on the new machine", self.name, before + 1)
                 body["idempotency_key"] = uuid.uuid4().hex
         last = events[-1]
@@ -305,7 +305,7 @@ class TrainableModel(Model):
         self.step = last["data"]["step"]
         await self._push_temperature()
         result = TrainResult(step=self.step, trained=last["data"].get("trained", False),
-                             metrics=last["data"].get("metrics", {}), events=events,
+                             metrics=_numbers(last["data"].get("metrics", {})), events=events,
                              checkpoint_path=last["data"].get("checkpoint"))
         self._report_train(groups, result)
         return result
@@ -342,6 +342,13 @@ def apply_art_options(config: TrainConfig, options: Mapping[str, Any], *, where:
         e.args = (f"{where}: {e}",)  # the same error, saying which argument it is about
         raise
     return type(config).model_validate({**config.model_dump(), **update}) if update else config
+
+
+def _numbers(record: Mapping[str, Any]) -> dict[str, float]:
+    """A history record's metrics: its numbers, without the step (ART scripts pass TrainResult.metrics on to
+    `model.log(metrics=...)`, which takes metrics only)."""
+    return {k: v for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time")}
 
 
 def _check_groups(groups: list[TrajectoryGroup]) -> None:
