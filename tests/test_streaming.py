@@ -32,11 +32,11 @@ def client_for(server) -> openai.AsyncOpenAI:
 
 async def chunks_and_plain(server, **kw):
     """The chunks of a streamed request, and the same request (same seed) unstreamed."""
-    client = client_for(server)
-    stream = await client.chat.completions.create(model="agent", messages=HI, stream=True, **kw)
-    chunks = [c async for c in stream]
-    kw.pop("stream_options", None)  # only with stream=true
-    plain = await client.chat.completions.create(model="agent", messages=HI, **kw)
+    async with client_for(server) as client:
+        stream = await client.chat.completions.create(model="agent", messages=HI, stream=True, **kw)
+        chunks = [c async for c in stream]
+        kw.pop("stream_options", None)  # only with stream=true
+        plain = await client.chat.completions.create(model="agent", messages=HI, **kw)
     return chunks, plain
 
 
@@ -71,11 +71,11 @@ def test_the_openai_client_reads_tokens_ids_and_logprobs_chunk_by_chunk(tiny_ser
 
 def test_collect_stream_gives_the_unstreamed_completion(tiny_server):
     async def main():
-        client = client_for(tiny_server)
-        stream = await client.chat.completions.create(model="agent", messages=HI, n=3, max_tokens=10, seed=9, stream=True,
-                                                      stream_options={"include_usage": True})
-        collected = await artcloud.collect_stream(stream)
-        plain = await client.chat.completions.create(model="agent", messages=HI, n=3, max_tokens=10, seed=9)
+        async with client_for(tiny_server) as client:
+            stream = await client.chat.completions.create(model="agent", messages=HI, n=3, max_tokens=10, seed=9,
+                                                          stream=True, stream_options={"include_usage": True})
+            collected = await artcloud.collect_stream(stream)
+            plain = await client.chat.completions.create(model="agent", messages=HI, n=3, max_tokens=10, seed=9)
         return collected, plain
 
     collected, plain = asyncio.run(main())
@@ -225,16 +225,16 @@ def test_a_streamed_and_an_unstreamed_rollout_of_the_same_seed_train_to_the_same
 
     async def main():
         backend = RemoteBackend(tiny_server.url, token=tiny_server.token, ca_cert=tiny_server.ca, heartbeat_every_s=0)
-        models = {}
+        models, clients = {}, {}
         one_at_a_time = asyncio.Lock()  # a request alone in its batch: the same shapes, the same float sums
         for name in ("plain", "streamed"):
             model = artcloud.TrainableModel(name=name, project="tests", base_model=TINY,
                                             config=artcloud.LoraConfig(rank=4))
             await model.register(backend)
-            models[name] = model
+            models[name], clients[name] = model, model.openai_client()
 
         async def rollout(model, prompt: str, seed: int) -> artcloud.Trajectory:
-            client = model.openai_client()
+            client = clients[model.name]
             messages = [{"role": "user", "content": prompt}]
             kw = {"model": model.name, "messages": messages, "max_tokens": 6, "seed": seed}
             async with one_at_a_time:
@@ -254,6 +254,8 @@ def test_a_streamed_and_an_unstreamed_rollout_of_the_same_seed_train_to_the_same
         for name, model in models.items():
             result = await model.train(groups[name], config=artcloud.TrainConfig(learning_rate=1e-2), progress=False)
             assert result.step == 1 and result.trained
+        for client in clients.values():
+            await client.close()
         await backend.close()
         return groups
 
