@@ -18,6 +18,8 @@ Measured on the lent H200 (2026-12-04, torch 2.11.0+cu130, transformers 5.17.0):
 -> offload -> 65 MiB -> back 859 MiB, and training went on; the CUDA bf16 checkpoint resumed on the CPU
 in fp32 with mean |logprob diff| 0.022 (max 0.077). Its first run found a bug: shared-prompt packing
 built its positions on the CPU (fixed in artcloud/train/packing.py).
+Again with streaming (issue 17, 2026-12-04): 8 x 64 streamed through a TokenSink: 456 sink calls, one per
+token as sampled, the tokens equal to the unstreamed sample of the same seed.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def main() -> None:
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from artcloud.server.engines import loading, tiny
-    from artcloud.server.engines.base import GenerationRequest, SamplingParams, TrainSample
+    from artcloud.server.engines.base import GenerationRequest, SamplingParams, TokenSink, TrainSample
     from artcloud.server.engines.engine import Engine
     from artcloud.server.engines.peft_trainer import PeftTrainer
     from artcloud.server.engines.torch_sampler import TorchSampler
@@ -66,6 +68,22 @@ def main() -> None:
     dt = time.perf_counter() - t0
     toks = sum(len(c.token_ids) for c in out)
     print(f"generate 8 x 64 (torch sampler, bf16): {toks} tokens in {dt:.2f} s = {toks / dt:.0f} tok/s")
+    # A streamed request (issue 17): the sink hears every token as it is sampled, in order, and the same
+    # seed samples the same tokens as unstreamed (the server's streamed-vs-unstreamed training test on CUDA).
+    class Recorder(TokenSink):
+        def __init__(self) -> None:
+            self.heard: dict[int, list[int]] = {}
+            self.calls = 0
+
+        def tokens(self, sample, token_ids, logprobs, top_logprobs):
+            self.calls += 1
+            self.heard.setdefault(sample, []).extend(token_ids)
+
+    sink = Recorder()
+    streamed = engine.generate("a", [GenerationRequest(ids, 8, SamplingParams(max_tokens=64, seed=1), sink=sink)])[0]
+    assert [sink.heard.get(i, []) for i in range(8)] == [c.token_ids for c in streamed], "the sink missed tokens"
+    assert [c.token_ids for c in streamed] == [c.token_ids for c in out], "streaming changed what was sampled"
+    print(f"streamed 8 x 64: {sink.calls} sink calls, tokens equal to the unstreamed sample of the same seed")
     samples = [TrainSample(ids, c.token_ids, c.logprobs, float(i % 2) - 0.5, 0) for i, c in enumerate(out)]
     cfg_t = TrainConfig(learning_rate=1e-4)
     t0 = time.perf_counter()
