@@ -133,8 +133,10 @@ class Model:
     def openai_client(self, **kwargs: Any):
         """`openai.AsyncOpenAI` for this model. A served model's talks to the backend's server directly
         (its CA and token; nothing else trusted) and follows a replaced server; ask it for
-        `model=model.name` (the latest step) and `logprobs=True` when the turns are for training. A
-        prompted model's talks to `inference_base_url` with `inference_api_key`."""
+        `model=model.name` (the latest step). Every choice comes with the logprobs training needs (unless
+        a request says `logprobs=False`). A prompted model's talks to `inference_base_url` with
+        `inference_api_key`. (A client of your own, `AsyncOpenAI(base_url=model.inference_base_url,
+        api_key=model.inference_api_key)`, works too, through the backend's loopback forwarder.)"""
         if self._served:
             return self.backend.openai_client(**kwargs)
         if self.inference_base_url is None:

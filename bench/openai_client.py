@@ -1,6 +1,8 @@
 """What following a replaced server costs a rollout loop: `model.openai_client()` (its transport re-targets each
 request at the backend's current server, token and CA: artcloud/backends/following.py) against a plain
-`openai.AsyncOpenAI` with the same CA and token, on the same live server, in one run.
+`openai.AsyncOpenAI` with the same CA and token, on the same live server, in one run; and what an ART-style
+client of the user's own costs, `AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key)`
+(plain HTTP to the loopback forwarder, artcloud/backends/forwarder.py, which forwards over TLS).
 
     python bench/openai_client.py [--requests 3000] [--concurrency 32]
 
@@ -50,17 +52,23 @@ async def main(args: argparse.Namespace) -> None:
                                    http_client=openai.DefaultAsyncHttpxClient(verify=client_ssl_context(ca)))
         backend = RemoteBackend(server.url, token=server.token, ca_cert=ca)
         following = backend.openai_client(max_retries=0)
-        rounds = {"plain": [], "following": []}
-        for _ in range(args.rounds):  # alternate, so that drift hits both alike
+        base_url, key = backend.inference_endpoint()
+        own = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
+        rounds = {"plain": [], "following": [], "forwarded": []}
+        for _ in range(args.rounds):  # alternate, so that drift hits all alike
             rounds["plain"].append(await rate(plain, args.requests, args.concurrency))
             rounds["following"].append(await rate(following, args.requests, args.concurrency))
+            rounds["forwarded"].append(await rate(own, args.requests, args.concurrency))
         await plain.close()
         await following.close()
+        await own.close()
         await backend.close()
     best = {k: max(v) for k, v in rounds.items()}
     print(f"GET /v1/models, {args.requests} requests x {args.rounds} rounds, {args.concurrency} at a time (best round):")
     print(f"  plain openai.AsyncOpenAI      {best['plain']:8.0f} req/s")
     print(f"  model.openai_client()         {best['following']:8.0f} req/s   ({best['following'] / best['plain']:.2f}x)")
+    print(f"  AsyncOpenAI(inference_base_url) {best['forwarded']:6.0f} req/s   ({best['forwarded'] / best['plain']:.2f}x)"
+          "   through the loopback forwarder")
 
 
 if __name__ == "__main__":

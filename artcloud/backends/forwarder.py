@@ -39,6 +39,7 @@ log = logging.getLogger("artcloud.client")
 
 MAX_BODY_BYTES = 128 * 1024 * 1024  # the server's own default limit (server/limits.py max_body_mb)
 MAX_HEAD_BYTES = 64 * 1024
+DRAIN_BYTES = 4 * 1024 * 1024  # of an oversized body, read and dropped so that its 413 arrives
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=30.0, read=1800.0, write=120.0, pool=None)
 # Headers that describe one hop, never the message (RFC 9110 7.6.1), plus the ones this hop rewrites.
 _HOP = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade",
@@ -167,16 +168,20 @@ class LoopbackForwarder:
             conn.receive_data(await reader.read(65536))
 
     async def _body(self, conn: h11.Connection, reader: asyncio.StreamReader) -> bytes | None:
+        """The request's body, or None when it is over the limit. An oversized body is still read (up to
+        a bound) before the 413 goes out: closing a socket with unread data resets the connection, and
+        the client would see that instead of the answer."""
         chunks, size = [], 0
         while True:
             event = await self._next(conn, reader)
             if isinstance(event, h11.Data):
                 size += len(event.data)
-                if size > self.max_body_bytes:
+                if size <= self.max_body_bytes:
+                    chunks.append(bytes(event.data))
+                elif size > self.max_body_bytes + DRAIN_BYTES:
                     return None
-                chunks.append(bytes(event.data))
             elif isinstance(event, h11.EndOfMessage):
-                return b"".join(chunks)
+                return b"".join(chunks) if size <= self.max_body_bytes else None
             else:
                 raise h11.RemoteProtocolError("request ended early")
 

@@ -76,8 +76,8 @@ def history_turns(tokenizer: Any, vocab_size: int, traj: WireHistory, where: str
         if not content:
             raise _bad(
                 f"{here}.logprobs",
-                "missing: training needs the sampling policy's logprobs. Request completions with "
-                "logprobs=True.",
+                "missing: training needs the sampling policy's logprobs. Leave logprobs out of the "
+                "completion request (they come by default) or set it true.",
             )
         if len(content) != len(ids):
             raise _bad(
