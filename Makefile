@@ -110,6 +110,7 @@ bench-s3: $(STAMP)
 # model.openai_client() (it follows a replaced server) against a plain AsyncOpenAI, on one server (~1 min).
 bench-client: $(STAMP)
 	$(BIN)/python bench/openai_client.py
+	$(BIN)/python bench/openai_client.py --chat --requests 300
 
 # 256 clients on tiny-random, then 32 on SmolLM2, 60 s each, against a bare HTTPS floor (~5 min).
 bench-load: $(STAMP)
