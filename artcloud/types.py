@@ -69,7 +69,7 @@ _ART_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "grad_accumulation_sequences": (None, "artcloud sizes its micro-batches itself; for several optimizer steps per "
                                           "train() call set gradient_steps"),
     "final_training_step": (None, "artcloud has no learning-rate schedule to end; stop calling train() instead"),
-    "allow_training_without_logprobs": (False, "request completions with logprobs=True"),
+    "allow_training_without_logprobs": (False, "leave logprobs out of completion requests (they come by default)"),
     "precalculate_logprobs": (False, "artcloud always trains on the logprobs the choices were sampled with"),
     "normalize_advantages": (None, "set scale_rewards (True divides by the group's reward std)"),
     "importance_sampling_level": ("token", "leave it out: artcloud's ratio is per token"),

@@ -73,6 +73,7 @@ class Trainer:
         self.commit_lock = asyncio.Lock()
         self.frozen = False
         self._history_lock = asyncio.Lock()  # one writer of the model folder's history files at a time
+        self._deleting = asyncio.Lock()  # retention (_retain) and prune (delete_checkpoints): one at a time
 
     @property
     def name(self) -> str:
@@ -286,13 +287,14 @@ class Trainer:
         """Local retention. With S3, a step may go only once it (or a newer step) is on S3: the pusher
         may still be reading an unpushed folder, and deleting it would lose the step."""
         model = self.model
-        doomed = self._to_delete(checkpoints.committed_steps(model.folder))
-        if self.pusher is not None:
-            pushed = self.pusher.pushed_step
-            doomed = [s for s in doomed if pushed is not None and s <= pushed]
-        for step in doomed:
-            await model.host.call(checkpoints.delete, model.folder, step)
-            await model.forget(step)
+        async with self._deleting:
+            doomed = self._to_delete(checkpoints.committed_steps(model.folder))
+            if self.pusher is not None:
+                pushed = self.pusher.pushed_step
+                doomed = [s for s in doomed if pushed is not None and s <= pushed]
+            for step in doomed:
+                await model.host.call(checkpoints.delete, model.folder, step)
+                await model.forget(step)
 
     async def prune(self, metric: str) -> dict[str, Any]:
         """Delete every committed checkpoint but the latest and the best by `metric` (history.metric_by_step:
@@ -308,19 +310,20 @@ class Trainer:
                             if history._number(v) and k not in ("step", "time")})
             note = (f"no step of {self.name} has {metric!r} in its history (its metrics: {', '.join(known) or 'none yet'}): "
                     "kept the latest step only")
-        steps = checkpoints.committed_steps(model.folder)
-        scored = [s for s in steps if s in by_step]
-        best = max(scored, key=lambda s: (by_step[s], s)) if scored else None
-        keep = {steps[-1]} if steps else set()
-        if best is not None:
-            keep.add(best)
-        doomed = [s for s in steps if s not in keep]
-        if self.pusher is not None:
-            pushed = self.pusher.pushed_step
-            doomed = [s for s in doomed if pushed is not None and s <= pushed]
-        for step in doomed:
-            await model.host.call(checkpoints.delete, model.folder, step)
-            await model.forget(step)
+        async with self._deleting:  # not at once with retention (_retain): both would delete the same step
+            steps = checkpoints.committed_steps(model.folder)
+            scored = [s for s in steps if s in by_step]
+            best = max(scored, key=lambda s: (by_step[s], s)) if scored else None
+            keep = {steps[-1]} if steps else set()
+            if best is not None:
+                keep.add(best)
+            doomed = [s for s in steps if s not in keep]
+            if self.pusher is not None:
+                pushed = self.pusher.pushed_step
+                doomed = [s for s in doomed if pushed is not None and s <= pushed]
+            for step in doomed:
+                await model.host.call(checkpoints.delete, model.folder, step)
+                await model.forget(step)
         return {"name": self.name, "metric": metric, "best_step": best,
                 "kept": [s for s in steps if s not in doomed], "deleted": doomed, "note": note}
 
