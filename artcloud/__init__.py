@@ -12,6 +12,7 @@ from artcloud._version import __version__
 from artcloud.types import LoraConfig, TrainConfig, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
+    from artcloud import utils  # OpenPipe ART's names: artcloud.utils.iterate_dataset, ...
     from artcloud.backends.deps import MissingDependency
     from artcloud.backends.from_env import backend_from_env
     from artcloud.backends.local import LocalBackend
@@ -19,16 +20,14 @@ if TYPE_CHECKING:
     from artcloud.backends.remote import Backend, RemoteBackend, ServerGone, VersionMismatch
     from artcloud.backends.sky import SkyBackend, SkyError
     from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported, TimedOut, WrongState, WrongType
-    from artcloud.gather import GatherError, gather_trajectory_groups
+    from artcloud.gather import GatherError, gather_trajectories, gather_trajectory_groups
     from artcloud.model import LinearTemperatureAnnealer, Model, TrainableModel, TrainResult
     from artcloud.rewards import RulerError, ruler, ruler_score_group
     from artcloud.storage.checkpoints import CorruptCheckpoint
     from artcloud.storage.s3 import StorageError, pull_checkpoint
-    from artcloud import utils  # OpenPipe ART's names
-    from artcloud.gather import gather_trajectories
+    from artcloud.streaming import collect_stream
     from artcloud.types import History, Messages, MessagesAndChoices, Tools
     from artcloud.utils import DatasetBatch, retry
-    from artcloud.streaming import collect_stream
 
 _LAZY = {
     "LocalBackend": "artcloud.backends.local",
