@@ -18,13 +18,13 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel
+from test_ruler import FAST, Judge, answer, group  # the scripted OpenAI-compatible judge
 
 import artcloud
 from artcloud.backends.forwarder import LoopbackForwarder
 from artcloud.backends.remote import RemoteBackend
 from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported, WrongType
 from artcloud.model import apply_art_options
-from test_ruler import FAST, Judge, answer, group  # the scripted OpenAI-compatible judge
 
 TINY = "artcloud/tiny-random"
 MESSAGES = [{"role": "user", "content": "Tell me something."}]

@@ -8,11 +8,10 @@ import asyncio
 import json
 import re
 
-import httpx
 import openai
 import pytest
-from openai.types.chat import ChatCompletion
 from helpers import wait_for
+from openai.types.chat import ChatCompletion
 from safetensors.torch import load_file
 
 import artcloud

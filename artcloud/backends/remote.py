@@ -20,8 +20,8 @@ import httpx
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from artcloud._version import __version__
-from artcloud.tls import client_ssl_context
 from artcloud.errors import ArtcloudError, InvalidArgument
+from artcloud.tls import client_ssl_context
 
 log = logging.getLogger("artcloud.client")
 

@@ -34,8 +34,14 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from artcloud._version import __version__
-from artcloud.protocol import (NAME_PATTERN, ChatCompletionRequest, PruneRequest, RegisterRequest, TemperatureRequest,
-                               TrainRequest)
+from artcloud.protocol import (
+    NAME_PATTERN,
+    ChatCompletionRequest,
+    PruneRequest,
+    RegisterRequest,
+    TemperatureRequest,
+    TrainRequest,
+)
 from artcloud.server import chat, chat_stream, history, schemas
 from artcloud.server.engines.base import GenerationRequest, SamplingParams
 from artcloud.server.errors import ApiError, field_path

@@ -40,7 +40,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from artcloud.errors import ArtcloudError, InvalidArgument
-from artcloud.server.engines.base import Completion, EngineError, GenerationRequest, Sampler, SamplerUnavailable, TokenSink
+from artcloud.server.engines.base import (
+    Completion,
+    EngineError,
+    GenerationRequest,
+    Sampler,
+    SamplerUnavailable,
+    TokenSink,
+)
 from artcloud.types import LoraConfig
 
 log = logging.getLogger("artcloud.engine")
