@@ -104,3 +104,49 @@ def test_a_quiet_stream_from_a_live_server_reconnects_and_loses_nothing(tmp_path
     assert first_events[-1]["type"] == "end"
     assert any("/health answers 200: reconnecting" in r.getMessage() for r in caplog.records), \
         "the queued job's stream was never silent for 1 s: make the first job longer"
+
+
+def test_a_liveness_check_waits_for_a_replacement_in_flight():
+    """Rollouts fail together when a spot machine goes: one replaces the server while the others ask
+    `recover_if_lost`. Checked meanwhile, the new machine (still starting: SkyPilot's INIT) looked dead and
+    was torn down mid-launch (seen in a clean make test). Each check must wait for the replacement instead,
+    then go again on the new server. The provider hooks are what LocalBackend and SkyBackend implement."""
+    from artcloud.backends.remote import RemoteBackend
+
+    class Provider(RemoteBackend):
+        def __init__(self) -> None:
+            super().__init__("https://127.0.0.1:9", token="t" * 32, ca_cert=None, check_hostname=False)
+            self.launching = asyncio.Event()
+            self.release = asyncio.Event()
+            self.checked_while_launching = 0
+            self.launches = 0
+            self.in_flight = False
+
+        async def _check_alive(self) -> None:
+            if self.in_flight:
+                self.checked_while_launching += 1  # would have found the half-launched machine dead
+            if self.launches == 0:
+                raise ServerGone("the cluster is gone", code="cluster_gone")
+
+        async def _replace_server(self, cause: BaseException) -> dict:
+            self.launches += 1
+            self.in_flight = True
+            self.launching.set()
+            await self.release.wait()
+            self.in_flight = False
+            return {"sandbox": "spot", "reason": str(cause)}
+
+    async def main() -> Provider:
+        backend = Provider()
+        generation = backend.generation
+        gone = ServerGone("connection refused")
+        first = asyncio.ensure_future(backend.recover_if_lost(gone, generation))
+        await backend.launching.wait()
+        others = [asyncio.ensure_future(backend.recover_if_lost(gone, generation)) for _ in range(3)]
+        await asyncio.sleep(0.2)
+        backend.release.set()
+        assert await first is True and await asyncio.gather(*others) == [True, True, True]
+        return backend
+
+    backend = asyncio.run(main())
+    assert backend.launches == 1 and backend.checked_while_launching == 0 and len(backend.replacements) == 1

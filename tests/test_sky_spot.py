@@ -133,7 +133,11 @@ def test_artcloud_run_on_spot_survives_a_preemption_and_counts_it(sky_env, monke
     summary = json.loads((tmp_path / "artcloud-run.json").read_text())
     assert summary["outcome"] == "succeeded" and summary["models"][0]["step"] == 12
     assert [h["step"] for h in summary["models"][0]["history"]] == list(range(1, 13))  # none lost, none twice
-    assert s3_steps(seaweed, s3, "nightly", "five-words") == list(range(13))
+    # Every step the run trained is in the history above; S3 holds the last one. (Not necessarily every step:
+    # the pusher pushes the newest committed step when a push ends, so one committed while another uploads
+    # may be skipped: its files are in the next, server/pusher.py.)
+    pushed = s3_steps(seaweed, s3, "nightly", "five-words")
+    assert pushed[-1] == 12 and set(pushed) <= set(range(13)) and pushed == sorted(pushed)
     [lost] = summary["preemptions"]
     assert lost["sandbox"] == "spot-run" and lost["price_per_hour"] == 1.25 and lost["cost_usd"] > 0
     markdown = (tmp_path / "artcloud-run.md").read_text()

@@ -349,32 +349,43 @@ class RemoteBackend:
         since `generation`, and every model registered through this backend registered again on the new one
         (each resumes from its last committed checkpoint on S3); False when this backend cannot replace its
         server, and the error stands."""
-        if self._replacing is None:
-            self._replacing = asyncio.Lock()
-        async with self._replacing:
+        async with self._replacing_lock():
             if self._generation != generation:
                 return True
-            replaced = await self._replace_server(cause)
-            if replaced is None:
-                return False
-            self.replacements.append(replaced)
-            for kwargs in self._registrations.values():  # the lost server never released its S3 claims
-                await RemoteBackend.register(self, **kwargs, take_over=True)
-            for name, temperature in self._temperatures.items():
-                await RemoteBackend.set_temperature(self, name, temperature)
-            self._generation += 1
-            return True
+            return await self._replace_and_register(cause)
 
     async def recover_if_lost(self, error: BaseException, generation: int) -> bool:
         """A request failed at the transport: True if it should go again, because the server was replaced
-        (since `generation`, or now, when it turns out to be lost)."""
+        (since `generation`, or now, when it turns out to be lost). The liveness check waits for a
+        replacement in flight: checked meanwhile, the new machine (still starting) would look dead."""
         if self._generation != generation:
             return True
-        try:
-            await self._check_alive()
-        except ServerGone as gone:
-            return await self.recover(gone, generation)
-        return False
+        async with self._replacing_lock():
+            if self._generation != generation:
+                return True
+            try:
+                await self._check_alive()
+            except ServerGone as gone:
+                return await self._replace_and_register(gone)
+            return False
+
+    def _replacing_lock(self) -> asyncio.Lock:
+        if self._replacing is None:
+            self._replacing = asyncio.Lock()
+        return self._replacing
+
+    async def _replace_and_register(self, cause: BaseException) -> bool:
+        """recover's work, under its lock."""
+        replaced = await self._replace_server(cause)
+        if replaced is None:
+            return False
+        self.replacements.append(replaced)
+        for kwargs in self._registrations.values():  # the lost server never released its S3 claims
+            await RemoteBackend.register(self, **kwargs, take_over=True)
+        for name, temperature in self._temperatures.items():
+            await RemoteBackend.set_temperature(self, name, temperature)
+        self._generation += 1
+        return True
 
     async def _replace_server(self, cause: BaseException) -> dict[str, Any] | None:
         """Bring up a new server in place of the lost one; what was lost (for the run's summary), or None

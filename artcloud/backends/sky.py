@@ -325,6 +325,7 @@ class SkyBackend(SandboxBackend):
         launch_secrets = {"ARTCLOUD_TOKEN": tls.token, "ARTCLOUD_TLS_CERT": tls.server_cert,
                           "ARTCLOUD_TLS_KEY": tls.server_key, **user_secrets}
         self.ca_cert, self._token = tls.ca_cert, tls.token
+        self._seen_up = False  # a cluster being launched is INIT until it is up: that is not "unhealthy"
         record = SandboxRecord(
             name=name, provider=PROVIDER, gpu=self.gpu, cloud=self.cloud, price_per_hour=self.price_per_hour,
             max_duration_s=self.max_duration_s, idle_minutes=self.idle_minutes, s3=self.s3,
