@@ -145,3 +145,19 @@ def sky_env(tmp_path, monkeypatch):
 
     down_all(root)
     assert leftover_processes(root) == {}
+
+
+@pytest.fixture
+def judge():
+    """make(*script) -> a scripted OpenAI-compatible judge on loopback (tests/test_ruler.py Judge), closed after."""
+    from test_ruler import Judge
+
+    servers: list[Judge] = []
+
+    def make(*script):
+        servers.append(Judge(list(script)))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from pydantic import BaseModel
-from test_ruler import FAST, Judge, answer, group  # the scripted OpenAI-compatible judge
+from test_ruler import FAST, answer, group  # the `judge` fixture (tests/conftest.py) serves their answers
 
 import artcloud
 from artcloud.backends.forwarder import LoopbackForwarder
@@ -285,17 +285,6 @@ def test_backend_train_and_delete_checkpoints(tiny_server):
 # ------------------------------------------------------------------------------------- RULER's judge ids
 
 
-@pytest.fixture
-def judge():
-    servers: list[Judge] = []
-
-    def make(*script: Any) -> Judge:
-        servers.append(Judge(list(script)))
-        return servers[-1]
-
-    yield make
-    for s in servers:
-        s.close()
 
 
 def test_litellm_judge_ids_reach_the_right_endpoint_with_the_bare_model_id(judge, monkeypatch):

@@ -89,17 +89,6 @@ class Judge:
         return self.requests[i]["body"]["messages"][1]["content"]
 
 
-@pytest.fixture
-def judge():
-    servers: list[Judge] = []
-
-    def make(*script: Any) -> Judge:
-        servers.append(Judge(list(script)))
-        return servers[-1]
-
-    yield make
-    for s in servers:
-        s.close()
 
 
 def choice(text: str) -> Choice:

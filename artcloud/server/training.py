@@ -286,21 +286,25 @@ class Trainer:
     async def _retain(self) -> None:
         """Local retention. With S3, a step may go only once it (or a newer step) is on S3: the pusher
         may still be reading an unpushed folder, and deleting it would lose the step."""
-        model = self.model
         async with self._deleting:
-            doomed = self._to_delete(checkpoints.committed_steps(model.folder))
-            if self.pusher is not None:
-                pushed = self.pusher.pushed_step
-                doomed = [s for s in doomed if pushed is not None and s <= pushed]
-            for step in doomed:
-                await model.host.call(checkpoints.delete, model.folder, step)
-                await model.forget(step)
+            await self._delete(self._to_delete(checkpoints.committed_steps(self.model.folder)))
+
+    async def _delete(self, steps: list[int]) -> list[int]:
+        """Delete these committed steps, but, with S3, none not yet pushed; the steps deleted. Under `_deleting`."""
+        model = self.model
+        if self.pusher is not None:
+            pushed = self.pusher.pushed_step
+            steps = [s for s in steps if pushed is not None and s <= pushed]
+        for step in steps:
+            await model.host.call(checkpoints.delete, model.folder, step)
+            await model.forget(step)
+        return steps
 
     async def prune(self, metric: str) -> dict[str, Any]:
         """Delete every committed checkpoint but the latest and the best by `metric` (history.metric_by_step:
         a training record's key, or SPLIT/KEY such as ART's default val/reward; highest best; ART's
-        delete_checkpoints). A metric no step has keeps the latest step alone, as ART does. With S3, a step not yet pushed stays
-        (as in _retain); S3's copies stay too."""
+        delete_checkpoints). A metric no step has keeps the latest step alone, as ART does. With S3, a step
+        not yet pushed stays (as in _retain); S3's copies stay too."""
         model = self.model
         by_step = history.metric_by_step(model.history, metric)
         note = None
@@ -317,13 +321,7 @@ class Trainer:
             keep = {steps[-1]} if steps else set()
             if best is not None:
                 keep.add(best)
-            doomed = [s for s in steps if s not in keep]
-            if self.pusher is not None:
-                pushed = self.pusher.pushed_step
-                doomed = [s for s in doomed if pushed is not None and s <= pushed]
-            for step in doomed:
-                await model.host.call(checkpoints.delete, model.folder, step)
-                await model.forget(step)
+            doomed = await self._delete([s for s in steps if s not in keep])
         return {"name": self.name, "metric": metric, "best_step": best,
                 "kept": [s for s in steps if s not in doomed], "deleted": doomed, "note": note}
 
