@@ -49,16 +49,6 @@ def test_a_vanished_followers_event_stream_does_not_hold_the_lease(start_server)
     proxy = TCPProxy("127.0.0.1", port)
     through = dict(base_url=f"https://localhost:{proxy.port}", verify=s.ssl_context(),
                    headers={"Authorization": f"Bearer {s.token}"}, timeout=10)
-    with s.client() as c:
-        assert c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": SMOLLM2}).status_code == 200
-        groups = rollout_groups(c, "agent", [f"Name a colour, {i}." for i in range(8)], n=4, max_tokens=24)
-        # Three jobs of ~10 s each: the client follows the last, which is still queued or running when
-        # the network goes.
-        for _ in range(3):
-            r = c.post("/artcloud/models/agent/train", json={"groups": groups, "config": {"gradient_steps": 8}})
-            assert r.status_code == 202, r.text
-        job_id = r.json()["job_id"]
-
     stop = threading.Event()
 
     def heartbeat() -> None:  # the client's sign of life, through the same network
@@ -69,6 +59,25 @@ def test_a_vanished_followers_event_stream_does_not_hold_the_lease(start_server)
                 except httpx.TransportError:
                     pass
                 stop.wait(0.5)
+
+    # The heartbeats hold the lease from the first request on, as SandboxBackend's do: a test process that
+    # stalls between two setup requests on a loaded machine (2 cores, 2 test workers) must not end the
+    # server before the part under test. (A clean `make test` once failed here with a ReadTimeout.)
+    threading.Thread(target=heartbeat, daemon=True).start()
+    try:
+        with s.client() as c:
+            r = c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": SMOLLM2})
+            assert r.status_code == 200, r.text
+            groups = rollout_groups(c, "agent", [f"Name a colour, {i}." for i in range(8)], n=4, max_tokens=24)
+            # Three jobs of ~10 s each: the client follows the last, which is still queued or running when
+            # the network goes.
+            for _ in range(3):
+                r = c.post("/artcloud/models/agent/train", json={"groups": groups, "config": {"gradient_steps": 8}})
+                assert r.status_code == 202, r.text
+            job_id = r.json()["job_id"]
+    except (httpx.HTTPError, AssertionError) as e:
+        stop.set()
+        raise AssertionError(f"setting up failed ({type(e).__name__}: {e}); the server's log:\n{s.tail()}") from e
 
     seen: list[dict] = []
 
@@ -82,7 +91,6 @@ def test_a_vanished_followers_event_stream_does_not_hold_the_lease(start_server)
         except httpx.HTTPError:
             pass
 
-    threading.Thread(target=heartbeat, daemon=True).start()
     threading.Thread(target=follow, daemon=True).start()
     wait_for("the stream to open", lambda: any(e["type"] == "queued" for e in seen), 60)
     time.sleep(2 * lease_s)  # heartbeats hold the server meanwhile
