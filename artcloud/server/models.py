@@ -24,6 +24,7 @@ from artcloud.storage import checkpoints
 
 if TYPE_CHECKING:
     from artcloud.server.training import Trainer
+    from artcloud.server.weights import BaseWeights
 
 log = logging.getLogger("artcloud.server")
 
@@ -33,10 +34,12 @@ OLD_STEPS_KEPT = 4  # adapters of older steps kept loaded for NAME@STEP requests
 class EngineHost:
     """One engine and the one thread that may touch it."""
 
-    def __init__(self, base_model: str, factory: Callable[..., Engine], engine_args: dict[str, Any] | None = None):
+    def __init__(self, base_model: str, factory: Callable[..., Engine], engine_args: dict[str, Any] | None = None,
+                 weights: BaseWeights | None = None):
         self.base_model = base_model
         self.factory = factory
         self.engine_args = engine_args  # a register request's, applied when the engine loads
+        self.weights = weights  # the server's S3 location for base weights (pull, stage), if it has one
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="artcloud-engine")
         self.engine: Engine | None = None
         self.batcher: Batcher | None = None
@@ -56,12 +59,15 @@ class EngineHost:
         return await asyncio.get_running_loop().run_in_executor(self._sampling_pool, self.engine.generate, slot, requests)
 
     async def load(self) -> None:
-        """Load the engine; a base model that cannot be loaded is the request's fault (400 naming
-        `base_model`), and the thread made for it goes away with it."""
+        """Load the engine (its weights pulled from S3 first when staged there); a base model that
+        cannot be loaded is the request's fault (400 naming `base_model`), and the thread made for it
+        goes away with it. Weights loaded from the hub are then staged to S3 in the background."""
         from artcloud.server.engines.choose import EngineArgsError
         from artcloud.server.engines.loading import ModelNotFound
+        from artcloud.storage.weights import CorruptWeights
 
         try:
+            loaded_from = await self.call(self.weights.fetch, self.base_model) if self.weights else self.base_model
             args = (self.base_model, self.engine_args) if self.engine_args else (self.base_model,)
             self.engine = await self.call(self.factory, *args)
         except EngineArgsError as e:
@@ -70,6 +76,9 @@ class EngineHost:
         except ModelNotFound as e:
             self.close()
             raise ApiError(400, "base_model_not_found", str(e), "base_model") from e
+        except CorruptWeights as e:
+            self.close()
+            raise ApiError(400, "corrupt_weights", str(e), "base_model") from e
         except (OSError, ValueError) as e:  # e.g. a name too long for the filesystem, a broken config.json
             self.close()
             raise ApiError(400, "base_model_not_found",
@@ -77,6 +86,8 @@ class EngineHost:
         except BaseException:
             self.close()
             raise
+        if self.weights is not None:
+            self.weights.stage_later(self.base_model, loaded_from)
 
     def close(self) -> None:
         # Do not wait for a running generation or training step: whatever it was doing is not committed

@@ -31,6 +31,7 @@ from artcloud.server.models import EngineHost, ServedModel
 from artcloud.server.pusher import CLAIM_TIMEOUT_S
 from artcloud.server.shutdown import Shutdown
 from artcloud.server.training import Retention, Trainer
+from artcloud.server.weights import BaseWeights
 from artcloud.storage import checkpoints
 from artcloud.storage.s3 import CheckpointStore
 
@@ -62,6 +63,8 @@ class Registry:
         # `engine` is checked here, before the server binds (an unknown kind is a ValueError).
         self.factory = factory or engine_factory(engine, workdir=root / ".engines", engine_args=engine_args,
                                                  vllm_python=vllm_python)
+        # Base weights: pulled from the S3 location when staged there, staged to it after a hub download.
+        self.weights = BaseWeights(store.config) if store is not None else None
         self.hosts: dict[str, EngineHost] = {}
         self.models: dict[str, ServedModel] = {}
         self.ready = False
@@ -99,7 +102,7 @@ class Registry:
                                f"limit (artcloud serve --max-base-models): register on one of them, or start another server",
                                "base_model")
             await self._unload(idle[0])
-        host = EngineHost(base_model, self.factory, engine_args)
+        host = EngineHost(base_model, self.factory, engine_args, self.weights)
         await host.load()  # ApiError 400 when it cannot be loaded
         host.batcher = Batcher(partial(self._run_batch, host), concurrent=host.engine.concurrent)
         self.hosts[base_model] = host

