@@ -116,7 +116,7 @@ def test_behind_an_https_proxy_needs_the_launchers_token(tmp_path):
 # --- the CLI's modules: no import cycle, each importable alone, all light -------------------------------------
 
 ARTCLOUD = Path(__file__).resolve().parents[1] / "artcloud"
-COMMANDS = {"serve", "pull", "launch", "status", "logs", "down", "run"}
+COMMANDS = {"serve", "pull", "launch", "status", "logs", "down", "run", "stage-model"}
 
 
 def _cli_modules() -> dict[str, Path]:
@@ -159,7 +159,8 @@ def test_cli_modules_import_each_other_in_no_cycle():
         assert graph[name] <= {"artcloud.cli._app"}, (name, graph[name])
 
 
-@pytest.mark.parametrize("module", ["artcloud.cli._app", "artcloud.cli.run", "artcloud.cli.sandbox", "artcloud.cli.serve"])
+@pytest.mark.parametrize("module", ["artcloud.cli._app", "artcloud.cli.run", "artcloud.cli.sandbox", "artcloud.cli.serve",
+                                    "artcloud.cli.weights"])
 def test_each_cli_module_imports_alone_registers_every_command_and_stays_light(module):
     code = (f"import sys, importlib, typer.main; importlib.import_module({module!r}); from artcloud.cli import app; "
             "print(sorted(typer.main.get_command(app).commands)); "
