@@ -40,6 +40,8 @@ class EngineHost:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="artcloud-engine")
         self.engine: Engine | None = None
         self.batcher: Batcher | None = None
+        # progress(done_bytes, total_bytes) of a weights download, for /health (the registry's Startup.progress)
+        self.progress: Callable[[int, int], None] | None = None
         self._sampling_pool: ThreadPoolExecutor | None = None
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
