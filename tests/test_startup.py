@@ -225,3 +225,36 @@ def test_wait_ready_shows_phase_and_gigabytes_on_a_terminal():
     with StartBar("box", console=Console(file=piped)) as bar:  # not a terminal: nothing at all
         bar.show({"phase": "installing"})
     assert piped.getvalue() == ""
+
+
+@pytest.mark.slow
+def test_sky_launch_by_register_reports_install_preload_and_costs(sky_env):
+    """Through the SkyPilot stand-in, which runs the task's real setup and run: SkyBackend ships
+    bootstrap_health.py, the setup serves "installing" with it while the wheel installs, and the server then
+    reports how long that took; a register that launched the cluster had it preload the base model; each
+    phase costs the launched machine's price for its time."""
+    from artcloud.backends.sky import SkyBackend
+
+    backend = SkyBackend(gpu="H100:1", cluster_name="cold", idle_minutes=1)
+
+    async def main():
+        try:
+            model = artcloud.TrainableModel(name="cold", project="t", base_model=TINY)
+            await model.register(backend)
+            await model.openai_client().chat.completions.create(
+                model=model.name, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+            rows = await backend.cold_start()
+            folder = sky_env / "clusters" / "cold"  # read before down() takes the "machine" away
+            files = [(folder / name).read_text() for name in ("home/artcloud-bootstrap.log", "home/artcloud-install.json", "job.log")]
+            return rows, files
+        finally:
+            await backend.down()
+
+    rows, (bootstrap_log, install_record, job_log) = asyncio.run(main())
+    assert "/health (installing)" in bootstrap_log
+    assert [r["phase"] for r in rows] == ["provision", "install", "start", "engine", "first rollout"]
+    for r in rows:
+        assert r["seconds"] >= 0 and r["cost_usd"] == round(2.49 * r["seconds"] / 3600.0, 6)
+    record = json.loads(install_record)
+    assert rows[1]["seconds"] == round(record["ended"] - record["started"], 3)
+    assert f"preloading {TINY}" in job_log
