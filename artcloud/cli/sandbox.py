@@ -102,8 +102,9 @@ def launch(
             _dry_run(backend, out, teardown)
             return
         # No spinner here: the backend shows its own progress bar (the server's phase) on a terminal.
-        err.print(f"launching {backend.cluster_name} ({gpu}): SkyPilot provisions the machine, then artcloud "
-                  "installs and starts; this takes minutes", markup=False)
+        if err.is_terminal:
+            err.print(f"launching {backend.cluster_name} ({gpu}): SkyPilot provisions the machine, then artcloud "
+                      "installs and starts; this takes minutes", markup=False)
         asyncio.run(_start_and_leave(backend))
     except SkyError as e:
         raise CLIError(str(e)) from e
@@ -153,8 +154,9 @@ def _launch_modal(*, gpu: str, name: str | None, lease: str, max_duration: str, 
         out.print(f"  secrets   {', '.join(names)} (one modal.Secret; values never shown)", markup=False)
         return
     try:
-        err.print(f"creating the Modal sandbox {backend.name} ({gpu}): building the image the first time takes minutes",
-                  markup=False)
+        if err.is_terminal:  # then the backend's progress bar
+            err.print(f"creating the Modal sandbox {backend.name} ({gpu}): building the image the first time takes "
+                      "minutes", markup=False)
         asyncio.run(_start_and_leave(backend))
     except ModalError as e:
         raise CLIError(str(e)) from e
