@@ -211,7 +211,12 @@ def test_register_starts_a_preloading_server_and_records_the_cold_start(tmp_path
 def test_wait_ready_shows_phase_and_gigabytes_on_a_terminal():
     from rich.console import Console
 
-    from artcloud.backends.sandbox import StartBar, describe_phase
+    from artcloud.backends.sandbox import StartBar, _server_seconds, describe_phase
+
+    # Provision is the launch's wait less what the server says it spent before answering (install included).
+    assert _server_seconds({"phase": "loading_engine", "phase_s": 2.5, "phases": {"installing": 60, "starting": 1.5}}) == 64.0
+    assert _server_seconds({"phase": "installing", "elapsed_s": 12.0}) == 12.0
+    assert _server_seconds({"phases": {"x": "1e9", "y": True, "z": -4}, "phase_s": float("nan")}) == 0.0
 
     assert describe_phase({"phase": "fetching_weights", "progress": {"done": 3, "total": 2, "unit": "bytes"}}) == (
         "fetching weights", 2, 2)

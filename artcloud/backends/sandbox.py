@@ -126,15 +126,15 @@ class SandboxBackend(RemoteBackend):
         self._record, self._owns = record, True
 
     async def _wait_ready(self, record: SandboxRecord | None, *, deadline: float) -> None:
-        """Poll until /health says ready, showing its phase; note where the time went (cold_start_s):
-        provision is from the launch call to the first answer, less an install the server reports as
-        finished by then (a provider whose launch call waits for the install, as SkyPilot's does)."""
+        """Poll until /health says ready, showing its phase; note where the time went (cold_start_s).
+        Provision is from the launch call to the first answer, less what the server says it spent before that
+        answer (the install, its own phases): a provider's launch call may wait for the install (SkyPilot's
+        does), and the first poll may come late."""
         with StartBar(self.sandbox_name, enabled=self.progress) as bar:
             await self._poll_ready(record, deadline, bar)
 
     async def _poll_ready(self, record: SandboxRecord | None, deadline: float, bar: "StartBar") -> None:
         delay, longest = self.poll_s
-        first_phase: Any = None
         while True:
             url = await self._endpoint(deadline)
             if url:
@@ -147,14 +147,11 @@ class SandboxBackend(RemoteBackend):
                 try:  # one try: this loop is the retry, and it asks _check_alive between tries
                     body = await self.health(retry=False)
                     if self._launch_began is not None and "provision" not in self.cold_start_s:
-                        self.cold_start_s["provision"] = time.monotonic() - self._launch_began
-                        first_phase = body.get("phase")
+                        waited = time.monotonic() - self._launch_began
+                        self.cold_start_s["provision"] = max(0.0, waited - _server_seconds(body))
                     bar.show(body)
                     if body.get("ready"):
                         self._note_phases(body)
-                        if first_phase != "installing" and "provision" in self.cold_start_s:
-                            installed = self.cold_start_s.get("install", 0.0)
-                            self.cold_start_s["provision"] = max(0.0, self.cold_start_s["provision"] - installed)
                         self._launch_began = None
                         return
                 except ArtcloudError as e:
@@ -330,6 +327,17 @@ class StartBar:
     def __exit__(self, *exc: Any) -> None:
         if self._progress is not None:
             self._progress.stop()
+
+
+def _server_seconds(body: dict[str, Any]) -> float:
+    """Seconds a /health answer says the machine spent on artcloud so far: the phases done, and the current
+    one's (installing: elapsed_s). Numbers only; anything else counts as 0 (the answer is the network's)."""
+    def seconds(x: Any) -> float:
+        return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1e7 else 0.0
+
+    phases = body.get("phases")
+    done = sum(seconds(v) for v in phases.values()) if isinstance(phases, dict) else 0.0
+    return done + seconds(body.get("phase_s")) + seconds(body.get("elapsed_s"))
 
 
 def describe_phase(body: dict[str, Any]) -> tuple[str, int | None, int | None]:

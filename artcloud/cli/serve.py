@@ -46,7 +46,7 @@ def serve(
     """Serve OpenAI-compatible inference and GRPO training over HTTPS.
 
     Every route but GET /health needs 'Authorization: Bearer TOKEN'; /health says only status,
-    version and readiness, GET /artcloud/status (with the token) the rest: models, steps, S3, lease,
+    version, readiness and the start-up phase (seconds each took), GET /artcloud/status (with the token) the rest: models, steps, S3, lease,
     limits. Models registered here keep their checkpoints under PATH/PROJECT/MODEL/checkpoints/STEP;
     a restarted server resumes them. On a cloud GPU, --lease and --max-duration make sure it does not
     outlive its client; the Limits bound what one client may ask for.

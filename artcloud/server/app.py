@@ -1,6 +1,6 @@
 """The HTTP routes of `artcloud serve` (FastAPI). Every route but `GET /health` needs the bearer token.
 
-    GET  /health                                   status, version, readiness (no token; nothing private)
+    GET  /health                                   status, version, readiness, start-up phase (no token; nothing private)
     GET  /artcloud/status                          models, engines, lease, limits (never renews the lease)
     GET  /openapi.json                             this API's schema, with its limits and links
     GET  /v1/models, /v1/models/{id}               OpenAI-compatible listing
