@@ -353,6 +353,10 @@ class Runner:
         if backend is None:
             return {"ok": True, "detail": "nothing was started"}
         notes, unpushed = [], []
+        try:  # where the start-up time went (the first rollout is the server's to know): before it goes
+            await asyncio.wait_for(backend.cold_start(), 15.0)
+        except Exception as e:
+            log.debug("cold start figures not read: %s", e)
         try:
             answer = await backend.final_push()  # None: the server never answered (nothing to push)
         except Exception as e:
@@ -405,6 +409,7 @@ class Runner:
                 for s in info.get("checkpoints", [])]
 
     def _summary(self, ending: Ending, teardown: dict[str, Any]) -> dict[str, Any]:
+        from artcloud.backends.remote import cold_start_rows
         from artcloud.run_summary import write_summary
 
         ended = time.time()
@@ -432,6 +437,8 @@ class Runner:
             "budget_usd": self.opts.budget_usd, "max_duration_s": self.opts.max_duration_s,
             "s3": self.opts.s3, "models": models, "teardown": teardown,
             "preemptions": list(getattr(self.backend, "replacements", None) or []),
+            "cold_start": cold_start_rows(getattr(self.backend, "cold_start_s", None) or {},
+                                          self.price() if self.backend is not None else None),
         }
         json_path, md_path = write_summary(summary, self.opts.summary)
         summary["_paths"] = (str(json_path), str(md_path))

@@ -86,6 +86,7 @@ def render_markdown(summary: dict) -> str:
     lines = [f"## artcloud run {_cell(name)}: {_status(summary)}", "", "| | |", "|---|---|"]
     for key, value in _facts(summary):
         lines.append(f"| {key} | {value} |")
+    lines += _cold_start_section(summary.get("cold_start"))
     models = summary.get("models") or []
     if not models:
         lines += ["", "_No models were trained in this run._"]
@@ -207,6 +208,31 @@ def _cost(s: dict) -> str:
     if _finite(cost) and _finite(price):
         text += f" (at {_usd(price)}/h)"
     return text
+
+
+def _cold_start_section(rows: object) -> list[str]:
+    """Where the start-up went: one row a phase (provision, install, start, weights, engine, first rollout)."""
+    rows = [r for r in rows if isinstance(r, dict) and _finite(r.get("seconds"))] if isinstance(rows, list) else []
+    if not rows:
+        return []
+    lines = ["", "### Cold start", "", "| phase | duration | cost |", "|---|---:|---:|"]
+    for r in rows:
+        cost = _cents(r["cost_usd"]) if _finite(r.get("cost_usd")) else "—"
+        lines.append(f"| {_cell(r.get('phase', '?'))} | {_short(r['seconds'])} | {cost} |")
+    total = sum(r["seconds"] for r in rows)
+    costs = [r["cost_usd"] for r in rows if _finite(r.get("cost_usd"))]
+    lines.append(f"| **total** | {_short(total)} | {_cents(sum(costs)) if costs else '—'} |")
+    return lines
+
+
+def _short(s: float) -> str:
+    """Tenths under 10 s (a first rollout takes 0.4 s), else as format_seconds."""
+    return f"{max(s, 0.0):.1f}s" if s < 9.95 else format_seconds(s)
+
+
+def _cents(x: float) -> str:
+    """A phase of seconds on a GPU costs fractions of a cent: show them."""
+    return f"${x:.4f}" if 0 < abs(x) < 0.01 else _usd(x)
 
 
 def _model_section(model: dict) -> list[str]:

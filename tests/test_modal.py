@@ -410,6 +410,7 @@ def test_cli_launch_status_and_down_all_on_modal(fake, monkeypatch):
     result = cli("launch", "--provider", "modal", "--gpu", "L4", "--name", "cli1", "--max-duration", "2h")
     assert result.returncode == 0, result.stderr
     assert "cli1 is up: https://127.0.0.1:" in result.stdout and "ModalBackend(name='cli1')" in result.stdout
+    assert "  cold start:           provision " in result.stdout and ", start " in result.stdout  # where the time went
     (sandbox,) = fake.sandboxes().values()
     assert sandbox["running"] and sandbox["gpu"] == "L4" and sandbox["timeout_secs"] == 7200
 

@@ -131,9 +131,11 @@ def test_run_succeeds_with_summary_checkpoints_on_s3_and_nothing_left(tmp_path, 
     assert s3_steps(seaweed, s3, "nightly", "five-words") == [0, 1, 2]
     assert [c["uri"] for c in model["checkpoints"]][-1] == f"{s3}/nightly/five-words/checkpoints/2" == model["final_checkpoint"]
     assert summary["estimated_cost_usd"] == 0.0 and summary["wall_time_s"] > 0
+    # Where the start-up went: the script's register loaded the engine, its first rollout came after.
+    assert [r["phase"] for r in summary["cold_start"]] == ["provision", "start", "engine", "first rollout"]
 
     markdown = (tmp_path / "artcloud-run.md").read_text()
-    assert "succeeded" in markdown and "xychart-beta" in markdown
+    assert "succeeded" in markdown and "xychart-beta" in markdown and "| first rollout |" in markdown
     assert (tmp_path / "step-summary.md").read_text().strip() == markdown.strip()  # $GITHUB_STEP_SUMMARY got it too
     assert "Bearer" not in markdown + json.dumps(summary)
     assert leftovers(str(data)) == []

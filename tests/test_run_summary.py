@@ -206,3 +206,20 @@ def test_write_summary_wants_the_json_path(tmp_path):
     with pytest.raises(ValueError, match="give the JSON path"):
         write_summary(summary(), tmp_path / "summary.md")
     assert not list(tmp_path.iterdir())
+
+
+def test_cold_start_table_says_where_the_start_up_went():
+    from artcloud.backends.remote import cold_start_rows
+
+    rows = cold_start_rows({"first rollout": 0.42, "provision": 61.0, "install": 125.5, "engine": 30.0, "weights": 44.0},
+                           price_per_hour=2.49)
+    assert [r["phase"] for r in rows] == ["provision", "install", "weights", "engine", "first rollout"]
+    md = render_markdown(summary(cold_start=rows))
+    table = md[md.index("### Cold start"):md.index("### mail/agent-1")]
+    assert "| provision | 1m 01s | $0.04 |" in table and "| install | 2m 06s | $0.09 |" in table
+    assert "| first rollout | 0.4s | $0.0003 |" in table  # seconds on a GPU cost fractions of a cent
+    assert "| **total** | 4m 21s | $0.18 |" in table
+    local = render_markdown(summary(cold_start=cold_start_rows({"start": 2.0, "engine": 0.5}, None)))
+    assert "| start | 2.0s | — |" in local and "| **total** | 2.5s | — |" in local  # no price: no cost
+    assert "Cold start" not in render_markdown(summary()) and "Cold start" not in render_markdown(summary(cold_start=[{"x": 1}]))
+    assert json.loads(json.dumps(summary(cold_start=rows)))["cold_start"] == rows

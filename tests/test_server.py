@@ -20,7 +20,11 @@ def test_health_is_public_and_says_nothing_private(tiny_server):
     with httpx.Client(verify=tiny_server.ssl_context()) as c:
         body = c.get(tiny_server.url + "/health").json()
         # Models, base models, steps, S3 locations and errors, the lease: all behind the token now.
-        assert body == {"status": "ok", "version": artcloud.__version__, "ready": True}
+        # And what it is doing: the phase, and seconds per start-up phase (no names, no paths).
+        phases = body.pop("phases")
+        assert set(phases) <= {"starting", "fetching_weights", "loading_engine", "first_rollout"} and "starting" in phases
+        assert body.pop("phase_s") >= 0
+        assert body == {"status": "ok", "version": artcloud.__version__, "ready": True, "phase": "ready"}
         assert c.get(tiny_server.url + "/artcloud/status").status_code == 401
     with tiny_server.client() as c:
         status = c.get("/artcloud/status").json()

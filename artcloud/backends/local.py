@@ -133,6 +133,8 @@ class LocalBackend(SandboxBackend):
                "--port", str(self.port or 0), "--log-level", self.log_level, "--parent-pid", str(os.getpid()), "--engine", self.engine]
         if self.s3:
             cmd += ["--s3", self.s3]
+        if self.preload:
+            cmd += ["--preload", self.preload]
         if self.lease_s is not None:
             cmd += ["--lease", f"{round(self.lease_s)}s"]
         if self.max_duration_s is not None:
@@ -178,7 +180,8 @@ class LocalBackend(SandboxBackend):
         )
 
     async def register(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        await self.start()
+        if not self.running:  # not started, or its child exited: this register starts one (and preloads)
+            self._owns = False
         return await super().register(*args, **kwargs)
 
     async def down(self) -> None:

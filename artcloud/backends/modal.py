@@ -260,6 +260,8 @@ class ModalBackend(SandboxBackend):
         for key in ("ARTCLOUD_S3_ENDPOINT_URL", "ARTCLOUD_S3_REGION"):
             if os.environ.get(key):
                 env.setdefault(key, os.environ[key])
+        if self.preload and job is None:  # model.register started it: the base model loads while we wait for /health
+            env["ARTCLOUD_PRELOAD"] = self.preload
         try:
             app = await modal.App.lookup.aio(self.app_name, create_if_missing=True)
         except Exception as e:

@@ -143,6 +143,23 @@ def _first_line(text: str, limit: int = 200) -> str:
     return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
+# A cold start's pieces, in order: the client's name for each and the server's (GET /health "phases"), if any.
+COLD_START_PHASES = (("provision", None), ("install", "installing"), ("start", "starting"),
+                     ("weights", "fetching_weights"), ("engine", "loading_engine"), ("first rollout", "first_rollout"))
+
+
+def cold_start_rows(seconds: Mapping[str, float], price_per_hour: float | None) -> list[dict[str, Any]]:
+    """[{phase, seconds, cost_usd}] in the order they happen, for the phases that were measured; the cost is
+    the machine's price over that time (None where the price is unknown, e.g. a local server)."""
+    rows = []
+    for phase, _ in COLD_START_PHASES:
+        if phase in seconds:
+            s = round(float(seconds[phase]), 3)
+            cost = round(price_per_hour * s / 3600.0, 6) if price_per_hour is not None else None
+            rows.append({"phase": phase, "seconds": s, "cost_usd": cost})
+    return rows
+
+
 class RemoteBackend:
     """A running `artcloud serve`, reached at `base_url` over HTTPS with the launch's token and CA."""
 
@@ -187,6 +204,7 @@ class RemoteBackend:
         self._registrations: dict[str, dict[str, Any]] = {}
         self._temperatures: dict[str, float] = {}
         self.replacements: list[dict[str, Any]] = []  # each lost server that was replaced: when, why, its cost
+        self.cold_start_s: dict[str, float] = {}  # seconds per cold-start phase of this server (COLD_START_PHASES)
         self._forwarder: Any = None  # the loopback endpoint for plain OpenAI clients, started at the first register
         self._forward_ssl: tuple[Any, Any] | None = None  # ((ca_cert, check_hostname), its SSLContext)
 
@@ -247,6 +265,27 @@ class RemoteBackend:
             )
         self._version_checked = True
         return body
+
+    def _note_phases(self, body: Mapping[str, Any]) -> None:
+        """Take the server's own phase durations from a /health answer (numbers only: it is the network's)."""
+        phases = body.get("phases")
+        if not isinstance(phases, Mapping):
+            return
+        for ours, theirs in COLD_START_PHASES:
+            value = phases.get(theirs) if theirs else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e7:
+                self.cold_start_s[ours] = float(value)
+
+    async def cold_start(self) -> list[dict[str, Any]]:
+        """Where this server's start-up went: [{phase, seconds, cost_usd}] for provision (a sandbox this backend
+        launched), install, start, weights, engine and the first rollout, as measured so far (the server's
+        figures are read again from GET /health when it answers)."""
+        if not self._shut_down:
+            try:
+                self._note_phases(await self.health(retry=False))
+            except ArtcloudError:
+                pass  # gone, or never up: what was measured stays
+        return cold_start_rows(self.cold_start_s, self.price_per_hour)
 
     async def wait_ready(self, timeout: float = 600.0) -> dict[str, Any]:
         deadline = asyncio.get_running_loop().time() + timeout

@@ -54,6 +54,9 @@ class SandboxBackend(RemoteBackend):
     state: StateDir | None = None  # the registry (None: this sandbox is not registered, e.g. a local child)
     teardown_word = "torn down"
     poll_s = (0.5, 5.0)  # the ready poll's first and longest wait
+    progress = True  # a progress bar (phase, N/M GB) while the server comes up, on a terminal only
+    preload: str | None = None  # a base model the server loads before it says ready (set when register starts it)
+    _launch_began: float | None = None  # when this backend asked the provider for the machine (monotonic)
 
     _owns = False  # this object started it or attached to it: down() may destroy it
     _record: SandboxRecord | None = None
@@ -97,6 +100,7 @@ class SandboxBackend(RemoteBackend):
     async def _launch(self, job: Any = None) -> None:
         """Provision, then (for a server, not a detached job) wait until it is ready. A failure after anything
         was asked of the provider tears it down; one before (bad input, a preflight check) only raises."""
+        self.cold_start_s, self._launch_began = {}, time.monotonic()
         try:
             await self._provision(job)
         except BaseException as e:
@@ -122,6 +126,14 @@ class SandboxBackend(RemoteBackend):
         self._record, self._owns = record, True
 
     async def _wait_ready(self, record: SandboxRecord | None, *, deadline: float) -> None:
+        """Poll until /health says ready, showing its phase; note where the time went (cold_start_s).
+        Provision is from the launch call to the first answer, less what the server says it spent before that
+        answer (the install, its own phases): a provider's launch call may wait for the install (SkyPilot's
+        does), and the first poll may come late."""
+        with StartBar(self.sandbox_name, enabled=self.progress) as bar:
+            await self._poll_ready(record, deadline, bar)
+
+    async def _poll_ready(self, record: SandboxRecord | None, deadline: float, bar: "StartBar") -> None:
         delay, longest = self.poll_s
         while True:
             url = await self._endpoint(deadline)
@@ -133,7 +145,14 @@ class SandboxBackend(RemoteBackend):
                     record.url, record.state = url, "up"
                     self.state.save(record)
                 try:  # one try: this loop is the retry, and it asks _check_alive between tries
-                    if (await self.health(retry=False)).get("ready"):
+                    body = await self.health(retry=False)
+                    if self._launch_began is not None and "provision" not in self.cold_start_s:
+                        waited = time.monotonic() - self._launch_began
+                        self.cold_start_s["provision"] = max(0.0, waited - _server_seconds(body))
+                    bar.show(body)
+                    if body.get("ready"):
+                        self._note_phases(body)
+                        self._launch_began = None
                         return
                 except ArtcloudError as e:
                     if e.code == "version_mismatch":
@@ -168,6 +187,15 @@ class SandboxBackend(RemoteBackend):
         if isinstance(cause, (KeyboardInterrupt, asyncio.CancelledError)):
             raise cause
         raise self.error(message, code=code) from cause
+
+    async def register(self, name: str, project: str, base_model: str, lora: dict[str, Any],
+                       engine_args: dict[str, Any] | None = None, *, take_over: bool = False) -> dict[str, Any]:
+        """A register that starts the sandbox (no `async with backend` before it) has the server load the base
+        model while it comes up (artcloud serve --preload), instead of after: the wait is one."""
+        if not self._owns:
+            self.preload = None if engine_args else base_model  # engine_args are the register's to apply
+            await self.start()
+        return await super().register(name, project, base_model, lora, engine_args, take_over=take_over)
 
     # ------------------------------------------------------------------------------------- down
 
@@ -263,3 +291,64 @@ class SandboxBackend(RemoteBackend):
         if launching:
             return f"could not launch {self.sandbox_name}: {what}", "launch_failed"
         return f"the server on {self.sandbox_name} did not come up: {what}", "startup_failed"
+
+
+class StartBar:
+    """While a sandbox comes up: a rich progress bar on stderr with the server's phase ("fetching weights
+    3.1/16.0 GB"), like model.train's bar; shown on a terminal only (nothing when output is piped)."""
+
+    def __init__(self, name: str, *, enabled: bool = True, console: Any = None):
+        self.name, self.enabled, self.console = name, enabled, console
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> "StartBar":
+        if not self.enabled:
+            return self
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        console = self.console or Console(stderr=True)
+        if not console.is_terminal:
+            return self
+        self._progress = Progress(TextColumn("[bold]{task.description}"), TextColumn("{task.fields[phase]}"), BarColumn(),
+                                  TextColumn("{task.fields[amount]}"), TimeElapsedColumn(), console=console, transient=True)
+        self._progress.start()
+        self._task = self._progress.add_task(self.name, total=None, phase="provisioning", amount="")
+        return self
+
+    def show(self, body: dict[str, Any]) -> None:
+        if self._progress is None:
+            return
+        phase, done, total = describe_phase(body)
+        amount = f"{done / 1e9:.1f}/{total / 1e9:.1f} GB" if total else ""
+        self._progress.update(self._task, phase=phase, amount=amount, completed=done or 0, total=total or None)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def _server_seconds(body: dict[str, Any]) -> float:
+    """Seconds a /health answer says the machine spent on artcloud so far: the phases done, and the current
+    one's (installing: elapsed_s). Numbers only; anything else counts as 0 (the answer is the network's)."""
+    def seconds(x: Any) -> float:
+        return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1e7 else 0.0
+
+    phases = body.get("phases")
+    done = sum(seconds(v) for v in phases.values()) if isinstance(phases, dict) else 0.0
+    return done + seconds(body.get("phase_s")) + seconds(body.get("elapsed_s"))
+
+
+def describe_phase(body: dict[str, Any]) -> tuple[str, int | None, int | None]:
+    """(what the server is doing, bytes done, bytes total) from a /health answer (untrusted: checked)."""
+    phase = body.get("phase")
+    words = {"installing": "installing", "starting": "starting the server", "fetching_weights": "fetching weights",
+             "loading_engine": "starting the engine", "ready": "ready"}
+    text = words.get(phase, "starting the server") if isinstance(phase, str) else "starting the server"
+    progress = body.get("progress")
+    if isinstance(progress, dict):
+        done, total = progress.get("done"), progress.get("total")
+        if all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (done, total)) and total:
+            return text, min(done, total), total
+    return text, None, None

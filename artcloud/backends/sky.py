@@ -297,6 +297,8 @@ class SkyBackend(SandboxBackend):
         region = os.environ.get("ARTCLOUD_S3_REGION") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if self.s3 and region:
             env.setdefault("ARTCLOUD_S3_REGION", region)
+        if self.preload:  # model.register started it: the base model loads while the client waits for /health
+            env["ARTCLOUD_PRELOAD"] = self.preload
         return build_task(
             secrets=launch_secrets, gpu=self.gpu, cloud=self.cloud, region=self.region, use_spot=self.use_spot,
             disk_size=self.disk_size, image=self.image, engine=self.engine, lease_s=self.lease_s,
@@ -316,6 +318,7 @@ class SkyBackend(SandboxBackend):
         await self._launch(job=(Path(script), run_args))
 
     async def _provision(self, job: tuple[Path, Callable[[float | None], list[str]]] | None) -> None:
+        from artcloud import bootstrap_health
         from artcloud.backends.wheel import build_wheel
 
         name = self.cluster_name
@@ -334,6 +337,8 @@ class SkyBackend(SandboxBackend):
             record.extra["run"] = job[0].name
         with tempfile.TemporaryDirectory(prefix="artcloud-wheel-") as tmp:
             wheel = None if self.image else build_wheel(Path(tmp))
+            if wheel is not None:  # answers /health ("installing") while the setup installs the wheel
+                shutil.copy(Path(bootstrap_health.__file__), Path(tmp) / "bootstrap_health.py")
             run_args = None
             if job is not None:  # the script travels in the workdir, next to the wheel
                 shutil.copy(job[0], Path(tmp) / job[0].name)

@@ -34,6 +34,10 @@ def _money(value: float | None) -> str:
     return "?" if value is None else f"${value:,.2f}"
 
 
+def _cost(value: float) -> str:
+    return f"${value:.4f}" if 0 < value < 0.01 else _money(value)  # a phase of seconds costs fractions of a cent
+
+
 @app.command()
 def launch(
     provider: str = typer.Option("sky", "--provider", "-p", help="sky (any cloud SkyPilot reaches) or modal (a Modal Sandbox)."),
@@ -97,9 +101,11 @@ def launch(
         if dry_run:
             _dry_run(backend, out, teardown)
             return
-        with err.status(f"launching {backend.cluster_name} ({gpu}): SkyPilot provisions the machine, then artcloud "
-                        "installs and starts; this takes minutes"):
-            asyncio.run(_start_and_leave(backend))
+        # No spinner here: the backend shows its own progress bar (the server's phase) on a terminal.
+        if err.is_terminal:
+            err.print(f"launching {backend.cluster_name} ({gpu}): SkyPilot provisions the machine, then artcloud "
+                      "installs and starts; this takes minutes", markup=False)
+        asyncio.run(_start_and_leave(backend))
     except SkyError as e:
         raise CLIError(str(e)) from e
     price = backend.price_per_hour
@@ -107,6 +113,20 @@ def launch(
     out.print(f"  connect from Python:  backend = artcloud.SkyBackend(cluster_name={backend.cluster_name!r})", markup=False)
     out.print(f"  teardown:             {teardown}; `artcloud down {backend.cluster_name}` ends it now", markup=False)
     out.print(f"  logs:                 artcloud logs {backend.cluster_name} -f", markup=False)
+    _print_cold_start(out, backend)
+
+
+def _print_cold_start(out, backend) -> None:
+    """Where the start-up time went, phase by phase, with its cost at the machine's price."""
+    from artcloud.backends.remote import cold_start_rows
+    from artcloud.run_summary import format_seconds
+
+    rows = cold_start_rows(backend.cold_start_s, backend.price_per_hour)
+    if not rows:
+        return
+    parts = [f"{r['phase']} {format_seconds(r['seconds'])}" + (f" ({_cost(r['cost_usd'])})" if r["cost_usd"] is not None else "")
+             for r in rows]
+    out.print(f"  cold start:           {', '.join(parts)}", markup=False)
 
 
 def _launch_modal(*, gpu: str, name: str | None, lease: str, max_duration: str, s3: str | None, env: dict,
@@ -134,14 +154,17 @@ def _launch_modal(*, gpu: str, name: str | None, lease: str, max_duration: str, 
         out.print(f"  secrets   {', '.join(names)} (one modal.Secret; values never shown)", markup=False)
         return
     try:
-        with err.status(f"creating the Modal sandbox {backend.name} ({gpu}): building the image the first time takes minutes"):
-            asyncio.run(_start_and_leave(backend))
+        if err.is_terminal:  # then the backend's progress bar
+            err.print(f"creating the Modal sandbox {backend.name} ({gpu}): building the image the first time takes "
+                      "minutes", markup=False)
+        asyncio.run(_start_and_leave(backend))
     except ModalError as e:
         raise CLIError(str(e)) from e
     out.print(f"[bold green]{backend.name}[/] is up: {backend.base_url}  (Modal, {gpu})")
     out.print(f"  connect from Python:  backend = artcloud.ModalBackend(name={backend.name!r})", markup=False)
     out.print(f"  teardown:             {teardown}; `artcloud down {backend.name}` ends it now", markup=False)
     out.print(f"  logs:                 artcloud logs {backend.name} -f", markup=False)
+    _print_cold_start(out, backend)
 
 
 async def _start_and_leave(backend) -> None:

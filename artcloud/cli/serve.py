@@ -34,6 +34,7 @@ def serve(
     behind_https_proxy: bool = typer.Option(False, "--behind-https-proxy", help="Serve plain HTTP to an HTTPS-terminating proxy in front (Modal's encrypted tunnel); the token is still required (from $ARTCLOUD_TOKEN or --token-file). Never on an open port."),
     max_duration: Optional[str] = typer.Option(None, "--max-duration", help="Exit (after a final checkpoint push) this long after start, clients or not: 8h, 1d. Default: never."),
     watch_preemption: bool = typer.Option(False, "--watch-preemption", envvar="ARTCLOUD_WATCH_PREEMPTION", help="On a spot machine: poll the cloud's preemption notice (AWS, GCP, Azure metadata) and, when it comes, push the last checkpoints and exit (SkyBackend(use_spot=True) sets it; the client relaunches and resumes from S3)."),
+    preload: Optional[str] = typer.Option(None, "--preload", envvar="ARTCLOUD_PRELOAD", help="Load this base model (a hub id or a folder) while the server comes up, so that GET /health says ready only once it is loaded and the first register finds it loaded. Default: $ARTCLOUD_PRELOAD (SkyBackend and ModalBackend set it when model.register started the sandbox)."),
     s3_claim_timeout: str = typer.Option("15m", "--s3-claim-timeout", help="A model's S3 claim (one server trains it) is renewed every third of this; another server may take the model over after this long without renewal."),
     max_body_mb: float = typer.Option(Limits.max_body_mb, "--max-body-mb", min=0.001, help="Largest request body, in MiB (413 above it).", rich_help_panel="Limits"),
     max_request_tokens: int = typer.Option(Limits.max_request_tokens, "--max-request-tokens", min=1, help="Most tokens one chat request may ask for: n x max_tokens (400 above it).", rich_help_panel="Limits"),
@@ -45,7 +46,7 @@ def serve(
     """Serve OpenAI-compatible inference and GRPO training over HTTPS.
 
     Every route but GET /health needs 'Authorization: Bearer TOKEN'; /health says only status,
-    version and readiness, GET /artcloud/status (with the token) the rest: models, steps, S3, lease,
+    version, readiness and the start-up phase (seconds each took), GET /artcloud/status (with the token) the rest: models, steps, S3, lease,
     limits. Models registered here keep their checkpoints under PATH/PROJECT/MODEL/checkpoints/STEP;
     a restarted server resumes them. On a cloud GPU, --lease and --max-duration make sure it does not
     outlive its client; the Limits bound what one client may ask for.
@@ -84,7 +85,7 @@ def serve(
         run(host=host, port=port, path=path, tls_cert=tls_cert, tls_key=tls_key, token_file=token_file,
             engine=engine, engine_args=parsed_args, vllm_python=vllm_python, log_level=log_level, parent_pid=parent_pid, s3=s3, keep_last=keep_last, keep_best=keep_best,
             lease_s=lease_s, max_duration_s=max_duration_s, behind_https_proxy=behind_https_proxy, limits=limits,
-            claim_timeout_s=claim_timeout_s, watch_preemption=watch_preemption)
+            claim_timeout_s=claim_timeout_s, watch_preemption=watch_preemption, preload=preload or None)
     except ServeError as e:
         raise CLIError(str(e)) from e
     except ssl.SSLError as e:

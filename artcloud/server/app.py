@@ -1,6 +1,6 @@
 """The HTTP routes of `artcloud serve` (FastAPI). Every route but `GET /health` needs the bearer token.
 
-    GET  /health                                   status, version, readiness (no token; nothing private)
+    GET  /health                                   status, version, readiness, start-up phase (no token; nothing private)
     GET  /artcloud/status                          models, engines, lease, limits (never renews the lease)
     GET  /openapi.json                             this API's schema, with its limits and links
     GET  /v1/models, /v1/models/{id}               OpenAI-compatible listing
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -144,6 +145,7 @@ def create_app(registry: Registry, token: str) -> FastAPI:
     @app.post("/v1/chat/completions", operation_id="chat_completions", response_model=schemas.ChatCompletion,
               responses={200: schemas.CHAT_STREAM, **errors(400, 404, 503)})
     async def chat_completions(req: ChatCompletionRequest) -> Any:
+        began = time.monotonic()
         if req.stream_options is not None and not req.stream:
             raise ApiError(400, "invalid_request", "stream_options is only allowed with stream=true", "stream_options")
         want_logprobs = req.logprobs is not False  # unset: yes (training needs them; ART scripts never ask)
@@ -186,6 +188,7 @@ def create_app(registry: Registry, token: str) -> FastAPI:
                 include_usage=bool(req.stream_options and req.stream_options.include_usage),
             )
         completions, served = await target.host.batcher.submit(target.key, GenerationRequest(prompt, req.n, params))
+        registry.startup.rollout_done(time.monotonic() - began)  # kept for the first one only (GET /health)
         return chat.completion_response(
             served_as=served,
             prompt_ids=prompt,

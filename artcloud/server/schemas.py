@@ -51,11 +51,26 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------- server
 
 
+class Progress(_Open):
+    done: int = Field(ge=0)
+    total: int = Field(ge=0)
+    unit: Literal["bytes"]
+
+
 class Health(_Open):
     status: Literal["ok", "degraded"] = Field(description="degraded while a sampler process (vLLM) restarts")
     version: str
-    ready: bool = Field(description="true once the models an earlier server left are loaded again")
+    ready: bool = Field(description="true once the models an earlier server left (and a --preload base model) are loaded")
     detail: str | None = Field(None, description="what is degraded, and that it restarts by itself")
+    phase: Literal["installing", "starting", "fetching_weights", "loading_engine", "ready"] | None = Field(
+        None, description="what the server is doing: installing (before it exists), starting, fetching_weights, "
+        "loading_engine, ready (and back through fetching_weights / loading_engine when a new base model loads)")
+    phase_s: float | None = Field(None, ge=0, description="seconds in the current phase")
+    progress: Progress | None = Field(None, description="while fetching_weights: bytes done of total")
+    phases: dict[str, float] | None = Field(None, description="seconds spent so far in each phase before this one "
+                                            "(installing: from the install's own record), and first_rollout: how long "
+                                            "the first chat completion after ready took")
+    elapsed_s: float | None = Field(None, ge=0, description="installing: seconds since the install began")
 
 
 class S3Status(_Open):

@@ -219,15 +219,18 @@ def run(
     limits=None,
     claim_timeout_s: float | None = None,
     watch_preemption: bool = False,
+    preload: str | None = None,
     announce=print,
 ) -> None:
     started = time.time()  # --max-duration counts from here: loading a model is paid-for time too
+    began = time.monotonic()  # the "starting" phase too
     import uvicorn
 
     from artcloud.server.app import create_app
     from artcloud.server.lease import Lease
     from artcloud.server.limits import Limits
     from artcloud.server.pusher import CLAIM_TIMEOUT_S
+    from artcloud.server.startup import ENV_INSTALL_RECORD, Startup, read_install_record
     from artcloud.server.state import Registry
     from artcloud.server.tls_only import server_context, wrap_uvicorn_protocol
     from artcloud.server.training import Retention
@@ -250,7 +253,8 @@ def run(
     lease = Lease(lease_s, max_duration_s, started_at=started)
     registry = Registry(path, engine=engine, store=store, retention=Retention(keep_last=keep_last, metric=keep_best),
                         limits=limits, lease=lease, claim_timeout_s=claim_timeout_s or CLAIM_TIMEOUT_S,
-                        engine_args=engine_args, vllm_python=vllm_python)
+                        engine_args=engine_args, vllm_python=vllm_python, preload=preload or None,
+                        startup=Startup(started_at=began, install_s=read_install_record(os.environ.get(ENV_INSTALL_RECORD))))
     sock = bind(host, port)
     actual_port = sock.getsockname()[1]
     shown_host = "localhost" if host in ("127.0.0.1", "0.0.0.0", "::", "::1") else host
@@ -270,6 +274,8 @@ def run(
         announce(f"  checkpoints are pushed to {store.config.uri}")
     if lease_s is not None or max_duration_s is not None:
         announce(f"  lease: {lease.line()}")
+    if preload:
+        announce(f"  preloading {preload}: GET /health says ready once it is loaded")
     app = create_app(registry, tls.token if tls is not None else token)
     # A bad cert/key pair fails here, before serving.
     context = server_context(str(tls.cert), str(tls.key)) if tls is not None else None

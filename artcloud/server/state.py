@@ -30,6 +30,7 @@ from artcloud.server.limits import Limits
 from artcloud.server.models import EngineHost, ServedModel
 from artcloud.server.pusher import CLAIM_TIMEOUT_S
 from artcloud.server.shutdown import Shutdown
+from artcloud.server.startup import Startup
 from artcloud.server.training import Retention, Trainer
 from artcloud.server.weights import BaseWeights
 from artcloud.storage import checkpoints
@@ -52,7 +53,7 @@ class Registry:
                  store: CheckpointStore | None = None, retention: Retention | None = None,
                  limits: Limits | None = None, lease: Lease | None = None,
                  claim_timeout_s: float = CLAIM_TIMEOUT_S, engine_args: dict[str, Any] | None = None,
-                 vllm_python: str | None = None):
+                 vllm_python: str | None = None, startup: Startup | None = None, preload: str | None = None):
         self.root = root
         self.retention = retention or Retention()
         self.limits = limits or Limits()
@@ -68,6 +69,10 @@ class Registry:
         self.hosts: dict[str, EngineHost] = {}
         self.models: dict[str, ServedModel] = {}
         self.ready = False
+        self.startup = startup or Startup()  # what /health says the server is doing while it comes up
+        if self.weights is not None:  # a pull from S3 says "fetching weights N/M GB" on /health
+            self.weights.progress = self.startup.progress
+        self.preload = preload  # a base model to load before saying ready (artcloud serve --preload)
         self.lease = lease or Lease()
         self.shutdown = Shutdown(lambda: self.models.values())
         self._register_lock = asyncio.Lock()
@@ -103,7 +108,8 @@ class Registry:
                                "base_model")
             await self._unload(idle[0])
         host = EngineHost(base_model, self.factory, engine_args, self.weights)
-        await host.load()  # ApiError 400 when it cannot be loaded
+        with self.startup.loading():
+            await host.load()  # ApiError 400 when it cannot be loaded
         host.batcher = Batcher(partial(self._run_batch, host), concurrent=host.engine.concurrent)
         self.hosts[base_model] = host
         return host
@@ -129,8 +135,18 @@ class Registry:
                     await self.register(spec)
                 except Exception:
                     log.exception("could not restore the model in %s", spec_path.parent)
+            if self.preload and self.preload not in self.hosts:
+                try:
+                    async with self._register_lock:
+                        await self._host(self.preload)
+                    log.info("preloaded base model %s", self.preload)
+                except ApiError as e:  # a register naming it gets the same error, and the server still serves
+                    log.error("could not preload %s: %s", self.preload, e.message)
+                except Exception:
+                    log.exception("could not preload %s", self.preload)
         finally:
             self.ready = True
+            self.startup.mark_ready()
 
     async def register(self, spec: RegisterRequest) -> dict[str, Any]:
         """Register (or find again) a model. Its spec is saved only once it works, so a register that
@@ -254,7 +270,8 @@ class Registry:
         """GET /health: "degraded" while a sampler process is down (it restarts by itself). Nothing private:
         no model names, no paths."""
         problems = [p for p in (h.health() for h in self.hosts.values()) if p]
-        out: dict[str, Any] = {"status": "degraded" if problems else "ok", "version": __version__, "ready": self.ready}
+        out: dict[str, Any] = {"status": "degraded" if problems else "ok", "version": __version__, "ready": self.ready,
+                               **self.startup.report()}
         if problems:
             out["detail"] = "; ".join(problems)
         return out
