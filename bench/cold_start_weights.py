@@ -238,7 +238,8 @@ def _pulls(args: argparse.Namespace, tmp: Path, endpoint: str, link: str, total:
                      "note": f"artcloud: {ours}; median of {args.weights_repeats}; ratio = peer s / artcloud s"})
         rows.append({"section": "weights", "what": f"pull {size}, throughput", "artcloud": round(total / med["artcloud"] / 1e6),
                      "peer": label, "peer_value": round(total / med[peer] / 1e6), "unit": "MB/s",
-                     "ratio": round(med[peer] / med["artcloud"], 2), "note": "client, proxy and server share this machine's cores"})
+                     "ratio": round(med[peer] / med["artcloud"], 2), "note": "client, proxy and server share this machine's cores",
+                     "key": "weights.mbps." + ("loopback" if link == "loopback" else "capped")})
     return rows
 
 

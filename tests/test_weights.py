@@ -256,6 +256,8 @@ def test_a_server_with_an_empty_hf_cache_loads_a_model_staged_on_s3(seaweed, buc
         r = c.post("/artcloud/models", json={"name": "agent", "project": "w", "base_model": "testorg/tiny"})
         assert r.status_code == 200, r.text + server.tail()
         assert r.json()["base_model"] == "testorg/tiny"  # the registered name stays the model id
+        phases = c.get("/health").json()["phases"]  # the pull was /health's fetching_weights, then the engine loaded
+        assert phases["fetching_weights"] > 0 and phases["loading_engine"] > 0, phases
         answer = _chat(c, "agent")
         assert answer["choices"][0]["message"]["content"] is not None
         pulled = cache / "models" / "s3" / "testorg--tiny" / "main"
