@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV_PYTHON = "ARTCLOUD_STANDIN_PYTHON"
+# Seconds each `uv pip install` of a node waits first, as a real one downloading the server's environment.
+ENV_INSTALL_DELAY = "ARTCLOUD_STANDIN_INSTALL_DELAY_S"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # A VM's PATH: no pyenv, no venv of this machine. The image's bin folder goes first.
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -164,7 +166,13 @@ def provision(image: Image, home: Path) -> None:
     bin_dir = home / ".local" / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
     if not (bin_dir / "uv").exists():
-        os.symlink(uv_binary(), bin_dir / "uv")
+        delay = os.environ.get(ENV_INSTALL_DELAY)
+        if delay:  # a real node's `uv pip install` downloads gigabytes: it takes a while
+            (bin_dir / "uv").write_text(f'#!/bin/bash\n[ "$1 $2" = "pip install" ] && sleep {float(delay):g}\n'
+                                        f'exec {uv_binary()} "$@"\n')
+            (bin_dir / "uv").chmod(0o755)
+        else:
+            os.symlink(uv_binary(), bin_dir / "uv")
     user_env = home / "sky-user-env"
     if not (user_env / "bin" / "python").exists():
         env = {**image.environment(), "HOME": str(home), "UV_LINK_MODE": "copy", "UV_SYSTEM_PYTHON": "false"}

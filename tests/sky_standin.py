@@ -522,9 +522,9 @@ class LocalSky:
 
     def endpoint(self, cluster_name: str, port: int) -> str | None:
         data = self._state(cluster_name)
+        # As sky.endpoints: a cluster that is UP has its ports, whatever its job does (SkyPilot sets UP before
+        # the task's setup runs; nothing may listen yet).
         if data is None or data["status"] != "UP":
-            return None
-        if LocalSky.job_status(self, cluster_name, None) != "RUNNING":
             return None
         local = data.get("ports", {}).get(str(port))
         if not local:

@@ -233,14 +233,19 @@ def test_wait_ready_shows_phase_and_gigabytes_on_a_terminal():
 
 
 @pytest.mark.slow
-def test_sky_launch_by_register_reports_install_preload_and_costs(sky_env):
+def test_sky_launch_by_register_reports_install_preload_and_costs(sky_env, monkeypatch):
     """Through the SkyPilot stand-in, which runs the task's real setup and run: SkyBackend ships
     bootstrap_health.py, the setup serves "installing" with it while the wheel installs, and the server then
     reports how long that took; a register that launched the cluster had it preload the base model; each
     phase costs the launched machine's price for its time."""
     from artcloud.backends.sky import SkyBackend
 
+    monkeypatch.setenv("ARTCLOUD_STANDIN_INSTALL_DELAY_S", "3")  # an install the client can watch
     backend = SkyBackend(gpu="H100:1", cluster_name="cold", idle_minutes=1)
+    from rich.console import Console
+
+    screen = io.StringIO()  # the launch's progress bar, as a terminal would show it
+    backend.progress_console = Console(file=screen, force_terminal=True, width=120)
 
     async def main():
         try:
@@ -257,6 +262,8 @@ def test_sky_launch_by_register_reports_install_preload_and_costs(sky_env):
 
     rows, (bootstrap_log, install_record, job_log) = asyncio.run(main())
     assert "/health (installing)" in bootstrap_log
+    # SkyPilot's launch call returns after the setup: the bar watched /health meanwhile and said so.
+    assert "installing" in screen.getvalue() and "starting the engine" in screen.getvalue()
     assert [r["phase"] for r in rows] == ["provision", "install", "start", "engine", "first rollout"]
     for r in rows:
         assert r["seconds"] >= 0 and r["cost_usd"] == round(2.49 * r["seconds"] / 3600.0, 6)

@@ -32,13 +32,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Awaitable, TypeVar
 
 from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone, _first_line, push_verdicts
 from artcloud.backends.state import SandboxRecord, StateDir
 from artcloud.durations import format_duration
 
 log = logging.getLogger("artcloud.client")  # what the client says about its sandbox
+T = TypeVar("T")
 
 ATTACH_TIMEOUT_S = 300.0  # an attached server was ready once: it should answer within this
 
@@ -55,6 +56,8 @@ class SandboxBackend(RemoteBackend):
     teardown_word = "torn down"
     poll_s = (0.5, 5.0)  # the ready poll's first and longest wait
     progress = True  # a progress bar (phase, N/M GB) while the server comes up, on a terminal only
+    progress_console: Any = None  # where the bar draws (None: stderr, if a terminal)
+    _bar: "StartBar | None" = None  # the bar of the launch in progress
     preload: str | None = None  # a base model the server loads before it says ready (set when register starts it)
     _launch_began: float | None = None  # when this backend asked the provider for the machine (monotonic)
 
@@ -101,6 +104,16 @@ class SandboxBackend(RemoteBackend):
         """Provision, then (for a server, not a detached job) wait until it is ready. A failure after anything
         was asked of the provider tears it down; one before (bad input, a preflight check) only raises."""
         self.cold_start_s, self._launch_began = {}, time.monotonic()
+        # One bar from the launch call to ready: a provider whose launch call waits for the install (SkyPilot's)
+        # shows "installing" meanwhile (_while_observing).
+        with StartBar(self.sandbox_name, enabled=self.progress and job is None, console=self.progress_console) as bar:
+            self._bar = bar
+            try:
+                await self._launch_with(job)
+            finally:
+                self._bar = None
+
+    async def _launch_with(self, job: Any) -> None:
         try:
             await self._provision(job)
         except BaseException as e:
@@ -118,6 +131,39 @@ class SandboxBackend(RemoteBackend):
         except BaseException as e:
             await self._fail_start(e, launching=False)
 
+    async def _while_observing(self, call: Awaitable[T]) -> T:
+        """Await a provider's launch call while watching /health: SkyPilot's launch returns only after the
+        task's setup, so the install (answered by bootstrap_health.py) is seen, and provision measured, while
+        it runs. Watching only: the call's own outcome decides, and _wait_ready checks everything after."""
+        watcher = asyncio.ensure_future(self._observe(self._bar))
+        try:
+            return await call
+        finally:
+            watcher.cancel()
+            try:
+                await watcher
+            except asyncio.CancelledError:
+                pass
+
+    async def _observe(self, bar: "StartBar | None") -> None:
+        delay, longest = self.poll_s
+        while True:
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, longest)
+            try:
+                url = await self._endpoint(time.monotonic() + self.startup_timeout_s)
+                if not url:
+                    continue
+                if url != self.base_url:
+                    await self._close_http()
+                    self.base_url, self._version_checked = url, False
+                body = await self.health(retry=False)
+            except Exception:  # not up yet, not answering, the provider's API busy: the launch call and
+                continue       # _wait_ready say what is wrong; watching must never fail a launch
+            self._first_answer(body)
+            if bar is not None:
+                bar.show(body)
+
     def _record_launch(self, record: SandboxRecord | None, *, ca_cert: str | None, token: str) -> None:
         """Called by _provision just before the provider is asked: from here on the sandbox is ours to
         tear down, and the registry knows its name and credentials."""
@@ -130,8 +176,16 @@ class SandboxBackend(RemoteBackend):
         Provision is from the launch call to the first answer, less what the server says it spent before that
         answer (the install, its own phases): a provider's launch call may wait for the install (SkyPilot's
         does), and the first poll may come late."""
-        with StartBar(self.sandbox_name, enabled=self.progress) as bar:
+        if self._bar is not None:  # launching: the launch's bar goes on
+            await self._poll_ready(record, deadline, self._bar)
+            return
+        with StartBar(self.sandbox_name, enabled=self.progress, console=self.progress_console) as bar:
             await self._poll_ready(record, deadline, bar)
+
+    def _first_answer(self, body: dict[str, Any]) -> None:
+        if self._launch_began is not None and "provision" not in self.cold_start_s:
+            waited = time.monotonic() - self._launch_began
+            self.cold_start_s["provision"] = max(0.0, waited - _server_seconds(body))
 
     async def _poll_ready(self, record: SandboxRecord | None, deadline: float, bar: "StartBar") -> None:
         delay, longest = self.poll_s
@@ -146,9 +200,7 @@ class SandboxBackend(RemoteBackend):
                     self.state.save(record)
                 try:  # one try: this loop is the retry, and it asks _check_alive between tries
                     body = await self.health(retry=False)
-                    if self._launch_began is not None and "provision" not in self.cold_start_s:
-                        waited = time.monotonic() - self._launch_began
-                        self.cold_start_s["provision"] = max(0.0, waited - _server_seconds(body))
+                    self._first_answer(body)
                     bar.show(body)
                     if body.get("ready"):
                         self._note_phases(body)

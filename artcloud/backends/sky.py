@@ -347,9 +347,9 @@ class SkyBackend(SandboxBackend):
                              workdir=Path(tmp) if job is not None else None)
             log.info("launching %s: %s", name, describe(task))
             self._record_launch(record, ca_cert=tls.ca_cert, token=tls.token)
-            launched: Launched = await asyncio.to_thread(
+            launched: Launched = await self._while_observing(asyncio.to_thread(
                 self.api.launch, task.config, secrets=task.secrets, cluster_name=name,
-                idle_minutes=self.idle_minutes, retry_until_up=self.retry_until_up)
+                idle_minutes=self.idle_minutes, retry_until_up=self.retry_until_up))
         self._job_id, self._seen_up = launched.job_id, True
         if launched.price_per_hour is not None:  # what was launched, not the catalog's guess
             if self.price_per_hour is not None and abs(launched.price_per_hour - self.price_per_hour) > 0.005:
