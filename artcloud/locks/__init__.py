@@ -106,3 +106,31 @@ def read_lock(text: str, *, where: str = "the lock") -> tuple[str, str, list[Pin
     if not pins:
         raise NoLock(f"{where} pins nothing: regenerate it with `make lock`", code="lock_damaged")
     return head.group(1), head.group(2), pins
+
+
+def check_covers(text: str, requirements: Iterable[str], *, python: str, where: str = "the lock") -> None:
+    """NoLock unless the lock pins each requirement once (for Linux x86_64, CPython `python`) at a version
+    the requirement allows: a lock older than a change to pyproject.toml's extras fails here, not on a GPU."""
+    from packaging.markers import Marker
+    from packaging.requirements import Requirement
+
+    from artcloud.backends.wheel import linux_environment
+
+    env = linux_environment(python)
+    chosen: dict[str, str] = {}
+    for pin in read_lock(text, where=where)[2]:
+        if not pin.marker or Marker(pin.marker).evaluate(env):
+            if pin.name in chosen:
+                raise NoLock(f"{where} pins {pin.name} twice for Python {python} on Linux: regenerate it with "
+                             "`make lock`", code="lock_damaged")
+            chosen[pin.name] = pin.version
+    for line in requirements:
+        req = Requirement(line)
+        name = re.sub(r"[-_.]+", "-", req.name.lower())
+        if name not in chosen:
+            raise NoLock(f"{where} is stale: it pins no {req.name} for Python {python} on Linux, which artcloud asks "
+                         f"for ({line}): run `make lock` (a lock for Python {python}?)", code="lock_stale")
+        if not req.specifier.contains(chosen[name], prereleases=True):
+            raise NoLock(f"{where} is stale: it pins {name}=={chosen[name]}, and artcloud asks for {line}: run "
+                         "`make lock` (or, if pyproject.toml already says what the lock pins, reinstall artcloud: "
+                         "pip install -e . refreshes an editable install's metadata)", code="lock_stale")
