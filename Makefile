@@ -1,6 +1,7 @@
 # make test   set up .venv and .venv-laptop (first time) and run the tests
 # make demo   set up .venv and run the main job on this machine (CPU, SmolLM2-135M-Instruct)
 # make bench  the benchmarks under bench/, figures side by side with their peers
+# make lock   resolve the server's dependencies anew for this version (artcloud/locks/, shipped in the wheel)
 
 PY ?= python3
 VENV := .venv
@@ -34,7 +35,7 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-engines test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-s3 bench-client bench-load clean
+.PHONY: lock install test test-engines test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-s3 bench-client bench-load clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -115,6 +116,22 @@ bench-client: $(STAMP)
 # 256 clients on tiny-random, then 32 on SmolLM2, 60 s each, against a bare HTTPS floor (~5 min).
 bench-load: $(STAMP)
 	$(BIN)/python bench/load.py
+
+# The locks a sandbox installs with (artcloud/locks/EXTRA.txt; see its __init__.py): one per extra a server is
+# installed with, universal (every platform's markers), from the pins already there unless UPGRADE=--upgrade.
+# gpu needs Python 3.11+ (vLLM 0.32). The first line carries the version: tests/test_lock.py fails on a stale lock.
+ARTCLOUD_VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' artcloud/_version.py)
+UV ?= $(BIN)/uv
+UPGRADE ?=
+define LOCK_ONE
+	UV_PYTHON_DOWNLOADS=never $(UV) pip compile pyproject.toml --quiet --universal --extra $(1) --python-version $(2) \
+	  --custom-compile-command 'make lock' $(UPGRADE) -o artcloud/locks/$(1).txt
+	sed -i '1i # artcloud $(ARTCLOUD_VERSION) lock for extras: $(1)' artcloud/locks/$(1).txt
+
+endef
+lock:
+	$(call LOCK_ONE,gpu,3.11)
+	$(call LOCK_ONE,server,3.10)
 
 clean:
 	rm -rf $(VENV) $(LAPTOP) $(VLLM_VENV) .pytest_cache build *.egg-info

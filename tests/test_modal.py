@@ -8,6 +8,7 @@ Modal's API is the real code: the client, the image recipe, the secret, the serv
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import queue
@@ -160,7 +161,7 @@ Requires-Dist: uvloop; sys_platform == "linux"
 Requires-Dist: pywin32; sys_platform == "win32"
 Provides-Extra: server
 Requires-Dist: fastapi>=0.110; extra == "server"
-Requires-Dist: transformers>=5.24; python_version >= "3.11" and extra == "server"
+Requires-Dist: transformers>=5.17; python_version >= "3.11" and extra == "server"
 Requires-Dist: transformers>=5.20; python_version < "3.11" and extra == "server"
 Provides-Extra: gpu
 Requires-Dist: artcloud[server]; extra == "gpu"
@@ -170,21 +171,25 @@ Requires-Dist: pytest>=8; extra == "dev"
 """
 
 
-def a_wheel(folder: Path, code: str) -> Path:
+GPU_LOCK = (REPO / "artcloud" / "locks" / "gpu.txt").read_text()
+
+
+def a_wheel(folder: Path, code: str, *, lock: str = GPU_LOCK, metadata: str = METADATA) -> Path:
     import zipfile
 
     folder.mkdir(parents=True, exist_ok=True)
     wheel = folder / "artcloud-0.1.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr("artcloud/__init__.py", code)
-        zf.writestr("artcloud-0.1.0.dist-info/METADATA", METADATA)
+        zf.writestr("artcloud/locks/gpu.txt", lock)
+        zf.writestr("artcloud-0.1.0.dist-info/METADATA", metadata)
     return wheel
 
 
 def test_the_wheels_requirements_with_its_extras_resolved_for_the_image(tmp_path):
     wheel = a_wheel(tmp_path, "")
     assert wheel_requirements(wheel, extras=["gpu"], python="3.11") == [
-        "httpx>=0.27", "uvloop", "fastapi>=0.110", "transformers>=5.24", "vllm==0.32.0"]
+        "httpx>=0.27", "uvloop", "fastapi>=0.110", "transformers>=5.17", "vllm==0.32.0"]
     assert wheel_requirements(wheel, extras=["gpu"], python="3.10")[3] == "transformers>=5.20"
     # and this artcloud's own wheel
 
@@ -194,28 +199,63 @@ def test_the_wheels_requirements_with_its_extras_resolved_for_the_image(tmp_path
 
 
 def test_a_code_change_keeps_the_dependency_layer_and_installs_the_wheel_without_deps(fake, tmp_path):
+    """The dependency layer is the wheel's lock alone (uv, -r LOCK): two wheels with other code and the same
+    lock share it, so Modal's cache keeps torch and vLLM; a new lock makes a new one. The wheel comes last."""
     import modal
 
     app = modal.App.lookup("artcloud", create_if_missing=True)
+    newer = GPU_LOCK.replace("\nhttpx==", "\nhttpx==0.27.0\n# was httpx==")
     layers = []
-    for i, code in enumerate(["VERSION = 1\n", "VERSION = 2  # a code change\n"]):
-        wheel = a_wheel(tmp_path / str(i), code)
+    for i, (code, lock) in enumerate([("VERSION = 1\n", GPU_LOCK), ("VERSION = 2  # a code change\n", GPU_LOCK),
+                                      ("VERSION = 2\n", newer)]):
+        wheel = a_wheel(tmp_path / str(i), code, lock=lock)
         n = len(fake.calls("ImageGetOrCreate"))
         sb = modal.Sandbox.create("true", app=app, image=modal_backend.server_image(wheel, python="3.11"), timeout=30,
                                   gpu="T4")
         sb.wait(raise_on_termination=False)
         layers.append([c["request"]["image"] for c in fake.calls("ImageGetOrCreate")[n:]])
-    one, two = layers
-    deps_one, deps_two = ([layer for layer in built if any("vllm==0.32.0" in c for c in layer["dockerfile_commands"])]
-                          for built in layers)
-    assert len(deps_one) == 1 and deps_one == deps_two  # the same definition: Modal's cache keeps torch and vLLM
-    install = " ".join(deps_one[0]["dockerfile_commands"])
-    assert "vllm==0.32.0" in install and "fastapi>=0.110" in install and "pytest" not in install
-    for built in layers:  # the wheel comes last, with --no-deps
+    deps = [[layer for layer in built if any("--requirements /.uv/0/gpu.txt" in c for c in layer["dockerfile_commands"])]
+            for built in layers]
+    assert [len(d) for d in deps] == [1, 1, 1]
+    assert deps[0] == deps[1] != deps[2]  # same lock, same definition: Modal's cache keeps it; a new lock: a new one
+    install = " ".join(deps[0][0]["dockerfile_commands"])
+    assert "uv pip install" in install and "vllm" not in install and "pytest" not in install
+    # the wheel's own lock is the layer's input: walk the last sandbox's image down to that layer
+    image = fake.image(list(fake.sandboxes().values())[-1]["image_id"])
+    while not any("/.uv/0/gpu.txt" in c for c in image["dockerfile_commands"]):
+        image = fake.image(image["base_images"][0]["image_id"])
+    (context,) = image["context_files"]
+    assert context["filename"] == "/.0_gpu.txt" and base64.b64decode(context["data"]).decode() == newer
+    for built, dep in zip(layers, deps):  # the wheel comes last, with --no-deps
         assert built[-1]["dockerfile_commands"] == ["FROM base",
                                                     "RUN pip install --no-deps '/opt/artcloud/artcloud-0.1.0-py3-none-any.whl'"]
-        assert built.index(deps_one[0]) < len(built) - 2  # the deps layer comes before the wheel's file
-    assert one[-2] != two[-2]  # the wheel's own layer changed
+        assert built.index(dep[0]) < len(built) - 2  # the deps layer comes before the wheel's file
+    assert layers[0][-2] != layers[1][-2]  # the wheel's own layer changed
+
+
+def test_a_wheel_without_a_lock_or_with_a_stale_one_is_refused_before_modal_builds(tmp_path):
+    from artcloud.locks import NoLock
+
+    with pytest.raises(NoLock, match="ships no lock for the extras 'server' \\(it has: gpu\\)"):
+        modal_backend.server_image(a_wheel(tmp_path / "a", ""), extras="server", python="3.11")
+    stale = METADATA.replace("vllm==0.32.0", "vllm==0.33.0")
+    with pytest.raises(NoLock, match="is stale: it pins vllm==0.32.0, and artcloud asks for vllm==0.33.0: run `make lock`"):
+        modal_backend.server_image(a_wheel(tmp_path / "b", "", metadata=stale), python="3.11")
+    with pytest.raises(NoLock, match="damaged at line 2"):
+        modal_backend.server_image(a_wheel(tmp_path / "c", "", lock="# artcloud 0.1.0 lock for extras: gpu\nvllm>=1\n"),
+                                   python="3.11")
+
+
+def test_without_a_wheel_the_release_goes_on_its_lock_without_deps(fake):
+    import modal
+
+    app = modal.App.lookup("artcloud", create_if_missing=True)
+    sb = modal.Sandbox.create("true", app=app, image=modal_backend.server_image(None), timeout=30)
+    sb.wait(raise_on_termination=False)
+    built = [c["request"]["image"]["dockerfile_commands"] for c in fake.calls("ImageGetOrCreate")]
+    assert built[-1] == ["FROM base", f"RUN python -m pip install artcloud=={artcloud.__version__} --no-deps"]
+    assert built[-2][-1].endswith("--compile-bytecode --requirements /.uv/0/gpu.txt")
+    assert built[0][0].startswith("FROM python:%d.%d." % max(sys.version_info[:2], (3, 11)))  # vLLM 0.32 needs 3.11
 
 
 # ----------------------------------------------------------------------------------------- for real

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from helpers import wait_for
 
+from artcloud import locks as artcloud_locks
 from artcloud._version import __version__
 from artcloud.backends.sky_api import ClusterInfo, sky_api
 from artcloud.backends.sky_task import SERVER_PORT, build_task
@@ -232,6 +233,56 @@ def test_failed_setup_leaves_the_cluster_up(sky, root):
     assert sky.down("bad") is True and sky.status("bad") is None
 
 
+def a_wheel_whose_lock_is(wheel: Path, folder: Path, change: str) -> Path:
+    """A copy of `wheel` whose gpu lock is kept, left out, damaged (a pin without its version: caught by the
+    setup's own check) or given a marker only uv's parser refuses (so uv must have read the file)."""
+    import zipfile
+
+    out = folder / wheel.name
+    folder.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename == "artcloud/locks/gpu.txt":
+                if change == "missing":
+                    continue
+                if change == "damaged":
+                    data = data.replace(b"\ntorch==2.13.0\n", b"\ntorch==\n")
+                if change == "bad_marker":
+                    data = data.replace(b"\ntorch==2.13.0\n", b"\ntorch==2.13.0 ; python_version >>> '3'\n")
+                assert change == "kept" or data != src.read(item)
+            dst.writestr(item, data)
+    return out
+
+
+@pytest.mark.parametrize("change,line", [
+    ("kept", "artcloud: installing ./artcloud-{v}-py3-none-any.whl[gpu] with its lock (artcloud {v} lock for extras: gpu)"),
+    ("missing", "artcloud: ./artcloud-{v}-py3-none-any.whl ships no lock for the extras 'gpu' (it has: server): set "
+                "ARTCLOUD_EXTRAS to one of those, or ARTCLOUD_LOCK=0 to resolve without a lock"),
+    ("damaged", "/artcloud/locks/gpu.txt is damaged (line {n}:torch==): reinstall artcloud or rebuild the wheel"),
+    ("bad_marker", "gpu.txt` at position"),  # uv's own words: it parsed the lock, --no-deps or not
+], ids=["kept", "missing", "damaged", "bad_marker"])
+def test_the_setup_installs_with_the_wheels_lock(sky, root, wheel, tmp_path, change, line):
+    """The real setup reads the lock from the wheel it installs and hands it to uv as constraints (here with
+    --no-deps --no-index: the image has the packages); a missing or damaged lock fails it with one line."""
+    made, secrets = launch_secrets()
+    task = build_task(secrets=secrets, gpu="H100:1", wheel=a_wheel_whose_lock_is(wheel, tmp_path / change, change))
+    task.config["run"] = "echo served"
+    n = 1 + (Path(artcloud_locks.__file__).parent / "gpu.txt").read_text().splitlines().index("torch==2.13.0")
+    line = line.format(v=__version__, n=n)
+    if change == "kept":
+        sky.launch(task.config, secrets=task.secrets, cluster_name="lock", idle_minutes=1)
+        wait_for("job end", lambda: sky.job_status("lock", 1) == "SUCCEEDED", timeout=30)
+        text = "\n".join(sky.logs("lock"))
+        assert line in text.splitlines() and text.endswith("served")
+        return
+    with pytest.raises(StandinLaunchError) as raised:
+        sky.launch(task.config, secrets=task.secrets, cluster_name="lock", idle_minutes=1)
+    assert line in str(raised.value)
+    assert sky.job_status("lock", None) == "FAILED_SETUP"
+    assert sky.down("lock") is True
+
+
 def test_recording_sky_faults(root, monkeypatch):
     sky = RecordingSky()
     made, secrets = launch_secrets()
@@ -317,6 +368,7 @@ def test_launch_serves_the_wheel_then_down(sky, root, wheel):
 
     text = "\n".join(sky.logs("e2e"))
     assert f"artcloud {__version__} serving on https://" in text and "lease: exits after 10m" in text
+    assert f"with its lock (artcloud {__version__} lock for extras: gpu)" in text
     assert made.token not in text and made.server_key not in text
 
     assert sky.down("e2e") is True

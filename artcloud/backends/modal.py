@@ -50,6 +50,7 @@ PROVIDER = "modal"
 SERVER_PORT = 8443
 MAX_TIMEOUT_S = 24 * 3600.0  # Modal's cap on a sandbox's lifetime
 PUSH_MARGIN_S = 300.0  # the server stops this long before Modal's timeout, to push its last checkpoint
+MIN_IMAGE_PYTHON = (3, 11)  # the image's Python, at least: vLLM 0.32 (the gpu lock) needs it
 TUNNEL_WAIT_S = 50.0  # how long one `tunnels()` call waits for a container still being scheduled (Modal's default)
 # Modal's GPU types (modal.gpu docs); "NAME:COUNT" asks for several: up to 8 in one sandbox, A10 up to 4
 # (https://modal.com/docs/guide/gpu, "Specifying GPU count"; A10G is A10's older name).
@@ -105,19 +106,30 @@ def server_image(wheel: Path | None, *, extras: str = "gpu", python: str | None 
     """The image recipe: Debian slim, and artcloud[gpu] from this client's own wheel (same version,
     local changes included) or, with no wheel, from PyPI at this client's version.
 
-    With a wheel, its dependencies (torch, vLLM: minutes to install) are a layer of their own, before the
-    wheel's: a code change rebuilds only the last layer, `pip install --no-deps` of the new wheel."""
+    Two layers: the dependencies at the versions of the lock this artcloud ships (torch, vLLM: minutes to
+    install; the lock's text is the layer's only input, so Modal keeps it cached until the lock changes),
+    then artcloud alone (`--no-deps`): a code change rebuilds only that one. The lock comes from the wheel
+    itself (written beside it for the upload), or from this package for the PyPI release of its version."""
     import modal
 
-    python = python or f"{sys.version_info.major}.{sys.version_info.minor}"
-    image = modal.Image.debian_slim(python_version=python)
-    if wheel is None:
-        return image.pip_install(f"artcloud[{extras}]=={__version__}")
-    remote = f"/opt/artcloud/{wheel.name}"
+    from artcloud import locks
     from artcloud.backends.wheel import wheel_requirements
 
-    deps = wheel_requirements(wheel, extras=extras.split(","), python=python)
-    image = image.pip_install(*deps) if deps else image
+    # the sandbox's Python need not be the laptop's (they speak HTTP)
+    python = python or "%d.%d" % max(sys.version_info[:2], MIN_IMAGE_PYTHON)
+    name = locks.lock_name(extras)
+    if wheel is None:
+        lock = locks.lock_path(name)
+    else:
+        lock = wheel.parent / f"{name}.txt"  # its name shows in the layer's command: the same at every launch
+        lock.write_text(locks.lock_from_wheel(wheel, name))
+        # a working copy whose extras changed since `make lock`: said here, not after minutes of building
+        locks.check_covers(lock.read_text(), wheel_requirements(wheel, extras=name.split(","), python=python), python=python,
+                           where=f"the lock of {wheel.name}[{name}]")
+    image = modal.Image.debian_slim(python_version=python).uv_pip_install(requirements=[str(lock)])
+    if wheel is None:
+        return image.pip_install(f"artcloud=={__version__}", extra_options="--no-deps")
+    remote = f"/opt/artcloud/{wheel.name}"
     return image.add_local_file(wheel, remote, copy=True).run_commands(f"pip install --no-deps '{remote}'")
 
 

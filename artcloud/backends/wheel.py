@@ -101,7 +101,6 @@ def wheel_requirements(wheel: Path, *, extras: Iterable[str], python: str) -> li
     image (Linux, x86_64, CPython `python`), so the list, and so the layer, is the same on any laptop."""
     from email.parser import Parser
 
-    from packaging.markers import default_environment
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
@@ -112,9 +111,7 @@ def wheel_requirements(wheel: Path, *, extras: Iterable[str], python: str) -> li
         meta = Parser().parsestr(zf.read(name).decode())
     own = canonicalize_name(meta["Name"])
     reqs = [Requirement(line) for line in meta.get_all("Requires-Dist") or []]
-    env = {**default_environment(), "implementation_name": "cpython", "platform_python_implementation": "CPython",
-           "os_name": "posix", "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
-           "python_version": python, "python_full_version": f"{python}.0", "implementation_version": f"{python}.0"}
+    env = linux_environment(python)
 
     def wanted(req: Requirement, chosen: set[str]) -> bool:
         return req.marker is None or any(req.marker.evaluate({**env, "extra": e}) for e in chosen)
@@ -132,3 +129,12 @@ def wheel_requirements(wheel: Path, *, extras: Iterable[str], python: str) -> li
             if str(req) not in out:
                 out.append(str(req))
     return out
+
+
+def linux_environment(python: str) -> dict[str, str]:
+    """The marker environment of a sandbox: Linux, x86_64, CPython `python` ('3.11')."""
+    from packaging.markers import default_environment
+
+    return {**default_environment(), "implementation_name": "cpython", "platform_python_implementation": "CPython",
+            "os_name": "posix", "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+            "python_version": python, "python_full_version": f"{python}.0", "implementation_version": f"{python}.0"}
