@@ -182,7 +182,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
 
 def _row(what: str, ours: float | None, peer: float | None, unit: str, note: str, peer_name: str = "") -> dict:
-    ratio = round(ours / peer, 3) if ours is not None and peer else None
+    ratio = round(peer / ours, 3) if ours and peer is not None else None  # how many times faster artcloud is
     return {"section": SECTION, "what": what, "artcloud": None if ours is None else round(ours, 3),
             "peer": peer_name if peer is not None else "", "peer_value": None if peer is None else round(peer, 3),
             "unit": unit, "ratio": ratio, "note": note}
