@@ -35,7 +35,7 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: lock install test test-engines test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-s3 bench-client bench-load clean
+.PHONY: lock install test test-engines test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-s3 bench-client bench-load bench-cold-start clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -92,7 +92,7 @@ clean-pythons:
 demo: $(STAMP)
 	$(BIN)/python examples/five_words.py
 
-bench: bench-import bench-rollouts bench-grpo bench-s3 bench-client bench-load
+bench: bench-import bench-rollouts bench-grpo bench-s3 bench-client bench-load bench-cold-start
 
 bench-import: $(STAMP)
 	$(BIN)/python bench/import_time.py
@@ -116,6 +116,12 @@ bench-client: $(STAMP)
 # 256 clients on tiny-random, then 32 on SmolLM2, 60 s each, against a bare HTTPS floor (~5 min).
 bench-load: $(STAMP)
 	$(BIN)/python bench/load.py
+
+# A sandbox's start piece by piece (install, weights, server start) beside its peers, and an 8B estimate. The
+# install part downloads artcloud[gpu] four times (pip/uv x lock/none: ~7 GB each, from PyPI; ~20 min).
+bench-cold-start: $(STAMP)
+	$(BIN)/pip install --quiet awscli
+	$(BIN)/python bench/cold_start.py
 
 # The locks a sandbox installs with (artcloud/locks/EXTRA.txt; see its __init__.py): one per extra a server is
 # installed with, universal (every platform's markers), from the pins already there unless UPGRADE=--upgrade.
