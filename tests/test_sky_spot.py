@@ -36,6 +36,9 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
     caplog.set_level(logging.WARNING)
     s3 = use_s3(monkeypatch, seaweed, "spot")
     store = CheckpointStore(S3Config.from_uri(s3))
+    # Each new machine installs for a few seconds, its /health answered by bootstrap_health.py meanwhile:
+    # requests in flight must wait for the replacement, not reach that responder.
+    monkeypatch.setenv("ARTCLOUD_STANDIN_INSTALL_DELAY_S", "3")
 
     async def main() -> SkyBackend:
         backend = SkyBackend(gpu="H100:1", use_spot=True, cluster_name="spot", s3=s3, idle_minutes=1)
@@ -51,7 +54,6 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
 
             step1 = await model.train(await groups(), config=artcloud.TrainConfig(learning_rate=1e-3), progress=False)
             assert step1.step == 1
-            first_url = backend.base_url
 
             # 1. The cloud's notice while the loop gathers rollouts: the server pushes and exits; the next
             #    request finds it gone, the backend brings up a new machine, and the same client goes on.
@@ -59,7 +61,8 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
             while not any("preemption notice (" in line for line in backend.log_tail(400)):
                 await asyncio.sleep(0.5)
             batch = await groups()
-            assert backend.base_url != first_url and len(backend.replacements) == 1
+            # (the new machine may get the old one's port back: the URL proves nothing, the replacement does)
+            assert len(backend.replacements) == 1
             preemption.join(timeout=90)
             assert (await backend.model_info("agent"))["step"] == 1  # resumed from S3
             step2 = await model.train(batch, progress=False)

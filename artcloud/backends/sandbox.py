@@ -146,23 +146,40 @@ class SandboxBackend(RemoteBackend):
                 pass
 
     async def _observe(self, bar: "StartBar | None") -> None:
+        """Poll the new machine's /health with a client of its own: `base_url` stays the old server's until
+        _wait_ready, so that requests in flight during a spot replacement keep failing over to the recovery
+        (ServerGone) and never reach the install's responder, which answers 404 to everything but /health."""
+        import httpx
+
+        from artcloud.tls import client_ssl_context
+
         delay, longest = self.poll_s
-        while True:
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, longest)
-            try:
-                url = await self._endpoint(time.monotonic() + self.startup_timeout_s)
-                if not url:
+        client: httpx.AsyncClient | None = None
+        try:
+            while True:
+                await asyncio.sleep(delay)
+                delay = min(delay * 1.5, longest)
+                try:
+                    url = await self._endpoint(time.monotonic() + self.startup_timeout_s)
+                    if not url:
+                        continue
+                    if client is None or str(client.base_url).rstrip("/") != url.rstrip("/"):
+                        if client is not None:
+                            await client.aclose()
+                        client = httpx.AsyncClient(base_url=url, timeout=10.0,
+                                                   verify=client_ssl_context(self.ca_cert, check_hostname=self.check_hostname))
+                    response = await client.get("/health")
+                    body = response.json() if response.status_code == 200 else None
+                except Exception:  # not up yet, not answering, the provider's API busy: the launch call and
+                    continue       # _wait_ready say what is wrong; watching must never fail a launch
+                if not isinstance(body, dict):
                     continue
-                if url != self.base_url:
-                    await self._close_http()
-                    self.base_url, self._version_checked = url, False
-                body = await self.health(retry=False)
-            except Exception:  # not up yet, not answering, the provider's API busy: the launch call and
-                continue       # _wait_ready say what is wrong; watching must never fail a launch
-            self._first_answer(body)
-            if bar is not None:
-                bar.show(body)
+                self._first_answer(body)
+                if bar is not None:
+                    bar.show(body)
+        finally:
+            if client is not None:
+                await client.aclose()
 
     def _record_launch(self, record: SandboxRecord | None, *, ca_cert: str | None, token: str) -> None:
         """Called by _provision just before the provider is asked: from here on the sandbox is ours to
