@@ -51,8 +51,8 @@ def resolve_weights(base_model: str, s3: S3Config | None, progress: Progress | N
     loading.provide, so every loader of the engine finds it under the model's own name); else
     `base_model` itself, which loads as before. A corrupt staged copy raises CorruptWeights (never
     loaded); S3 failing otherwise (unreachable after retries) falls back to the usual source, loudly."""
-    if s3 is None or not is_hub_id(base_model):
-        return base_model
+    if s3 is None or base_model in loading.BUILT_IN or not is_hub_id(base_model):
+        return base_model  # artcloud's own models are built here, never staged: no S3 round trip for them
     store = WeightsStore(s3)
     try:
         manifest = store.manifest(base_model, revision)
