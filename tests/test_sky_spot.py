@@ -10,10 +10,12 @@ carrying on.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import threading
 
 import pytest
+from rich.console import Console
 
 import artcloud
 from artcloud.backends.sky import SkyBackend
@@ -48,6 +50,8 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
                                             lora=artcloud.LoraConfig(rank=4))
             await model.register(backend)
             client = model.openai_client()  # made once: it must follow the backend to the new machine
+            screen = io.StringIO()  # a terminal: a replacement draws no launch bar over model.train's
+            backend.progress_console = Console(file=screen, force_terminal=True, width=120)
 
             async def groups():
                 return await gather_groups(model, client)
@@ -90,6 +94,7 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
 
             history = (await backend.model_info("agent"))["history"]
             assert [h["step"] for h in history] == [1, 2, 3]  # none lost, none trained twice
+            assert screen.getvalue() == ""
         return backend
 
     backend = asyncio.run(main())

@@ -100,13 +100,15 @@ class SandboxBackend(RemoteBackend):
         log.info("attaching to the running artcloud sandbox %s", self.sandbox_name)
         await self._wait_ready(record, deadline=time.monotonic() + min(self.startup_timeout_s, ATTACH_TIMEOUT_S))
 
-    async def _launch(self, job: Any = None) -> None:
+    async def _launch(self, job: Any = None, *, show_bar: bool = True) -> None:
         """Provision, then (for a server, not a detached job) wait until it is ready. A failure after anything
         was asked of the provider tears it down; one before (bad input, a preflight check) only raises."""
         self.cold_start_s, self._launch_began = {}, time.monotonic()
         # One bar from the launch call to ready: a provider whose launch call waits for the install (SkyPilot's)
-        # shows "installing" meanwhile (_while_observing).
-        with StartBar(self.sandbox_name, enabled=self.progress and job is None, console=self.progress_console) as bar:
+        # shows "installing" meanwhile (_while_observing). None for a job, nor for a replacement (model.train's
+        # own bar may be on the terminal then; the replacement is said in the log).
+        shown = self.progress and show_bar and job is None
+        with StartBar(self.sandbox_name, enabled=shown, console=self.progress_console) as bar:
             self._bar = bar
             try:
                 await self._launch_with(job)
@@ -325,7 +327,7 @@ class SandboxBackend(RemoteBackend):
         self._shut_down = True  # nothing left to ask for a final push
         await self._teardown()
         self._shut_down = False
-        await self._launch()
+        await self._launch(show_bar=False)
         self._start_heartbeats()
         log.warning("%s is back at %s", self.sandbox_name, self.base_url)
         return lost
