@@ -143,9 +143,9 @@ class LoopbackForwarder:
                 if not isinstance(request, h11.Request):
                     break
                 body = await self._body(conn, reader)
-                if body is None:
+                if body is None:  # the rest of the body is not read: this connection ends, and says so
                     await self._answer(conn, writer, *_error(413, "body_too_large",
-                                       f"the request body is over {self.max_body_bytes} bytes"))
+                                       f"the request body is over {self.max_body_bytes} bytes"), close=True)
                     break
                 await self._handle(conn, writer, request, body)
                 if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
@@ -185,11 +185,14 @@ class LoopbackForwarder:
             else:
                 raise h11.RemoteProtocolError("request ended early")
 
-    async def _answer(self, conn: h11.Connection, writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
+    async def _answer(self, conn: h11.Connection, writer: asyncio.StreamWriter, status: int, body: bytes,
+                      *, close: bool = False) -> None:
+        """A JSON answer; with close, `Connection: close` too, so that a client does not send its next request
+        down a connection about to be closed (it would see a disconnect instead of an answer)."""
         if conn.our_state is not h11.SEND_RESPONSE:
             return
-        writer.write(conn.send(h11.Response(status_code=status, headers=[
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())])))
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        writer.write(conn.send(h11.Response(status_code=status, headers=headers + ([(b"connection", b"close")] if close else []))))
         writer.write(conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
         await writer.drain()
 
