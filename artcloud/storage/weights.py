@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from artcloud.storage.checkpoints import sha256_file
 from artcloud.storage.s3 import CheckpointStore, S3Config, StorageError, _check_free_space
 
 log = logging.getLogger("artcloud.storage")
@@ -177,14 +178,6 @@ def validate_manifest(raw: Any, where: str, model: str, revision: str) -> dict[s
     if total > MAX_TOTAL_SIZE:
         raise bad(f"its files add up to {total} bytes (at most {MAX_TOTAL_SIZE})")
     return raw
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(4 * MiB):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def local_files(folder: Path) -> list[tuple[str, Path]]:
