@@ -201,6 +201,30 @@ def get_messages(messages_and_choices: Iterable[Any]) -> list[dict[str, Any]]:
     return messages
 
 
+# Fields of OpenPipe ART's trajectory types that artcloud does not read, and what to write instead.
+_ART_ONLY_FIELDS = {
+    "exchanges": "it is OpenPipe ART's newest form of a trajectory (requests recorded by patching the client), which "
+                 "artcloud does not read: append the messages and the Choice objects your model's client returned "
+                 "to messages_and_choices",
+}
+
+
+def _check_fields(cls: type[BaseModel], data: dict[str, Any]) -> None:
+    """One line for a keyword `cls` does not have: what to write instead for an ART-only one, a "did you mean"
+    for a typo (pydantic's own error would name the field, but not the fix)."""
+    for key in data:
+        if key in cls.model_fields:
+            continue
+        if key in _ART_ONLY_FIELDS:
+            raise NotSupported(f"{cls.__name__}({key}=...): {_ART_ONLY_FIELDS[key]}", field=key)
+        import difflib
+
+        close = difflib.get_close_matches(key, list(cls.model_fields), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise InvalidArgument(f"{cls.__name__} has no field {key!r}: {hint}its fields are {', '.join(cls.model_fields)}",
+                              field=key)
+
+
 def _wire_items(messages_and_choices: Iterable[Any]) -> list[Any]:
     return [item.model_dump(mode="json", exclude_none=True) if hasattr(item, "model_dump") else item
             for item in messages_and_choices]
@@ -214,6 +238,10 @@ class History(BaseModel):
 
     messages_and_choices: list[Any] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
+
+    def __init__(self, **data: Any):
+        _check_fields(type(self), data)
+        super().__init__(**data)
 
     def messages(self) -> list[dict[str, Any]]:
         return get_messages(self.messages_and_choices)
@@ -236,11 +264,19 @@ class Trajectory(BaseModel):
     tools: list[dict[str, Any]] | None = None
     additional_histories: list[History] = Field(default_factory=list)
     reward: FiniteFloat = 0.0
+    # The model's training step when the rollout began and ended (ART's names; its pipeline trainer fills
+    # them in). Kept with the trajectory and logged; training does not read them.
+    initial_policy_version: int | None = Field(None, ge=0)
+    final_policy_version: int | None = Field(None, ge=0)
     metrics: dict[str, MetricValue] = Field(default_factory=dict)
     metadata: dict[str, MetadataValue] = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
     # When the rollout began: `finish()` turns it into the `duration` metric.
     start_time: datetime = Field(default_factory=datetime.now, exclude=True, repr=False)
+
+    def __init__(self, **data: Any):
+        _check_fields(type(self), data)
+        super().__init__(**data)
 
     def __str__(self) -> str:
         return f"Trajectory(reward={self.reward}, metrics={self.metrics}, metadata={self.metadata})"
@@ -268,11 +304,12 @@ class Trajectory(BaseModel):
             self.metrics[key] = self.metrics.get(key, 0.0) + time.monotonic() - start
 
     def for_logging(self) -> dict[str, Any]:
-        """reward, metrics, metadata, logs, tools and the messages, each marked `trainable` or not."""
+        """reward, policy versions, metrics, metadata, logs, tools and the messages, each marked `trainable` or not."""
         messages = [{**m, "trainable": _is_choice(item)}
                     for item, m in zip(self.messages_and_choices, get_messages(self.messages_and_choices))]
-        return {"reward": self.reward, "metrics": self.metrics, "metadata": self.metadata, "messages": messages,
-                "tools": self.tools, "logs": self.logs}
+        return {"reward": self.reward, "initial_policy_version": self.initial_policy_version,
+                "final_policy_version": self.final_policy_version, "metrics": self.metrics, "metadata": self.metadata,
+                "messages": messages, "tools": self.tools, "logs": self.logs}
 
     def to_wire(self) -> dict[str, Any]:
         """The JSON the server's training route takes (Choice objects become plain dicts)."""
@@ -317,6 +354,7 @@ class TrajectoryGroup(BaseModel):
             else:
                 ready.append(item)
         failed = [PydanticException.of(e) if isinstance(e, BaseException) else e for e in [*failed, *exceptions]]
+        _check_fields(type(self), data)
         super().__init__(trajectories=ready, exceptions=failed, **data)
         self._pending = pending
 

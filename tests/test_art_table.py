@@ -3,7 +3,8 @@
 A row names an ART attribute (`art.X.y`) or a keyword (`art.X.y(kw=)`), what artcloud has for it, and a
 status. same: artcloud's column is ART's name under `artcloud.` and it resolves. alias: ART's name and
 artcloud's own both resolve. different: artcloud's column resolves. not supported: ART's name raises an
-ArtcloudError that names the replacement, or, where the note says "absent", does not exist. So a row
+ArtcloudError that names the replacement (a keyword: passing it does), or, where the note says "absent",
+does not exist. So a row
 cannot claim what artcloud does not do, and a name that appears or goes away breaks the table.
 """
 
@@ -161,8 +162,15 @@ def test_row(art_name, artcloud_name, status, note, monkeypatch, tmp_path):
         check_resolves(artcloud_name)
     else:
         found = NAME.fullmatch(mine)
-        assert found and not found.group("kw"), "a 'not supported' row is a name, not a keyword"
-        if note.startswith("absent"):
+        assert found, mine
+        if found.group("kw"):  # a keyword: passing it raises, naming what to write instead
+            kw, instead = found.group("kw"), NAME.fullmatch(artcloud_name).group("kw")
+            target = resolve(found.group("path"))
+            assert inspect.isclass(target), "a 'not supported' keyword row is a constructor's"
+            with pytest.raises(ArtcloudError) as err:
+                target(**{kw: None})
+            assert instead in str(err.value), f"the error should name {instead}=: {err.value}"
+        elif note.startswith("absent"):
             with pytest.raises(Missing):
                 resolve(mine)
         else:

@@ -66,6 +66,33 @@ def test_trajectory_log_finish_and_track_duration():
     assert traj.model_dump()["metrics"]["won"] is True
 
 
+def test_policy_versions_are_kept_and_logged_but_not_sent():
+    traj = art.Trajectory(messages_and_choices=[{"role": "user", "content": "q"}], reward=1,
+                          initial_policy_version=3, final_policy_version=4)
+    assert (traj.initial_policy_version, traj.final_policy_version) == (3, 4)
+    logged = traj.for_logging()
+    assert (logged["initial_policy_version"], logged["final_policy_version"]) == (3, 4)
+    assert not {"initial_policy_version", "final_policy_version"} & set(traj.to_wire())  # the server does not read them
+    with pytest.raises(ValueError, match="initial_policy_version"):
+        art.Trajectory(messages_and_choices=[], initial_policy_version=-1)
+
+
+@pytest.mark.parametrize("cls", [art.Trajectory, art.History, art.TrajectoryGroup])
+def test_an_unknown_field_is_one_line_with_the_fix(cls):
+    base = {"messages_and_choices": [{"role": "user", "content": "q"}]} if cls is not art.TrajectoryGroup else {}
+    typo = "rewrd" if cls is art.Trajectory else "metdata" if cls is art.TrajectoryGroup else "tols"
+    with pytest.raises(InvalidArgument) as err:
+        cls(**base, **{typo: 1})
+    assert err.value.field == typo and "did you mean" in str(err.value) and "\n" not in str(err.value)
+    assert repr({"rewrd": "reward", "metdata": "metadata", "tols": "tools"}[typo]) in str(err.value)
+
+
+def test_arts_exchanges_say_what_to_write_instead():
+    with pytest.raises(NotSupported) as err:
+        art.Trajectory(exchanges={"chat_completions": []}, reward=1)
+    assert err.value.field == "exchanges" and "messages_and_choices" in str(err.value)
+
+
 def test_additional_histories_go_over_the_wire():
     sub = art.History(messages_and_choices=[{"role": "user", "content": "sub"},
                                             {"message": {"role": "assistant", "content": "ok"}, "token_ids": [1]}],
