@@ -91,11 +91,11 @@ class Model:
         self.base_model = base_model
         self.config = config
         self.entity, self.id = entity, id
-        # Where a plain OpenAI client reaches this model. A served model gets them at register: the
-        # backend's loopback endpoint and its own key (see artcloud.backends.forwarder).
+        # Where a plain OpenAI client reaches this model. A served model's are the backend's loopback endpoint
+        # and its own key (see artcloud.backends.forwarder), started when first read: most scripts never do.
         self.inference_model_name = inference_model_name
-        self.inference_base_url = inference_base_url
-        self.inference_api_key = inference_api_key
+        self._inference_base_url = inference_base_url
+        self._inference_api_key = inference_api_key
         # vLLM settings for base_model on a GPU server (max_model_len, gpu_memory_utilization, load_in_4bit...),
         # used when the server first loads it; the backend's engine_args are the defaults under them.
         self.engine_args = dict(engine_args) if engine_args else None
@@ -116,6 +116,26 @@ class Model:
     def _served(self) -> bool:
         return self._backend is not None and self.base_model is not None
 
+    @property
+    def inference_base_url(self) -> str | None:
+        """The URL a plain OpenAI client takes (ART's rollouts build their own). For a served model, reading
+        it starts the backend's loopback endpoint (one per backend, closed by `backend.close()`/`down()`)."""
+        return self.backend.inference_endpoint()[0] if self._served else self._inference_base_url
+
+    @inference_base_url.setter
+    def inference_base_url(self, value: str | None) -> None:
+        self._inference_base_url = value
+
+    @property
+    def inference_api_key(self) -> str | None:
+        """The key for `inference_base_url`: for a served model, the loopback endpoint's own (never the
+        server's token)."""
+        return self.backend.inference_endpoint()[1] if self._served else self._inference_api_key
+
+    @inference_api_key.setter
+    def inference_api_key(self, value: str | None) -> None:
+        self._inference_api_key = value
+
     async def register(self, backend: "RemoteBackend") -> None:
         """Serve this model on `backend` (with `base_model`); a prompted model (no `base_model`) is only
         bound to it."""
@@ -123,7 +143,6 @@ class Model:
             info = await backend.register(self.name, self.project, self.base_model, self._lora().model_dump(),
                                           engine_args=self.engine_args)
             self.step = info["step"]
-            self.inference_base_url, self.inference_api_key = backend.inference_endpoint()
             self.inference_model_name = self.name  # the bare name is always the newest step
         self._backend = backend
 
@@ -297,8 +316,11 @@ class TrainableModel(Model):
                     log.warning("%s: step %d was pushed before the machine went; not training it again",
                                 self.name, self.step)
                     await self._push_temperature()
-                    history = {h.get("step"): h for h in info.get("history", [])}
-                    return TrainResult(step=self.step, trained=True, metrics=_numbers(history.get(self.step, {})), events=[])
+                    history = {h.get("step"): h for h in info.get("history", []) if h.get("source") == "train"}
+                    result = TrainResult(step=self.step, trained=True, metrics=_numbers(history.get(self.step, {})),
+                                         events=[])
+                    self._report_train(groups, result)  # the step's record, as if it had been followed to its end
+                    return result
                 log.warning("%s: training step %d again on the new machine", self.name, before + 1)
                 body["idempotency_key"] = uuid.uuid4().hex
         last = events[-1]

@@ -114,7 +114,9 @@ def test_plain_openai_clients_reach_the_model_through_the_loopback_endpoint(tiny
         backend = backend_for(tiny_server)
         model = artcloud.TrainableModel(name="plain", project="art", base_model=TINY, config=RunConfig())
         await model.register(backend)
+        assert backend._forwarder is None  # started when first asked for: most scripts never do
         url, key = model.inference_base_url, model.inference_api_key
+        assert backend._forwarder.running and (url, key) == backend.inference_endpoint()  # one per backend
         assert url.startswith("http://127.0.0.1:") and url.endswith("/v1") and model.inference_model_name == "plain"
         assert key != tiny_server.token and tiny_server.token not in url
 

@@ -15,7 +15,7 @@ from helpers import gather_groups, rollout_groups, train
 from test_s3_server import s3_env, serve_pull, wait_pushed
 
 import artcloud
-from artcloud.backends.remote import RemoteBackend
+from artcloud.backends.remote import RemoteBackend, ServerGone
 from artcloud.storage import checkpoints
 
 TINY = "artcloud/tiny-random"
@@ -305,6 +305,45 @@ def test_wandb_gets_each_log_and_training_step(tiny_server, tmp_path, monkeypatc
     assert train_row["train/reward"] == pytest.approx(0.25) and train_row["train/rewards"]["_type"] == "histogram"
     assert train_row["train/samples"]["nrows"] == 6
     assert [r["val/accuracy"] for r in rows if "val/accuracy" in r] == [0.75, 1.0]  # not the quiet one's 0.0
+
+
+def test_a_step_found_committed_after_a_lost_server_is_reported_too(tiny_server, tmp_path, monkeypatch, one_torch_thread):
+    """The server goes while `train` follows its job, after the step was committed: the replacement finds the
+    step there and train() returns it without training again. W&B must get that step as any other."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+    class LosesTheStream(RemoteBackend):
+        """The real server and job; the client loses the event stream at the job's end, as when a spot
+        machine goes right after its step committed. Its "replacement" is the same server, which has the step."""
+
+        async def follow_job(self, job_id, on_event=None):
+            await super().follow_job(job_id)
+            raise ServerGone("connection reset by the lost machine")
+
+        async def _replace_server(self, cause):
+            return {"sandbox": "stand-in", "reason": str(cause)}
+
+    async def main():
+        backend = LosesTheStream(tiny_server.url, token=tiny_server.token, ca_cert=tiny_server.ca, heartbeat_every_s=0)
+        model = artcloud.TrainableModel(name="wb-lost", project="tests", base_model=TINY, report_metrics=["wandb"])
+        await model.register(backend)
+        async with backend:
+            groups = await gather_groups(model, n=3)
+            spread(groups)
+            result = await model.train(groups, config=artcloud.TrainConfig(learning_rate=1e-3), progress=False)
+            assert model._wandb is not None, "the step was not reported"
+            model._wandb.finish()
+        return result, backend
+
+    result, backend = asyncio.run(main())
+    assert result.step == 1 and len(backend.replacements) == 1 and result.events == []  # found, not followed
+    assert result.metrics["loss"] != 0
+    rows = [row for _, rs in wandb_runs(tmp_path) for row in rs]
+    train_row = next(r for r in rows if "train/reward" in r)
+    assert train_row["training_step"] == 1 and train_row["train/loss"] == pytest.approx(result.metrics["loss"])
+    assert train_row["train/reward"] == pytest.approx(0.25) and train_row["train/samples"]["nrows"] == 6
 
 
 def test_wandb_asked_for_but_missing_is_one_line(monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -205,7 +206,8 @@ class RemoteBackend:
         self._temperatures: dict[str, float] = {}
         self.replacements: list[dict[str, Any]] = []  # each lost server that was replaced: when, why, its cost
         self.cold_start_s: dict[str, float] = {}  # seconds per cold-start phase of this server (COLD_START_PHASES)
-        self._forwarder: Any = None  # the loopback endpoint for plain OpenAI clients, started at the first register
+        self._forwarder: Any = None  # the loopback endpoint for plain OpenAI clients, started when first asked for
+        self._forwarder_lock = threading.Lock()  # model.inference_base_url may be read from several threads
         self._forward_ssl: tuple[Any, Any] | None = None  # ((ca_cert, check_hostname), its SSLContext)
 
     def __repr__(self) -> str:  # never the token
@@ -475,9 +477,10 @@ class RemoteBackend:
         `inference_api_key`): a loopback forwarder to this backend's server, see artcloud.backends.forwarder."""
         from artcloud.backends.forwarder import LoopbackForwarder
 
-        if self._forwarder is None:
-            self._forwarder = LoopbackForwarder(self._forward_target)
-        return self._forwarder.start(), self._forwarder.key
+        with self._forwarder_lock:
+            if self._forwarder is None:
+                self._forwarder = LoopbackForwarder(self._forward_target)
+            return self._forwarder.start(), self._forwarder.key
 
     def _forward_target(self) -> tuple[str, Any, str]:
         """The server as it is now (read per forwarded request, from the forwarder's thread)."""
