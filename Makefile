@@ -35,7 +35,7 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: lock install test test-engines test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-s3 bench-client bench-load bench-cold-start clean
+.PHONY: lock install test test-engines test-laptop test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-s3 bench-client bench-load bench-cold-start clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -58,12 +58,15 @@ $(VLLM_STAMP): pyproject.toml .ci/vllm_venv.sh
 
 install: $(STAMP) $(LAPTOP_STAMP) $(VLLM_STAMP)
 
-# test-engines and test-pythons run side by side: the Python venvs' build is mostly downloads and unpacking
-# while the engine suite computes; each target's output is printed whole when it ends.
+# test-engines, test-pythons and test-laptop run side by side: the Python venvs' build is mostly downloads and
+# unpacking, and the laptop suite mostly waits on subprocesses, while the engine suite computes; each target's
+# output is printed whole when it ends.
 test: $(STAMP) $(LAPTOP_STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -ra $(PYTEST_PAR) --ignore=tests/laptop
+	$(MAKE) --no-print-directory -j3 --output-sync=target test-engines test-pythons test-laptop
+
+test-laptop: $(LAPTOP_STAMP)
 	$(LAPTOP)/bin/python -m pytest -q -ra tests/laptop
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-engines test-pythons
 
 # The conformance suite on the vLLM pairs (the CPU engine's run is part of the .venv run above).
 test-engines: $(VLLM_STAMP)

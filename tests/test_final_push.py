@@ -62,6 +62,7 @@ def test_down_confirms_a_push_that_landed_and_exits_6_for_one_that_did_not(sky_e
     own = SeaweedS3(tmp_path / "own-s3").start()  # this sandbox's S3 alone: stopping it touches no other test
     try:
         bad_s3 = use_s3(monkeypatch, own, "final-push-bad")
+        monkeypatch.setenv("ARTCLOUD_S3_ATTEMPTS", "2")  # the sandbox's too: the same verdict, a minute sooner
         assert asyncio.run(launch_and_train("bad", bad_s3, before_training=own.stop)) == 1
         started = time.monotonic()
         down = cli("down", "bad")

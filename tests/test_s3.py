@@ -10,7 +10,7 @@ import time
 import uuid
 
 import pytest
-from botocore.exceptions import ClientError, ParamValidationError
+from botocore.exceptions import ClientError, EndpointConnectionError, ParamValidationError
 
 from artcloud.storage import checkpoints
 from artcloud.storage.s3 import CheckpointStore, S3Config, StorageError
@@ -232,3 +232,38 @@ def test_the_test_s3_server_takes_a_bucket_per_test_for_a_whole_session(seaweed)
     with urllib.request.urlopen(f"http://127.0.0.1:{master}/dir/status", timeout=10) as r:
         topology = json.load(r)["Topology"]
     assert topology["Max"] >= 1000, topology
+
+
+def test_s3_attempts_come_from_the_environment_and_each_is_a_real_request(monkeypatch):
+    """ARTCLOUD_S3_ATTEMPTS: how many times a request goes out before its failure stands (each a real send,
+    counted at botocore's wire), forwarded to a sandbox by SkyBackend and ModalBackend."""
+    import socket
+
+    from artcloud.storage.s3 import DEFAULT_ATTEMPTS
+
+    with socket.socket() as s:  # a port nothing listens on: every try is refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = S3Config(bucket="b", prefix="p", endpoint_url=f"http://127.0.0.1:{port}", access_key_id="k", secret_access_key="s")
+    monkeypatch.delenv("ARTCLOUD_S3_ATTEMPTS", raising=False)
+    assert CheckpointStore(config).attempts == DEFAULT_ATTEMPTS == 6
+    monkeypatch.setenv("ARTCLOUD_S3_ATTEMPTS", "3")
+    store = CheckpointStore(config)
+    sent = []
+    store.s3.meta.events.register("before-send.s3.*", lambda **kw: sent.append(kw["request"].url))
+    with pytest.raises(EndpointConnectionError):
+        store.latest("proj", "model")
+    assert len(sent) == 3 and store.attempts == 3
+    from artcloud.backends.sky import SkyBackend
+    from artcloud.tls import make_launch_secrets
+
+    made = make_launch_secrets()
+    secrets = {"ARTCLOUD_TOKEN": made.token, "ARTCLOUD_TLS_CERT": made.server_cert, "ARTCLOUD_TLS_KEY": made.server_key}
+    task = SkyBackend(gpu="L4", cluster_name="tries", api=object(), s3="s3://b/p").task(launch_secrets=secrets, wheel=None)
+    assert task.config["envs"]["ARTCLOUD_S3_ATTEMPTS"] == "3"  # the sandbox's server tries as often
+    assert CheckpointStore(config, attempts=1).attempts == 1  # an explicit argument wins
+    for bad in ("0", "21", "three", "-1"):
+        monkeypatch.setenv("ARTCLOUD_S3_ATTEMPTS", bad)
+        with pytest.raises(StorageError) as err:
+            CheckpointStore(config)
+        assert "ARTCLOUD_S3_ATTEMPTS" in str(err.value) and "1 to 20" in str(err.value) and "\n" not in str(err.value)

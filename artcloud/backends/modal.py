@@ -269,7 +269,7 @@ class ModalBackend(SandboxBackend):
         if self.s3:
             await asyncio.to_thread(check_s3, self.s3, error=ModalError)
         env = dict(self.env)
-        for key in ("ARTCLOUD_S3_ENDPOINT_URL", "ARTCLOUD_S3_REGION"):
+        for key in ("ARTCLOUD_S3_ENDPOINT_URL", "ARTCLOUD_S3_REGION", "ARTCLOUD_S3_ATTEMPTS"):
             if os.environ.get(key):
                 env.setdefault(key, os.environ[key])
         if self.preload and job is None:  # model.register started it: the base model loads while we wait for /health

@@ -297,6 +297,8 @@ class SkyBackend(SandboxBackend):
         region = os.environ.get("ARTCLOUD_S3_REGION") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if self.s3 and region:
             env.setdefault("ARTCLOUD_S3_REGION", region)
+        if self.s3 and os.environ.get("ARTCLOUD_S3_ATTEMPTS"):
+            env.setdefault("ARTCLOUD_S3_ATTEMPTS", os.environ["ARTCLOUD_S3_ATTEMPTS"])
         if self.preload:  # model.register started it: the base model loads while the client waits for /health
             env["ARTCLOUD_PRELOAD"] = self.preload
         return build_task(

@@ -111,14 +111,29 @@ def _retryable(exc: BaseException) -> bool:
     return False
 
 
+ATTEMPTS_ENV = "ARTCLOUD_S3_ATTEMPTS"
+DEFAULT_ATTEMPTS = 6  # with the backoff below: about 16 s of waiting before a request's failure stands
+
+
+def attempts_from_env() -> int:
+    """How many times each S3 request is tried: ARTCLOUD_S3_ATTEMPTS (1-20), else DEFAULT_ATTEMPTS."""
+    raw = os.environ.get(ATTEMPTS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_ATTEMPTS
+    if not raw.isdigit() or not 1 <= int(raw) <= 20:
+        raise StorageError(f"{ATTEMPTS_ENV}={raw!r}: give a whole number of tries from 1 to 20 "
+                           f"(the default is {DEFAULT_ATTEMPTS}), or unset it", code="bad_s3_attempts")
+    return int(raw)
+
+
 class CheckpointStore:
     """One S3 location holding the checkpoints of any number of models."""
 
-    def __init__(self, config: S3Config, *, workers: int = 8, multipart_mb: int = 16, attempts: int = 6):
+    def __init__(self, config: S3Config, *, workers: int = 8, multipart_mb: int = 16, attempts: int | None = None):
         self.config = config
         self.workers = workers
         self.multipart_mb = multipart_mb
-        self.attempts = attempts
+        self.attempts = attempts_from_env() if attempts is None else attempts
         self._s3: Any = None
 
     def __repr__(self) -> str:

@@ -302,7 +302,7 @@ class _FileWrite:
 class WeightsStore:
     """Staged base models under one S3 location (its prefix's `models/`)."""
 
-    def __init__(self, config: S3Config, *, workers: int = 16, chunk_mb: int = 16, attempts: int = 6):
+    def __init__(self, config: S3Config, *, workers: int = 16, chunk_mb: int = 16, attempts: int | None = None):
         if workers < 1 or chunk_mb < 1:
             raise WeightsError("workers and chunk_mb must be at least 1")
         self.config = config
