@@ -149,27 +149,30 @@ def test_a_resumed_server_continues_the_history(seaweed, start_server, tmp_path,
         assert c.post("/artcloud/models", json=spec).status_code == 200
         log(c, "val", reward_mean=0.1)
         train(c, "agent", rollout_groups(c, "agent", ["x", "y"], n=4), learning_rate=1e-3)
-        log(c, "val", reward_mean=0.2)  # after the last commit: in the live file, in no checkpoint yet
-        wait_pushed(c, 1)
+        log(c, "val", reward_mean=0.2)  # after the last commit: in the live copies, in no checkpoint yet
+        wait_pushed(c, 1)  # "pending" covers the live history's push too
         before = c.get("/artcloud/models/agent").json()["history"]
     a.stop()
+    live = seaweed.client().get_object(Bucket=bucket, Key="team/s3/agent/history.jsonl")["Body"].read().decode()
+    assert [json.loads(line) for line in live.splitlines()] == before  # S3's live copy
     # The same machine again: the live file brings back what was logged after the last commit.
     a2 = start_server(a.path, "--s3", uri, env=env)
     with a2.client() as c:
         info = c.post("/artcloud/models", json=spec).json()
         assert info["resumed"] and info["history"] == before
     a2.stop()
-    # A fresh machine resumes from S3: the history of the checkpoint it resumes from, then it goes on.
+    # A fresh machine resumes from S3: S3's live copy begins with the checkpoint's history, so it is taken,
+    # with what was logged after the last commit; then the history goes on.
     b = start_server(tmp_path / "b", "--s3", uri, env=env)
     with b.client() as c:
         info = c.post("/artcloud/models", json=spec).json()
-        assert info["resumed"] and info["step"] == 1 and info["history"] == before[:2]
+        assert info["resumed"] and info["step"] == 1 and info["history"] == before
         log(c, "val", reward_mean=0.3)
         train(c, "agent", rollout_groups(c, "agent", ["z", "w"], n=4), learning_rate=1e-3)
         after = c.get("/artcloud/models/agent").json()["history"]
         wait_pushed(c, 2)
-    assert [(r["split"], r["step"]) for r in after] == [("val", 0), ("train", 1), ("val", 1), ("train", 2)]
-    assert after[:2] == before[:2] and after[2]["reward_mean"] == 0.3
+    assert [(r["split"], r["step"]) for r in after] == [("val", 0), ("train", 1), ("val", 1), ("val", 1), ("train", 2)]
+    assert after[:3] == before and after[3]["reward_mean"] == 0.3
     folder = b.path / "s3" / "agent"
     assert jsonl(folder / "history.jsonl") == after == jsonl(folder / "checkpoints" / "2" / "history.jsonl")
     # `artcloud pull` brings the history and the plot with the checkpoint, verified by its manifest.
@@ -198,6 +201,13 @@ def test_a_history_from_disk_or_s3_is_untrusted(tmp_path):
     assert history.restore(ckpt, model_dir, 1, {}) == [*good, later]
     (model_dir / "history.jsonl").write_text(history.to_jsonl([later]))
     assert history.restore(ckpt, model_dir, 1, {}) == good
+    # S3's live copy (a fresh machine's only one) by the same rule, after the disk's, validated like it.
+    remote = history.parse_jsonl(history.to_jsonl([*good, later]) + '{"step": "x"}\nnot json\n', "s3")
+    assert remote == [*good, later]
+    assert history.restore(ckpt, tmp_path / "fresh", 1, {}, remote) == [*good, later]
+    assert history.restore(ckpt, tmp_path / "fresh", 1, {}, [later]) == good
+    (model_dir / "history.jsonl").write_text(history.to_jsonl([*good, later, later]))
+    assert history.restore(ckpt, model_dir, 1, {}, remote) == [*good, later, later]  # the disk's goes first
     # A checkpoint from before history.jsonl kept its (training) records in the trainer state.
     (ckpt / "history.jsonl").unlink()
     old = [{"step": 1, "reward_mean": 0.5, "time": 1.0}, {"step": "two"}]
@@ -334,13 +344,14 @@ def test_a_step_found_committed_after_a_lost_server_is_reported_too(tiny_server,
             spread(groups)
             result = await model.train(groups, config=artcloud.TrainConfig(learning_rate=1e-3), progress=False)
             assert model._wandb is not None, "the step was not reported"
+            run_dir = Path(model._wandb.run().dir)  # wandb keeps the first WANDB_DIR a process gave it
             model._wandb.finish()
-        return result, backend
+        return result, backend, run_dir.parents[2]
 
-    result, backend = asyncio.run(main())
+    result, backend, root = asyncio.run(main())
     assert result.step == 1 and len(backend.replacements) == 1 and result.events == []  # found, not followed
     assert result.metrics["loss"] != 0
-    rows = [row for _, rs in wandb_runs(tmp_path) for row in rs]
+    rows = [row for run_id, rs in wandb_runs(root) if run_id == "wb-lost" for row in rs]
     train_row = next(r for r in rows if "train/reward" in r)
     assert train_row["training_step"] == 1 and train_row["train/loss"] == pytest.approx(result.metrics["loss"])
     assert train_row["train/reward"] == pytest.approx(0.25) and train_row["train/samples"]["nrows"] == 6

@@ -19,7 +19,10 @@ line) plus `reward.svg` (reward_mean per step, one line per split) in two places
     pull`) with it. A resume restores the history from the checkpoint it resumes from;
   - in the model's folder, next to checkpoints/, replaced atomically after every record: the live copy,
     which also holds what was logged since the last commit. A resume on the same disk takes it when the
-    checkpoint's history is where it begins (a fresh machine resuming from S3 has only the checkpoint's).
+    checkpoint's history is where it begins;
+and, with S3, history.jsonl alone under the model's prefix (PREFIX/PROJECT/NAME/history.jsonl), pushed by
+the model's pusher after every record: the live copy of a machine that may be gone. A fresh machine
+resuming from S3 takes it by the same rule, so what was logged after the last commit is not lost.
 Records of steps after the resumed one (a step set aside, or lost with its machine) are dropped on resume.
 
 What comes from disk or S3 is untrusted: bounded in size, and a record that is not well-formed is skipped.
@@ -135,17 +138,22 @@ def read_jsonl(path: Path) -> list[dict[str, Any]] | None:
         if path.stat().st_size > MAX_HISTORY_BYTES:
             log.warning("%s is over %d bytes: not read", path, MAX_HISTORY_BYTES)
             return None
-        lines = path.read_text(errors="replace").splitlines()
+        text = path.read_text(errors="replace")
     except OSError:
         return None
+    return parse_jsonl(text, str(path))
+
+
+def parse_jsonl(text: str, where: str) -> list[dict[str, Any]]:
+    """The well-formed records of a history.jsonl's text (from `where`, for the log); the rest is skipped."""
     records = []
-    for n, line in enumerate(lines, 1):
+    for n, line in enumerate(text.splitlines(), 1):
         try:
             record, problem = valid_record(json.loads(line))
         except ValueError as e:
             record, problem = None, f"not JSON ({e})"
         if problem is not None:
-            log.warning("%s line %d skipped: %s", path, n, problem)
+            log.warning("%s line %d skipped: %s", where, n, problem)
             continue
         records.append(record)
     return records[-MAX_RECORDS:]
@@ -173,8 +181,10 @@ def valid_record(record: Any) -> tuple[Any, str | None]:
     return record, None
 
 
-def restore(checkpoint: Path, model_dir: Path, step: int, state: dict[str, Any]) -> list[dict[str, Any]]:
-    """The history a model resumed at `step` from `checkpoint` continues (see the module's docstring)."""
+def restore(checkpoint: Path, model_dir: Path, step: int, state: dict[str, Any],
+            remote: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The history a model resumed at `step` from `checkpoint` continues (see the module's docstring):
+    the checkpoint's, or a live copy it begins: the model folder's, else `remote` (S3's, parsed)."""
     records = read_jsonl(checkpoint / HISTORY_FILE)
     if records is None:  # a checkpoint written before history.jsonl: the history was in the trainer state
         records, old = [], state.get("history")
@@ -182,9 +192,10 @@ def restore(checkpoint: Path, model_dir: Path, step: int, state: dict[str, Any])
             record, problem = valid_record(r)
             if problem is None:
                 records.append(record)
-    live = read_jsonl(model_dir / HISTORY_FILE)
-    if live is not None and live[:len(records)] == records:
-        records = live
+    for live in (read_jsonl(model_dir / HISTORY_FILE), remote):
+        if live is not None and live[:len(records)] == records:
+            records = live
+            break
     return [r for r in records if r["step"] <= step]
 
 

@@ -4,6 +4,8 @@ One pusher per model. Pushes run one at a time on their own thread (never the en
 requested while one runs waits, and only the newest waiting step is pushed (every step's files are
 content-addressed by sha256, so skipping an intermediate step loses nothing a resume needs). A failed
 push is retried with backoff, and a newer step asked for meanwhile goes first (it carries everything).
+The model's live history (history.py) is pushed the same way, after any waiting step: only its newest
+text, so a fresh machine also gets what was logged since the last commit.
 
 The pusher is also the one writer of the model's S3 location: it holds the single-writer claim
 (renewed every third of `claim_timeout_s`, so a slow step never lets a second server take the model
@@ -19,6 +21,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,6 +51,7 @@ class Pusher:
         self.claim_timeout_s = claim_timeout_s
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"s3-push-{model}")
         self._wanted: Path | None = None
+        self._history: str | None = None  # the newest history.jsonl text not yet on S3
         self._task: asyncio.Task | None = None
         self._renewer: asyncio.Task | None = None
         self._kick = asyncio.Event()  # cuts a retry's backoff short (a flush is waiting)
@@ -84,7 +88,7 @@ class Pusher:
 
     def _lose(self, why: str) -> None:
         self.lost = why
-        self._wanted = None
+        self._wanted = self._history = None
         log.error("%s: this server no longer owns the model on S3, so it stops pushing: %s", self.model, why)
 
     async def release(self) -> None:
@@ -99,15 +103,31 @@ class Pusher:
         if self.lost is not None:
             return
         self._wanted = folder
+        self._start()
+
+    def schedule_history(self, text: str) -> None:
+        """Push this history.jsonl text (replacing any not yet pushed) after any waiting step."""
+        if self.lost is not None:
+            return
+        self._history = text
+        self._start()
+
+    def _start(self) -> None:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"s3-push-{self.model}")
 
     async def _run(self) -> None:
         delay = 1.0
-        while self._wanted is not None and self.lost is None:
-            folder, self._wanted = self._wanted, None
+        while (self._wanted is not None or self._history is not None) and self.lost is None:
+            folder, text = self._wanted, None
+            if folder is not None:
+                self._wanted = None
+                work: Callable[[], Any] = partial(self._push, folder)
+            else:
+                text, self._history = self._history, None
+                work = partial(self._push_history, text)
             try:
-                step, uploaded, seconds = await self._in_thread(self._push, folder)
+                done = await self._in_thread(work)
             except ClaimLost as e:
                 self.errors += 1
                 self.last_error = f"{type(e).__name__}: {e}"
@@ -116,12 +136,17 @@ class Pusher:
             except Exception as e:  # retried inside push; what reaches here is reported and retried here
                 self.errors += 1
                 self.last_error = f"{type(e).__name__}: {e}"
-                log.warning("pushing %s to %s failed: %s", folder, self.store.config.uri, self.last_error)
-                if self._wanted is not None:
+                log.warning("pushing %s to %s failed: %s", folder or "the history", self.store.config.uri,
+                            self.last_error)
+                if folder is None:
+                    if self._history is None:
+                        self._history = text  # unless a newer text came meanwhile
+                elif self._wanted is not None:
                     continue  # a newer step arrived meanwhile: push that instead, it carries everything
-                if not folder.exists():
+                elif not folder.exists():
                     continue  # nothing left to push of it (set aside by hand); the next commit pushes
-                self._wanted = folder
+                else:
+                    self._wanted = folder
                 try:
                     await asyncio.wait_for(self._kick.wait(), delay)
                 except asyncio.TimeoutError:
@@ -130,10 +155,13 @@ class Pusher:
                 delay = min(delay * 2, RETRY_MAX_S)
                 continue
             delay = 1.0
+            self.last_error = None
+            if folder is None:
+                continue
+            step, uploaded, seconds = done
             self.pushed_step = step
             self.pushed_bytes += uploaded
             self.last_push_at = time.time()
-            self.last_error = None
             log.info("pushed %s step %d to %s: %d bytes in %.1f s", self.model, step, self.store.config.uri, uploaded, seconds)
             if self.on_pushed is not None:
                 self.on_pushed(step)
@@ -150,9 +178,24 @@ class Pusher:
         self.store.sweep_uncommitted(self.project, self.model)
         return result.step, result.uploaded_bytes, result.seconds
 
+    def _push_history(self, text: str) -> None:
+        self.store.renew(self.project, self.model, self.owner)  # as _push: never write over a new owner
+        self.store.put_history(self.project, self.model, text)
+
+    async def read_history(self, limit: int) -> str | None:
+        """S3's live history.jsonl of this model (untrusted text), or None if it has none or it cannot be
+        read (a history is worth a warning, not a failed resume)."""
+        try:
+            return await self._in_thread(self.store.get_history, self.project, self.model, limit)
+        except Exception as e:
+            log.warning("%s: the history on %s could not be read, so the checkpoint's is used: %s",
+                        self.model, self.store.config.uri, e)
+            return None
+
     @property
     def pending(self) -> bool:
-        return self._wanted is not None or (self._task is not None and not self._task.done())
+        return (self._wanted is not None or self._history is not None
+                or (self._task is not None and not self._task.done()))
 
     async def flush(self, timeout: float = FLUSH_TIMEOUT_S, attempts: int = 3) -> None:
         """Wait until the newest committed step is on S3 (the final push before the server exits).

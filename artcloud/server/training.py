@@ -107,7 +107,11 @@ class Trainer:
             await model.host.call(model.engine.load_adapter, model.slot, model.spec.lora, folder, optimizer=True)
             state = checkpoints.read_trainer_state(folder)
             model.step = step
-            model.history = await asyncio.to_thread(history.restore, folder, model.folder, step, state)
+            remote_history = None
+            if self.pusher is not None and remote is not None:  # S3's live copy, in case this disk has none
+                text = await self.pusher.read_history(history.MAX_HISTORY_BYTES)
+                remote_history = None if text is None else history.parse_jsonl(text, f"{self.pusher.store.config.uri} history")
+            model.history = await asyncio.to_thread(history.restore, folder, model.folder, step, state, remote_history)
             model.temperature = state.get("temperature", 1.0)
             if "rng" in state:
                 model.engine.set_rng_state(state["rng"])
@@ -233,6 +237,8 @@ class Trainer:
         record = history.log_record(req, step)
         model.history.append(record)
         await self._save_history()
+        if self.pusher is not None:  # the next commit carries it too; until then S3's live copy does
+            self.pusher.schedule_history(history.to_jsonl(model.history))
         return record
 
     async def _save_history(self) -> None:

@@ -40,6 +40,7 @@ log = logging.getLogger("artcloud.storage")
 
 LATEST = "LATEST"
 OWNER = "OWNER"
+HISTORY = "history.jsonl"  # the model's live history (artcloud/server/history.py), beside LATEST
 MAX_POINTER_BYTES = 64 << 10  # LATEST and OWNER are a few dozen bytes
 
 
@@ -471,6 +472,17 @@ class CheckpointStore:
         if swept:
             log.info("swept uncommitted steps %s of %s/%s from %s", swept, project, model, self.config.uri)
         return swept
+
+    def put_history(self, project: str, model: str, text: str) -> None:
+        """The model's live history.jsonl (the caller holds the claim: one writer)."""
+        self._retry(self.s3.put_object, Bucket=self.config.bucket, Key=self._key(project, model, HISTORY),
+                    Body=text.encode(), ContentType="application/x-ndjson")
+
+    def get_history(self, project: str, model: str, limit: int) -> str | None:
+        """The model's live history.jsonl as text (untrusted: the caller validates each record), at most
+        `limit` bytes (a bigger one is a StorageError); None if there is none."""
+        found = self._get_object(self._key(project, model, HISTORY), limit)
+        return None if found is None else found[0].decode(errors="replace")
 
     # ------------------------------------------------------------------------------------- read
 
