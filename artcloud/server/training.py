@@ -110,7 +110,8 @@ class Trainer:
             remote_history = None
             if self.pusher is not None and remote is not None:  # S3's live copy, in case this disk has none
                 text = await self.pusher.read_history(history.MAX_HISTORY_BYTES)
-                remote_history = None if text is None else history.parse_jsonl(text, f"{self.pusher.store.config.uri} history")
+                if text is not None:
+                    remote_history = await asyncio.to_thread(history.parse_jsonl, text, f"{self.pusher.store.config.uri} history")
             model.history = await asyncio.to_thread(history.restore, folder, model.folder, step, state, remote_history)
             model.temperature = state.get("temperature", 1.0)
             if "rng" in state:
