@@ -19,7 +19,15 @@ if TYPE_CHECKING:
     from artcloud.backends.modal import ModalBackend, ModalError
     from artcloud.backends.remote import Backend, RemoteBackend, ServerGone, VersionMismatch
     from artcloud.backends.sky import SkyBackend, SkyError
-    from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported, TimedOut, WrongState, WrongType
+    from artcloud.errors import (
+        ArtcloudError,
+        InvalidArgument,
+        NotInArtcloud,
+        NotSupported,
+        TimedOut,
+        WrongState,
+        WrongType,
+    )
     from artcloud.gather import GatherError, gather_trajectories, gather_trajectory_groups
     from artcloud.model import LinearTemperatureAnnealer, Model, TrainableModel, TrainResult
     from artcloud.rewards import RulerError, ruler, ruler_score_group
@@ -38,7 +46,7 @@ _LAZY = {
     "ModalBackend": "artcloud.backends.modal",
     "ModalError": "artcloud.backends.modal",
     "SkyError": "artcloud.backends.sky",
-    **dict.fromkeys(["ArtcloudError", "InvalidArgument", "WrongType", "NotSupported", "WrongState", "TimedOut"], "artcloud.errors"),
+    **dict.fromkeys(["ArtcloudError", "InvalidArgument", "WrongType", "NotSupported", "NotInArtcloud", "WrongState", "TimedOut"], "artcloud.errors"),
     "MissingDependency": "artcloud.backends.deps",
     "StorageError": "artcloud.storage.s3",
     "CorruptCheckpoint": "artcloud.storage.checkpoints",
@@ -73,14 +81,34 @@ __all__ = [
     "gather_trajectory_groups", "GatherError",
     "Model", "TrainableModel", "TrainResult", "LinearTemperatureAnnealer", "pull_checkpoint",
     "ruler", "ruler_score_group", "RulerError", "collect_stream",
-    "InvalidArgument", "WrongType", "NotSupported", "WrongState", "TimedOut", "MissingDependency", "StorageError", "CorruptCheckpoint",
+    "InvalidArgument", "WrongType", "NotSupported", "NotInArtcloud", "WrongState", "TimedOut", "MissingDependency", "StorageError", "CorruptCheckpoint",
     "History", "Messages", "MessagesAndChoices", "Tools", "gather_trajectories", "retry", "DatasetBatch", "utils",
 ]
+
+
+# OpenPipe ART's top-level names that artcloud has no counterpart for, and what to write instead (README's
+# "Coming from OpenPipe ART" table lists them as not supported).
+_NOT_IN_ARTCLOUD = {
+    "dev": "engine settings go in artcloud.TrainableModel(engine_args={...}), training options in "
+           "TrainConfig(...) or train(_config={...})",
+    "ServerlessBackend": "train on a cloud GPU of your own with artcloud.SkyBackend(gpu=...) or artcloud.ModalBackend(...)",
+    "LocalTrainResult": "every backend's train() returns an artcloud.TrainResult",
+    "TrainSFTConfig": "artcloud trains with RL (GRPO) only",
+    "trajectory_group_batches": "batch the scenarios with artcloud.utils.iterate_dataset",
+    "auto_trajectory": "build an artcloud.Trajectory in the rollout from the Choices your client returns",
+    "capture_auto_trajectory": "build an artcloud.Trajectory in the rollout from the Choices your client returns",
+    "yield_trajectory": "return an artcloud.Trajectory from the rollout",
+    "capture_yielded_trajectory": "return an artcloud.Trajectory from the rollout",
+}
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
+        if name in _NOT_IN_ARTCLOUD:
+            from artcloud.errors import NotInArtcloud
+
+            raise NotInArtcloud(f"art.{name} is OpenPipe ART's and artcloud has no counterpart: {_NOT_IN_ARTCLOUD[name]}")
         raise AttributeError(f"module 'artcloud' has no attribute {name!r}")
     import importlib
 

@@ -41,6 +41,13 @@ class NotSupported(ArtcloudError, NotImplementedError):
     code = "not_supported"
 
 
+class NotInArtcloud(ArtcloudError, AttributeError):
+    """An OpenPipe ART name artcloud does not have (`art.dev`, `art.ServerlessBackend`...): still an
+    AttributeError, as for any missing name, but one that says what to write instead."""
+
+    code = "not_in_artcloud"
+
+
 class WrongState(ArtcloudError, RuntimeError):
     """A call made at the wrong moment (a model not registered yet, a group whose rollouts have not run,
     a job that already ended); the message names what to call first."""

@@ -117,6 +117,13 @@ class Model:
         return self._backend is not None and self.base_model is not None
 
     @property
+    def litellm_completion_params(self) -> dict[str, Any]:
+        """ART's LiteLLM settings for this model: artcloud does not use LiteLLM."""
+        raise NotSupported("model.litellm_completion_params is OpenPipe ART's (LiteLLM settings): use "
+                           "model.openai_client(), or AsyncOpenAI(base_url=model.inference_base_url, "
+                           "api_key=model.inference_api_key)")
+
+    @property
     def inference_base_url(self) -> str | None:
         """The URL a plain OpenAI client takes (ART's rollouts build their own). For a served model, reading
         it starts the backend's loopback endpoint (one per backend, closed by `backend.close()`/`down()`)."""

@@ -21,7 +21,7 @@ import httpx
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from artcloud._version import __version__
-from artcloud.errors import ArtcloudError, InvalidArgument
+from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported
 from artcloud.tls import client_ssl_context
 
 log = logging.getLogger("artcloud.client")
@@ -471,6 +471,17 @@ class RemoteBackend:
     async def set_temperature(self, name: str, temperature: float) -> None:
         await self._call("PUT", f"/artcloud/models/{name}/temperature", json_body={"temperature": temperature})
         self._temperatures[name] = temperature
+
+    async def _experimental_push_to_s3(self, *args: Any, **kwargs: Any) -> None:
+        """OpenPipe ART's explicit push: artcloud pushes every checkpoint itself."""
+        raise NotSupported("backend._experimental_push_to_s3() is OpenPipe ART's: give the backend s3=\"s3://BUCKET/PREFIX\" "
+                           "(e.g. LocalBackend(s3=...)) and every checkpoint is pushed as it commits")
+
+    async def _experimental_pull_from_s3(self, *args: Any, **kwargs: Any) -> None:
+        """OpenPipe ART's explicit pull: an artcloud server resumes from S3 itself."""
+        raise NotSupported("backend._experimental_pull_from_s3() is OpenPipe ART's: a server given the same "
+                           "s3=\"s3://BUCKET/PREFIX\" (e.g. LocalBackend(s3=...)) resumes from its latest checkpoint at "
+                           "register; artcloud.pull_checkpoint(...) fetches one to this machine")
 
     def inference_endpoint(self) -> tuple[str, str]:
         """(base_url, api_key) for a plain OpenAI client (ART's `model.inference_base_url` and
