@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -17,6 +20,14 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# What the processes a test starts leave in their temp folder (a run's data folder, vLLM's IPC sockets) goes in
+# one folder per test process, removed when it ends, not loose in /tmp. This process keeps its own (pytest's
+# tmp_path lives there, kept for a look after a failure).
+tempfile.gettempdir()  # cached before TMPDIR changes
+_CHILD_TMP = tempfile.mkdtemp(prefix="artcloud-tests-")
+os.environ["TMPDIR"] = _CHILD_TMP
+atexit.register(shutil.rmtree, _CHILD_TMP, ignore_errors=True)
 
 TINY = "artcloud/tiny-random"
 _REPO = Path(__file__).resolve().parents[1]
