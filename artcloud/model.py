@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
-from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported, WrongState, WrongType
+from artcloud.errors import ArtcloudError, InvalidArgument, NotInArtcloud, NotSupported, WrongState, WrongType
 from artcloud.types import LoraConfig, TrainConfig, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -118,8 +118,9 @@ class Model:
 
     @property
     def litellm_completion_params(self) -> dict[str, Any]:
-        """ART's LiteLLM settings for this model: artcloud does not use LiteLLM."""
-        raise NotSupported("model.litellm_completion_params is OpenPipe ART's (LiteLLM settings): use "
+        """ART's LiteLLM settings for this model: artcloud does not use LiteLLM. (An AttributeError, so
+        `hasattr` says False and `inspect.getmembers` passes over it.)"""
+        raise NotInArtcloud("model.litellm_completion_params is OpenPipe ART's (LiteLLM settings): use "
                            "model.openai_client(), or AsyncOpenAI(base_url=model.inference_base_url, "
                            "api_key=model.inference_api_key)")
 
