@@ -21,7 +21,8 @@ line) plus `reward.svg` (reward_mean per step, one line per split) in two places
     which also holds what was logged since the last commit. A resume on the same disk takes it when the
     checkpoint's history is where it begins;
 and, with S3, history.jsonl alone under the model's prefix (PREFIX/PROJECT/NAME/history.jsonl), pushed by
-the model's pusher after every record: the live copy of a machine that may be gone. A fresh machine
+the model's pusher after every model.log record (a training record is in its step's checkpoint already):
+the live copy of a machine that may be gone. A fresh machine
 resuming from S3 takes it by the same rule, so what was logged after the last commit is not lost.
 Records of steps after the resumed one (a step set aside, or lost with its machine) are dropped on resume.
 
