@@ -28,9 +28,10 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 VLLM_PAIRS ?= vllm+peft,vllm+unsloth
 # Tests run in this many pytest-xdist workers, one test file each at a time (module fixtures stay whole);
-# most of a test's time is a server process starting or waiting, so 2 workers pay off even on 2 cores.
+# most of a test's time is a server process starting or waiting, so 2 workers pay off even on 2 cores. Files
+# go out in collection order, the longest first (tests/conftest.py: LONGEST_FIRST).
 TEST_WORKERS ?= 2
-PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile
+PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
