@@ -267,6 +267,7 @@ def test_create_train_terminate_and_what_modal_was_sent(fake, tmp_path, monkeypa
     monkeypatch.setenv("ARTCLOUD_S3_ENDPOINT_URL", seaweed.endpoint)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("ARTCLOUD_S3_ATTEMPTS", "4")  # passed on: the sandbox's server tries as often
     seaweed.client().create_bucket(Bucket="modal-e2e")
     s3 = "s3://modal-e2e/runs"
 
@@ -305,7 +306,8 @@ def test_create_train_terminate_and_what_modal_was_sent(fake, tmp_path, monkeypa
     assert token not in (fake.root / "calls.jsonl").read_text()  # the secret is never recorded in the clear
     secrets = [fake.secret_env(i) for i in create["request"]["definition"]["secret_ids"]]
     assert [s["ARTCLOUD_TOKEN"] for s in secrets if "ARTCLOUD_TOKEN" in s] == [token]  # it travelled as a modal.Secret
-    assert {"FOO": "bar", "ARTCLOUD_S3_ENDPOINT_URL": seaweed.endpoint} in secrets  # env= goes as one too (modal's way)
+    # env= goes as one too (modal's way), with the S3 settings the server needs
+    assert {"FOO": "bar", "ARTCLOUD_S3_ENDPOINT_URL": seaweed.endpoint, "ARTCLOUD_S3_ATTEMPTS": "4"} in secrets
     images = json.dumps(fake.calls("ImageGetOrCreate"))
     assert "pip install" in images and SECRET_KEY not in images and token not in images  # nothing secret in the image
     record = StateDir().load("m1")

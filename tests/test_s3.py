@@ -236,7 +236,7 @@ def test_the_test_s3_server_takes_a_bucket_per_test_for_a_whole_session(seaweed)
 
 def test_s3_attempts_come_from_the_environment_and_each_is_a_real_request(monkeypatch):
     """ARTCLOUD_S3_ATTEMPTS: how many times a request goes out before its failure stands (each a real send,
-    counted at botocore's wire), forwarded to a sandbox by SkyBackend and ModalBackend."""
+    counted at botocore's wire), forwarded to a sandbox by SkyBackend (here) and ModalBackend (test_modal)."""
     import socket
 
     from artcloud.storage.s3 import DEFAULT_ATTEMPTS
