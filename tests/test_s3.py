@@ -97,12 +97,31 @@ def test_s3_killed_mid_upload_commits_nothing_and_the_push_resumes(tmp_path):
             except BaseException as e:
                 failure.append(e)
 
+        # S3 goes away mid-upload: the first part goes through, the next ones are held back until the server
+        # is stopped. (A fixed sleep raced the upload: on an idle machine 60 MB reach S3 in a fraction of a second.)
+        parts, lock = [], threading.Lock()
+        first_part_sent, stopped = threading.Event(), threading.Event()
+
+        def hold(**kw) -> None:
+            with lock:
+                parts.append(kw["request"].url)
+                first = len(parts) == 1
+            if first:
+                first_part_sent.set()
+            else:
+                stopped.wait(60)
+
+        store.s3.meta.events.register("before-send.s3.UploadPart", hold)
         t = threading.Thread(target=push)
         t.start()
-        time.sleep(0.5)
-        server.stop()  # S3 goes away mid-upload
+        assert first_part_sent.wait(60), "the upload never started"
+        time.sleep(0.2)  # the first part on its way
+        server.stop()
+        stopped.set()
         t.join(120)
+        store.s3.meta.events.unregister("before-send.s3.UploadPart", hold)
         assert failure, "the push should have failed with the server gone"
+        assert len(parts) >= 2  # a part went out before S3 went, and one after
         server.start()
         assert store.committed_steps("p", "m") == [] and store.latest("p", "m") is None
         result = store.push("p", "m", folder)
