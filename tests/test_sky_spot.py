@@ -13,6 +13,7 @@ import asyncio
 import io
 import logging
 import threading
+import time
 
 import pytest
 from rich.console import Console
@@ -64,7 +65,13 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
             preemption = _preempt_soon("spot", notice_s=60)
             while not any("preemption notice (" in line for line in backend.log_tail(400)):
                 await asyncio.sleep(0.5)
+            # The server answers until its push is done and it exits: the loop gathers on until a request finds
+            # it gone. (One gather used to be enough under load; on a quiet machine it could end first.)
+            deadline = time.monotonic() + 120
             batch = await groups()
+            while not backend.replacements:
+                assert time.monotonic() < deadline, "the server was still answering 2 minutes after the notice"
+                batch = await groups()
             # (the new machine may get the old one's port back: the URL proves nothing, the replacement does)
             assert len(backend.replacements) == 1
             preemption.join(timeout=90)
