@@ -78,7 +78,7 @@ def find_python(version: str) -> str:
     matrix exists to catch what breaks on a Python nobody runs by hand (3.10 lost TLS that way)."""
     name = f"python{version}"
     candidates = [shutil.which(name)]
-    root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    root = os.environ.get("PYENV_ROOT") or _pyenv_root() or os.path.expanduser("~/.pyenv")
     candidates += sorted(glob.glob(f"{root}/versions/{version}.*/bin/{name}"), key=_patch_level, reverse=True)
     candidates += [f"/usr/bin/{name}", f"/usr/local/bin/{name}"]
     for path in filter(None, candidates):
@@ -93,6 +93,15 @@ def find_python(version: str) -> str:
         f"Python {version} not found (looked on PATH and under {root}/versions): install it "
         f"(pyenv install {version}), or leave it out with make test EXTRA_PYTHONS='...'"
     )
+
+
+def _pyenv_root() -> str | None:
+    """`pyenv root`: where pyenv keeps its Pythons, whatever HOME is (a fresh HOME has no ~/.pyenv)."""
+    pyenv = shutil.which("pyenv")
+    if pyenv is None:
+        return None
+    out = subprocess.run([pyenv, "root"], capture_output=True, text=True)
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def _patch_level(path: str) -> tuple[int, ...]:

@@ -45,8 +45,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _default_vllm_python() -> Path:
-    here = REPO / ".venv-vllm" / "bin" / "python"
-    return here if here.exists() else Path("/work/main/.venv-vllm/bin/python")
+    return REPO / ".venv-vllm" / "bin" / "python"  # make install builds it (.ci/vllm_venv.sh)
 
 
 def _wait(what: str, proc: subprocess.Popen, log: Path, check, timeout: float, every: float = 0.05) -> Any:

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def find_python(version: str) -> str:
+    """An interpreter of Python `version` on this machine (PATH, pyenv, /usr/bin), found as `make test-pythons`
+    finds it (.ci/python_venvs.py): never a venv of one checkout, which a fresh clone does not have yet. Missing
+    is an error, not a skip: requires-python claims it."""
+    spec = importlib.util.spec_from_file_location("python_venvs", REPO / ".ci" / "python_venvs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.find_python(version)
 
 
 def wait_for(what: str, check, timeout: float = 60.0, every: float = 0.1):

@@ -15,14 +15,13 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import TINY
-from helpers import wait_for
+from helpers import find_python, wait_for
 
 import artcloud
 from artcloud.server.startup import Startup, read_install_record
 from artcloud.tls import client_ssl_context, make_launch_secrets
 
 REPO = Path(__file__).resolve().parents[1]
-PY310 = Path("/work/main/.venv-py3.10/bin/python")
 
 
 class Clock:
@@ -139,7 +138,7 @@ def test_bootstrap_answers_installing_over_tls_with_the_stdlib_alone(tmp_path, s
     made, port, record = make_launch_secrets(hosts=["localhost"]), _free_port(), tmp_path / "rec" / "install.json"
     env = {"PATH": os.environ["PATH"], "ARTCLOUD_TLS_CERT": made.server_cert, "ARTCLOUD_TLS_KEY": made.server_key,
            "ARTCLOUD_PORT": str(port), "ARTCLOUD_HOST": "127.0.0.1", "ARTCLOUD_VERSION": artcloud.__version__}
-    proc = subprocess.Popen([str(PY310), "-I", "-S", str(REPO / "artcloud" / "bootstrap_health.py"), "--record", str(record)],
+    proc = subprocess.Popen([find_python("3.10"), "-I", "-S", str(REPO / "artcloud" / "bootstrap_health.py"), "--record", str(record)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         ctx = client_ssl_context(made.ca_cert)
