@@ -7,8 +7,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-# The laptop side on its own: artcloud[sky,s3], no torch. SkyPilot pins click<8.2, which today's
-# transformers cannot live with, so the SkyPilot contract tests (tests/laptop) run here.
+# The laptop side on its own: artcloud[sky,s3,modal], no torch. SkyPilot pins click<8.2, which today's
+# transformers cannot live with, so the SDK contract tests (tests/laptop: SkyPilot and Modal) run here.
 LAPTOP := .venv-laptop
 LAPTOP_STAMP := $(LAPTOP)/.installed-stamp
 # make test-pythons: tests/pythons (serve over TLS, a rollout, a train step, shutdown; a light import) under
@@ -51,7 +51,7 @@ $(STAMP): pyproject.toml Makefile
 $(LAPTOP_STAMP): pyproject.toml Makefile
 	test -x $(LAPTOP)/bin/python || $(PY) -m venv $(LAPTOP)
 	$(LAPTOP)/bin/pip install --quiet --upgrade pip
-	$(LAPTOP)/bin/pip install --quiet -e '.[sky,s3]' 'pytest>=8' 'pytest-timeout>=2.3'
+	$(LAPTOP)/bin/pip install --quiet -e '.[sky,s3,modal]' 'pytest>=8' 'pytest-timeout>=2.3'
 	touch $(LAPTOP_STAMP)
 
 $(VLLM_STAMP): pyproject.toml .ci/vllm_venv.sh
