@@ -20,6 +20,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# uv's cache where this machine keeps it, fixed before a test moves HOME: the SkyPilot stand-in's nodes resolve
+# their installs against PyPI (tests/sky_uv.py), and its answers are worth keeping between nodes.
+os.environ.setdefault("UV_CACHE_DIR",
+                      os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "uv"))
 
 # What the processes a test starts leave in their temp folder (a run's data folder, vLLM's IPC sockets) goes in
 # one folder per test process, removed when it ends, not loose in /tmp. This process keeps its own (pytest's

@@ -8,17 +8,33 @@ answers on loopback. Only what a cloud VM would make different is changed, at th
 - the "cluster" is a folder ROOT/clusters/NAME: `home/` is its $HOME (the workdir is copied to
   home/sky_workdir, like SkyPilot's sync), `cluster.json` its state, `job.log` the job's output;
 - the server listens on 127.0.0.1 and a free local port (the task's port 8443 maps to it in `endpoint`);
-- the node is a machine image (tests/sky_image.py): the image's own python3 (3.10 with
-  ARTCLOUD_STANDIN_PYTHON=.venv-py3.10/bin/python, as on Ubuntu 22.04) without the python3-venv package, uv at
+- the node is a machine image (tests/sky_image.py): the image's own python3 (e.g. 3.10 with
+  ARTCLOUD_STANDIN_PYTHON=a 3.10 interpreter, as on Ubuntu 22.04) without the python3-venv package, uv at
   ~/.local/bin/uv and an activated ~/sky-user-env, as SkyPilot 0.14 leaves a node; the task's own setup makes
-  its venv and installs the wheel there (`--no-deps --no-index`: the image's preinstalled packages stand in
-  for PyPI);
+  its venv and installs the wheel there, its uv resolving for real against PyPI (tests/sky_uv.py);
 - the job inherits this machine's environment (HF_HUB_OFFLINE, ...) but not what a cloud VM could not have:
   ARTCLOUD_*, AWS_*, SKYPILOT_*, MODAL_*, PYTHONPATH, this machine's PATH (pyenv, venvs); the model caches are
   shared (ARTCLOUD_CACHE, HF_HOME point at this machine's);
-- a detached supervisor process (`python -m tests.sky_standin supervise ROOT NAME JOB`) runs the job and
-  then does SkyPilot's autodown: `idle_minutes` x ARTCLOUD_STANDIN_MINUTE_S seconds after the job ended,
-  the cluster is torn down.
+- a detached supervisor process (`python -m tests.sky_standin supervise ROOT NAME JOB`) is the node's skylet: it
+  runs the job, setup first, then does SkyPilot's autodown.
+
+What SkyPilot 0.14.1 does, as this stand-in does it (paths under sky/ in skypilot's wheel):
+- launch: the cluster is INIT while provisioned, then UP; autostop is set before the job (PRE_EXEC,
+  execution.py:646-705); the job is submitted and `launch` returns (execution.py:924 detach_setup, true for every
+  cluster but a controller; backends/cloud_vm_ray_backend.py:4158-4166 "Setup detached", :4476 "Job submitted").
+  The job's setup runs inside it: SETTING_UP, then RUNNING, or FAILED_SETUP when the setup fails
+  (backends/task_codegen.py:535, 998, 1037); setup and run write one log (`sky logs`).
+- autodown: idle once no job is active, for `idle_minutes` from the last job's end or autostop's setting
+  (skylet/events.py:292-330 StopEvent); the cluster is AUTOSTOPPING while it goes (events.py:362
+  set_autostopping_started; backends/backend_utils.py:2822-2848). A failed setup is a finished job: autodowned too.
+- status: `sky.status` reads the API server's cache (client/sdk.py:1912 refresh=StatusRefreshMode.NONE;
+  utils/common.py:70-71), refreshed by its daemon once a minute (server/daemons.py:161-174): here every
+  ARTCLOUD_STANDIN_STATUS_REFRESH_S (default: one "minute"). StatusRefreshMode.AUTO (`status(refresh=True)`), and
+  job_status and logs (check_cluster_available, backend_utils.py:3540-3580), refresh a spot or autostop cluster
+  whose cache is older than 2 s (backend_utils.py:147, 3329-3346); endpoints read the cache
+  (backend_utils.py:4479-4530). A refresh that finds the node gone drops the cluster; STOPPED; INIT 'unhealthy'
+  for a broken node, whose autostop it cancels only when the head is dead (backend_utils.py:3120-3183).
+- job_status, logs and endpoint answer for UP and AUTOSTOPPING clusters only (backend_utils.py:3625-3643, 4522-4524).
 
 All state is on disk under ARTCLOUD_STANDIN_ROOT (the CLI runs in subprocesses). Every process of a
 cluster carries ARTCLOUD_STANDIN_CLUSTER=ROOT/clusters/NAME in its environment: that is how `down` finds
@@ -27,15 +43,17 @@ them all, including the ones GNU `timeout` moved into a process group of their o
 Environment:
     ARTCLOUD_STANDIN_ROOT      the folder for all state (required)
     ARTCLOUD_STANDIN_MINUTE_S  seconds in an autostop "minute" (default 60; tests use e.g. 0.5)
+    ARTCLOUD_STANDIN_STATUS_REFRESH_S  how old the API server's cached status may grow (default: one "minute")
+    ARTCLOUD_STANDIN_HOLD_AUTOSTOP  a file: while it exists, an autostopping cluster stays AUTOSTOPPING
     ARTCLOUD_STANDIN_CLOUDS    enabled clouds, comma-separated (default "local")
     ARTCLOUD_STANDIN_CATALOG   "offline": gpu_offers() cannot read the catalog (returns None)
     ARTCLOUD_STANDIN_NO_CAPACITY  clouds whose offers are sold out: launch fails over to the next cheapest, as
                                SkyPilot's provisioner does (so the launched price differs from the catalog's best)
-    ARTCLOUD_STANDIN_PYTHON    the image's Python: a venv's python of this machine (tests/sky_image.py)
+    ARTCLOUD_STANDIN_PYTHON    the image's python3: an interpreter of this machine (tests/sky_image.py)
     ARTCLOUD_STANDIN_NETWORK   how ports reach the laptop: "direct" (default: host:port), "ingress" (Kubernetes
                                with an ingress, as on kind: an http:// URL with a path, no TCP), "vast" (only
                                port 8080 is forwarded; any other port is announced but nothing answers there)
-    ARTCLOUD_STANDIN_FAULT     RecordingSky only: launch_fails, no_health, job_fails, down_fails (comma-separated)
+    ARTCLOUD_STANDIN_FAULT     RecordingSky only: launch_fails, setup_fails, no_health, job_fails, down_fails (comma-separated)
 
 No `import sky` here: the real package validates the task in the contract tests.
 """
@@ -57,7 +75,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from artcloud.backends.sky_api import ClusterInfo, GPUOffer, Launched
+from artcloud.backends.sky_api import NO_OPEN_PORTS, ClusterInfo, GPUOffer, Launched
 from tests import sky_image
 
 ENV_ROOT = "ARTCLOUD_STANDIN_ROOT"
@@ -68,6 +86,10 @@ ENV_FAULT = "ARTCLOUD_STANDIN_FAULT"
 ENV_NETWORK = "ARTCLOUD_STANDIN_NETWORK"
 ENV_NO_CAPACITY = "ARTCLOUD_STANDIN_NO_CAPACITY"
 ENV_MARKER = "ARTCLOUD_STANDIN_CLUSTER"  # set on every process of a cluster: ROOT/clusters/NAME
+ENV_STATUS_REFRESH = "ARTCLOUD_STANDIN_STATUS_REFRESH_S"
+ENV_HOLD_AUTOSTOP = "ARTCLOUD_STANDIN_HOLD_AUTOSTOP"
+CACHE_S = 2.0  # CLUSTER_STATUS_CACHE_DURATION_SECONDS (backend_utils.py:147): an AUTO refresh skips a fresher record
+SERVES = ("UP", "AUTOSTOPPING")  # the statuses job_status, logs and endpoints answer for
 
 ACTIVE_JOB = ("INIT", "PENDING", "SETTING_UP", "RUNNING")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -87,18 +109,24 @@ class ResourcesUnavailableError(StandinLaunchError):
 
 
 class ClusterDoesNotExist(ValueError):
-    """Like sky.exceptions.ClusterDoesNotExist (a ValueError there too)."""
+    """Like sky.exceptions.ClusterDoesNotExist (a ValueError there too: exceptions.py:366)."""
+
+
+class ClusterNotUpError(Exception):
+    """Like sky.exceptions.ClusterNotUpError (exceptions.py:349): the cluster exists but is not UP/AUTOSTOPPING."""
 
 
 # ----------------------------------------------------------------------------------------- catalog
 
 _CLOUD_NAMES = {"aws": "AWS", "gcp": "GCP", "azure": "Azure", "lambda": "Lambda", "runpod": "RunPod",
-                "kubernetes": "Kubernetes", "local": "Local"}
+                "kubernetes": "Kubernetes", "local": "Local", "vsphere": "vSphere"}
 
 # (cloud, instance type, accelerator, count, $/h, spot $/h, region): made up, but of the right size.
 CATALOG: tuple[GPUOffer, ...] = tuple(GPUOffer(*row) for row in (
     ("local", "local-h100-1", "H100", 1, 2.49, 1.25, "local"),
     ("local", "local-l4-1", "L4", 1, 0.44, 0.22, "local"),
+    # the cheapest H100, on a cloud where SkyPilot cannot open a port (vsphere.py:57): artcloud must skip it
+    ("vsphere", "vsphere-h100-1", "H100", 1, 1.10, 0.55, "datacenter-1"),
     ("aws", "p5.4xlarge", "H100", 1, 6.88, 2.75, "us-east-1"),
     ("aws", "p5.48xlarge", "H100", 8, 98.32, 39.33, "us-east-1"),
     ("gcp", "a3-highgpu-1g", "H100", 1, 11.06, 3.52, "us-central1"),
@@ -118,7 +146,8 @@ _CHECK_HINTS = {
            "`gcloud auth application-default login`",
     "azure": "Azure CLI credentials not found; run `az login`",
     "lambda": "Lambda Cloud API key not found; put it in ~/.lambda_cloud/lambda_keys",
-    "runpod": "RunPod API key not found; run `runpod config`",
+    # what 0.14.1 says where the runpod SDK is missing (clouds/runpod.py:314-315), as after `pip install artcloud[sky]`
+    "runpod": 'Failed to import runpod or TOML parser. Install: pip install "skypilot[runpod]".',
     "kubernetes": "no kubeconfig found at ~/.kube/config",
 }
 _INSTALL_DOCS = "https://docs.skypilot.co/en/latest/getting-started/installation.html"
@@ -197,6 +226,52 @@ def _update(folder: Path, change: Callable[[dict[str, Any]], Any]) -> Any:
             return result if result is not None else data
     except (FileNotFoundError, NotADirectoryError):
         return None
+
+
+# ----------------------------------------------------------------------------------------- the API server's cache
+
+def _db(root: Path) -> dict[str, Any]:
+    """The API server's cluster records (global_user_state): what `sky.status` answers from."""
+    return _read_json(Path(root) / "status.json") or {}
+
+
+def _db_put(root: Path, name: str, record: dict[str, Any] | None) -> None:
+    """Write (None: drop) the API server's record of `name`, under the cache's lock."""
+    root = Path(root)
+    fd = os.open(root / ".status.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        data = _db(root)
+        if record is None:
+            data.pop(name, None)
+        else:
+            data[name] = record
+        _write_json(root / "status.json", data)
+    finally:
+        os.close(fd)
+
+
+def _observed(live: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The record a refresh makes of a cluster's live state (None: nothing of it on the cloud)."""
+    if live is None:
+        return None
+    status, init_kind = live["status"], None
+    if live.get("autostopping") and status == "UP":
+        status = "AUTOSTOPPING"
+    elif status == "UP" and live.get("health") == "unhealthy":
+        status, init_kind = "INIT", "unhealthy"  # backend_utils.py:3112; global_user_state.py:2762-2767
+    elif status == "INIT":
+        init_kind = "launching"
+    autostop = live.get("autostop") or {}
+    return {"status": status, "init_kind": init_kind, "launched_at": live.get("launched_at"),
+            "autostop": autostop.get("idle_minutes", -1), "to_down": bool(autostop.get("to_down")),
+            "resources": live.get("resources"), "ports": live.get("ports", {}), "spot": bool(live.get("spot")),
+            "instance_id": live.get("instance_id"), "updated_at": time.time()}
+
+
+def _daemon_interval_s() -> float:
+    """How often the API server's daemon refreshes every cluster: a minute (server/constants.py:110), scaled."""
+    return float(os.environ.get(ENV_STATUS_REFRESH) or os.environ.get(ENV_MINUTE) or 60)
 
 
 # ----------------------------------------------------------------------------------------- processes
@@ -373,6 +448,10 @@ class LocalSky:
         """The command the job runs (RecordingSky swaps it for scripted faults)."""
         return task.get("run") or ""
 
+    def _setup_command(self, task: dict[str, Any]) -> str:
+        """The job's setup (RecordingSky swaps it for scripted faults)."""
+        return task.get("setup") or ""
+
     # -------------------------------------------------------------------------------- the calls
 
     def launch(self, task: dict[str, Any], *, secrets: dict[str, str], cluster_name: str,
@@ -394,7 +473,8 @@ class LocalSky:
 
     def _reserve(self, cluster_name: str, *, resources: dict[str, Any], resources_str: str,
                  retry_until_up: bool) -> dict[str, Any]:
-        """The cluster's record (a new job on an idle cluster of the name, or a new cluster), written to disk."""
+        """The cluster's record (a new job on an idle cluster of the name, or a new cluster), written to disk:
+        INIT while it is provisioned, in the API server's records too."""
         folder = self._dir(cluster_name)
         existing = self._state(cluster_name)
         job_id = 1
@@ -423,7 +503,8 @@ class LocalSky:
             "status": "INIT",
             "launched_at": existing.get("launched_at", now) if existing else now,
             "resources": resources_str,
-            "autostop": {"idle_minutes": -1, "to_down": False, "set_at": now},
+            "spot": bool(resources.get("use_spot")),
+            "autostop": (existing or {}).get("autostop") or {"idle_minutes": -1, "to_down": False, "set_at": now},
             "minute_s": float(os.environ.get(ENV_MINUTE, "60")),
             "ports": port_map,
             "job_id": job_id,
@@ -431,11 +512,14 @@ class LocalSky:
                      str(job_id): {"status": "INIT", "submitted_at": now, "exit_code": None}},
             "supervisor_pid": None,
             "retry_until_up": bool(retry_until_up),
+            "health": "ok", "head_alive": True, "autostopping": False,
+            "hold_autostop": os.environ.get(ENV_HOLD_AUTOSTOP),  # the node's environment has no ARTCLOUD_*
             "imds_port": (existing or {}).get("imds_port") or _free_port(),
             "instance_id": (existing or {}).get("instance_id") or uuid.uuid4().hex,  # this machine, not the name
         }
         with _locked(folder):
             _write_json(folder / "cluster.json", state)
+        _db_put(self.root, cluster_name, _observed(state))
         return state
 
     def _provision_and_submit(self, task: dict[str, Any], *, secrets: dict[str, str], cluster_name: str,
@@ -444,42 +528,35 @@ class LocalSky:
         folder, job_id, port_map = self._dir(cluster_name), state["job_id"], state["ports"]
         home = folder / "home"
         workdir = home / "sky_workdir"
-        log = folder / "job.log"
 
-        # "Provisioning": a node of the image, as SkyPilot leaves it (uv, ~/sky-user-env).
+        # PROVISION: a node of the image, as SkyPilot leaves it (uv, ~/sky-user-env); then the cluster is UP.
         image = sky_image.build(self.root)
         sky_image.provision(image, home)
         if task.get("workdir"):
             shutil.copytree(Path(task["workdir"]).expanduser(), workdir, dirs_exist_ok=True)
-
         env = self._environment(home, env_task, secrets, image, port_map, task)
         env["AWS_EC2_METADATA_SERVICE_ENDPOINT"] = f"http://127.0.0.1:{state['imds_port']}"  # the node's IMDS
-        self._set_status(cluster_name, "UP", job_status="SETTING_UP")
 
-        setup = task.get("setup")
-        if setup:
-            with open(log, "ab") as out:
-                rc = subprocess.run(["bash", "-c", sky_image.SHELL_PREAMBLE + setup], cwd=workdir, env=env, stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True).returncode
-            if rc != 0:
-                if self._set_status(cluster_name, "UP", job_status="FAILED_SETUP", exit_code=rc) is None:
-                    raise StandinLaunchError(f"cluster {cluster_name} was torn down during setup")
-                raise StandinLaunchError(
-                    f"Failed to run setup commands on cluster {cluster_name} (exit code {rc}). "
-                    f"Last lines of the job log:\n{_tail(log, 20)}")
-
-        # SkyPilot sets autostop after setup, just before the job is submitted (a failed setup leaves the
-        # cluster UP with no autostop: whoever launched it must take it down).
-        run = self._job_command(task)
-        (folder / "run.sh").write_text(sky_image.SHELL_PREAMBLE + run)
-
-        def submit(data: dict[str, Any]) -> None:
-            data["jobs"][str(job_id)]["status"] = "PENDING"
+        # PRE_EXEC: autostop, before the job (execution.py:646-705), so a job that fails, setup included, is
+        # autodowned like any other (the idle clock starts at the job's end).
+        def up(data: dict[str, Any]) -> None:
+            data["status"] = "UP"
             if idle_minutes is not None:
                 data["autostop"] = {"idle_minutes": int(idle_minutes), "to_down": True, "set_at": time.time()}
 
-        if _update(folder, submit) is None:
+        # EXEC: the job is submitted with its setup inside (detach_setup, execution.py:924); launch returns.
+        setup = self._setup_command(task)
+        (folder / "setup.sh").write_text(sky_image.SHELL_PREAMBLE + setup if setup else "")
+        (folder / "run.sh").write_text(sky_image.SHELL_PREAMBLE + self._job_command(task))
+
+        def submit(data: dict[str, Any]) -> None:
+            up(data)
+            data["jobs"][str(job_id)]["status"] = "PENDING"
+
+        live = _update(folder, submit)
+        if live is None:
             raise StandinLaunchError(f"cluster {cluster_name} was torn down during launch")
+        _db_put(self.root, cluster_name, _observed(live))
         # The supervisor is this machine's Python; the job's PATH and PYTHONPATH (the image's) wait in
         # STANDIN_JOB_* until it starts the job.
         sup_env = {**env, "STANDIN_JOB_PATH": env["PATH"], "STANDIN_JOB_PYTHONPATH": env["PYTHONPATH"],
@@ -494,39 +571,72 @@ class LocalSky:
         _update(folder, lambda d: d.__setitem__("supervisor_pid", proc.pid))
         return Launched(job_id=job_id, price_per_hour=price, resources=state["resources"])
 
-    def status(self, cluster_name: str) -> ClusterInfo | None:
-        data = self._state(cluster_name)
-        if data is None:
+    # -------------------------------------------------------------------------------- the API server's view
+
+    def _refresh(self, cluster_name: str) -> dict[str, Any] | None:
+        """A refresh (backend_utils.refresh_cluster_record): look at the cloud, update the cached record. A node
+        found broken whose head is dead gets its autostop cancelled (backend_utils.py:3120-3183); with the head
+        alive, or while autostopping, it keeps it."""
+        def look(data: dict[str, Any]) -> None:
+            autostop = data.get("autostop") or {}
+            if (data.get("status") == "UP" and data.get("health") == "unhealthy" and not data.get("head_alive", True)
+                    and not data.get("autostopping") and autostop.get("idle_minutes", -1) >= 0):
+                data["autostop"] = {"idle_minutes": -1, "to_down": False, "set_at": time.time()}
+
+        record = _observed(_update(self._dir(cluster_name), look))
+        _db_put(self.root, cluster_name, record)
+        return record
+
+    def _cached(self, cluster_name: str, *, refresh: bool) -> dict[str, Any] | None:
+        """The API server's record: refreshed when stale. refresh=True is StatusRefreshMode.AUTO (a spot or
+        autostop cluster, or one AUTOSTOPPING, older than 2 s: backend_utils.py:3329-3346); False is NONE, whose
+        cache only the daemon refreshes (every ARTCLOUD_STANDIN_STATUS_REFRESH_S)."""
+        self._dir(cluster_name)
+        record = _db(self.root).get(cluster_name)
+        if record is None:
             return None
-        autostop = data.get("autostop") or {}
+        age = time.time() - float(record.get("updated_at") or 0)
+        if refresh:
+            stale = age >= CACHE_S and (record.get("spot") or record["status"] == "AUTOSTOPPING"
+                                        or (record["status"] != "STOPPED" and record.get("autostop", -1) >= 0))
+        else:
+            stale = age >= _daemon_interval_s()
+        return self._refresh(cluster_name) if stale else record
+
+    def status(self, cluster_name: str, *, refresh: bool = False) -> ClusterInfo | None:
+        record = self._cached(cluster_name, refresh=refresh)
+        if record is None:
+            return None
         return ClusterInfo(
             name=cluster_name,
-            status=data["status"],
-            launched_at=data.get("launched_at"),
-            autostop_minutes=autostop.get("idle_minutes", -1),
-            to_down=bool(autostop.get("to_down")),
-            resources=data.get("resources"),
+            status=record["status"],
+            launched_at=record.get("launched_at"),
+            autostop_minutes=record.get("autostop", -1),
+            to_down=bool(record.get("to_down")),
+            resources=record.get("resources"),
+            init_kind=record.get("init_kind"),
         )
 
     def job_status(self, cluster_name: str, job_id: int | None) -> str | None:
+        record = self._cached(cluster_name, refresh=True)  # check_cluster_available refreshes (core.py:1481)
         data = self._state(cluster_name)
-        if data is None or data["status"] != "UP":
+        if record is None or record["status"] not in SERVES or data is None:
             return None
         job = data["jobs"].get(str(job_id if job_id is not None else data.get("job_id")))
         if job is None:
             return None
         status = job["status"]
-        if status in ("PENDING", "RUNNING") and data.get("supervisor_pid") and not _alive(data["supervisor_pid"]):
+        if status in ACTIVE_JOB and data.get("supervisor_pid") and not _alive(data["supervisor_pid"]):
             return "FAILED_DRIVER"  # the supervisor died without recording the job's end
         return status
 
     def endpoint(self, cluster_name: str, port: int) -> str | None:
-        data = self._state(cluster_name)
-        # As sky.endpoints: a cluster that is UP has its ports, whatever its job does (SkyPilot sets UP before
-        # the task's setup runs; nothing may listen yet).
-        if data is None or data["status"] != "UP":
+        # As sky.endpoints: the cached record (no refresh: backend_utils.py:4511), UP or AUTOSTOPPING, whatever
+        # its job does (nothing may listen yet).
+        record = self._cached(cluster_name, refresh=False)
+        if record is None or record["status"] not in SERVES:
             return None
-        local = data.get("ports", {}).get(str(port))
+        local = record.get("ports", {}).get(str(port))
         if not local:
             return None
         network = os.environ.get(ENV_NETWORK, "direct")
@@ -538,8 +648,12 @@ class LocalSky:
 
     def logs(self, cluster_name: str, *, follow: bool = False, tail: int = 0) -> Iterator[str]:
         folder = self._dir(cluster_name)
-        if self._state(cluster_name) is None:
+        record = self._cached(cluster_name, refresh=True)  # check_cluster_available refreshes (core.py:1623)
+        if record is None:
             raise ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
+        if record["status"] not in SERVES:
+            raise ClusterNotUpError(f"Tail logs: skipped for cluster {cluster_name!r} (status: {record['status']}). "
+                                    "It is only allowed for UP and AUTOSTOPPING clusters.")
         try:
             f = open(folder / "job.log", "rb")
         except FileNotFoundError as e:
@@ -577,21 +691,28 @@ class LocalSky:
             data["autostop"] = {"idle_minutes": int(idle_minutes), "to_down": bool(down) and idle_minutes >= 0,
                                 "set_at": time.time()}
 
-        if _update(self._dir(cluster_name), change) is None:
+        if self._cached(cluster_name, refresh=True) is None or _update(self._dir(cluster_name), change) is None:
             raise ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
+        self._refresh(cluster_name)  # set_cluster_autostop_value: the record says so at once
 
     def down(self, cluster_name: str) -> bool:
+        """`sky down`: terminate what is left of the cluster and drop its record (also a record whose machine
+        the cloud already took: a preempted one that no refresh has seen yet)."""
         data = self._state(cluster_name)
-        if data is None:
+        known = _db(self.root).get(cluster_name) is not None
+        if data is None and not known:
             return False
-        _teardown(self.root, cluster_name, data.get("supervisor_pid"))
+        if data is not None:
+            _teardown(self.root, cluster_name, data.get("supervisor_pid"))
+        _db_put(self.root, cluster_name, None)
         return True
 
     # -------------------------------------------------------------------------------- what clouds do to clusters
+    # These change the cloud (the live state) only: the API server learns of it on its next refresh.
 
     def stop(self, cluster_name: str) -> None:
-        """Like `sky stop` (or a cloud stopping every node): STOPPED, every process gone, the disk kept. No
-        skylet runs on a stopped node: the supervisor's autodown ends with it."""
+        """Like a cloud stopping every node: STOPPED, every process gone, the disk kept. No skylet runs on a
+        stopped node: the supervisor's autodown ends with it."""
         data = self._state(cluster_name)
         if data is None:
             raise ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
@@ -600,8 +721,8 @@ class LocalSky:
 
     def preempt(self, cluster_name: str, *, notice_s: float = 120.0) -> None:
         """What a cloud does to a spot VM: the notice on its metadata service (tests/sky_metadata.py), then,
-        `notice_s` later (AWS: 2 minutes; 0: no notice at all), the machine terminated: every process gone,
-        the cluster gone from `status`. Blocks until then; a test runs it in a thread. Returns early once the
+        `notice_s` later (AWS: 2 minutes; 0: no notice at all), the machine terminated: every process gone.
+        `status` shows it once refreshed. Blocks until then; a test runs it in a thread. Returns early once the
         cluster is gone anyway (the server exited and autodown took it)."""
         now = time.time()
         data = _update(self._dir(cluster_name), lambda d: d.__setitem__("preemption", {"at": now, "ends_at": now + notice_s}))
@@ -620,15 +741,18 @@ class LocalSky:
         if data is not None:
             _teardown(self.root, cluster_name, data.get("supervisor_pid"))
 
-    def break_cluster(self, cluster_name: str) -> None:
-        """What SkyPilot's refresh does to a cluster whose node is broken: INIT (unhealthy), autostop cancelled;
-        the node (and whatever bills on it) is still there."""
+    def break_cluster(self, cluster_name: str, *, head_alive: bool = False) -> None:
+        """A node gone bad: a refresh then finds the cluster INIT ('unhealthy'). With `head_alive`, its runtime is
+        unhealthy but the machine runs (the server may still answer) and autostop stays; without, the machine is
+        down (every process gone, its disks and IP still billed) and the refresh cancels its autostop."""
         def change(data: dict[str, Any]) -> None:
-            data["status"] = "INIT"
-            data["autostop"] = {"idle_minutes": -1, "to_down": False, "set_at": time.time()}
+            data["health"], data["head_alive"] = "unhealthy", head_alive
 
-        if _update(self._dir(cluster_name), change) is None:
+        data = _update(self._dir(cluster_name), change)
+        if data is None:
             raise ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
+        if not head_alive:
+            _kill_all(self.root, cluster_name, data.get("supervisor_pid"))
 
     def check_cloud(self, cloud: str) -> str | None:
         key = cloud.lower()
@@ -685,8 +809,11 @@ class LocalSky:
             cloud = infra or clouds[0]
             return f"1x {cloud_display(cloud)}({'[Spot]' if spot else ''}standin, {{'{name}': {count}}})", None
         sold_out = {c.strip().lower() for c in os.environ.get(ENV_NO_CAPACITY, "").split(",") if c.strip()}
+        # A task with `ports` needs OPEN_PORTS (resources.py:2379): the optimizer skips clouds without it
+        # (clouds/cloud.py:497-510), such as vSphere (vsphere.py:57).
+        closed = NO_OPEN_PORTS if _ports(resources) else frozenset()
         fits = [o for o in offers if o.count == count and o.cloud in clouds and (infra is None or o.cloud == infra)
-                and o.cloud not in sold_out]
+                and o.cloud not in sold_out and o.cloud not in closed]
         if not fits:
             raise ResourcesUnavailableError(
                 f"Catalog and request mismatch: no launchable resource found for task {task.get('name') or ''} "
@@ -722,7 +849,6 @@ class LocalSky:
         env.update({
             "ARTCLOUD_HOST": "127.0.0.1",
             "ARTCLOUD_PORT": str(local_port or _free_port()),
-            "ARTCLOUD_PIP_ARGS": "--no-deps --no-index",
             ENV_MARKER: str(home.parent),
         })
         return env
@@ -765,7 +891,7 @@ def _teardown(root: Path, name: str, supervisor_pid: int | None) -> None:
 # ----------------------------------------------------------------------------------------- RecordingSky
 
 SECRET = "<secret>"
-FAULTS = ("launch_fails", "no_health", "job_fails", "down_fails")
+FAULTS = ("launch_fails", "setup_fails", "no_health", "job_fails", "down_fails")
 
 
 def _redact(value: Any, secret_values: list[str]) -> Any:
@@ -785,6 +911,7 @@ class RecordingSky(LocalSky):
     the faults named in ARTCLOUD_STANDIN_FAULT:
 
     - launch_fails: launch raises ResourcesUnavailableError (as SkyPilot does when no cloud has capacity);
+    - setup_fails: the setup prints an install error and exits 1: the job ends FAILED_SETUP;
     - no_health: the job runs `sleep 3600` instead of the server: RUNNING, but nothing listens on the endpoint;
     - job_fails: the job runs `echo boom >&2; exit 3`;
     - down_fails: down raises ConnectionError (the API server is gone) and the cluster stays up.
@@ -810,6 +937,11 @@ class RecordingSky(LocalSky):
     def calls(self) -> list[dict[str, Any]]:
         return read_calls(self.root)
 
+    def _setup_command(self, task: dict[str, Any]) -> str:
+        if "setup_fails" in self.faults():
+            return "echo 'installing artcloud'; echo 'error: the wheel cannot be installed here' >&2; exit 1"
+        return super()._setup_command(task)
+
     def _job_command(self, task: dict[str, Any]) -> str:
         faults = self.faults()
         if "job_fails" in faults:
@@ -831,9 +963,9 @@ class RecordingSky(LocalSky):
         return super().launch(task, secrets=secrets, cluster_name=cluster_name, idle_minutes=idle_minutes,
                               retry_until_up=retry_until_up)
 
-    def status(self, cluster_name):
-        self._record("status", cluster_name=cluster_name)
-        return super().status(cluster_name)
+    def status(self, cluster_name, *, refresh=False):
+        self._record("status", cluster_name=cluster_name, refresh=refresh)
+        return super().status(cluster_name, refresh=refresh)
 
     def job_status(self, cluster_name, job_id):
         self._record("job_status", cluster_name=cluster_name, job_id=job_id)
@@ -882,9 +1014,10 @@ def read_calls(root: str | Path) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------------------- the supervisor
 
 def supervise(root: Path, name: str, job_id: int) -> int:
-    """Run the job (its environment is ours), record its end, then play SkyPilot's autostop/autodown."""
+    """The node's skylet for one job: run its setup, then its run command (their environment is ours), record its
+    end, then play SkyPilot's autostop/autodown."""
     folder = root / "clusters" / name
-    run = (folder / "run.sh").read_text()
+    setup, run = (folder / "setup.sh").read_text(), (folder / "run.sh").read_text()
     data = _read_json(folder / "cluster.json")
     if data is None:
         return 0
@@ -894,26 +1027,31 @@ def supervise(root: Path, name: str, job_id: int) -> int:
         from tests import sky_metadata
 
         sky_metadata.serve(int(data["imds_port"]), lambda: _read_json(folder / "cluster.json"))
+    job_env = {**os.environ, "PATH": os.environ["STANDIN_JOB_PATH"], "PYTHONPATH": os.environ["STANDIN_JOB_PYTHONPATH"]}
 
-    def started(d: dict[str, Any]) -> None:
-        d["jobs"][str(job_id)].update(status="RUNNING", started_at=time.time())
+    def step(status: str, script: str) -> int | None:
+        """Mark the job `status`, run `script` into the job's log; its exit code (None: the cluster is gone)."""
+        if _update(folder, lambda d: d["jobs"][str(job_id)].update(status=status, **{f"{status.lower()}_at": time.time()})) is None:
+            return None
+        with open(folder / "job.log", "ab") as out:
+            return subprocess.run(["bash", "-c", script], cwd=workdir, stdin=subprocess.DEVNULL, stdout=out,
+                                  stderr=subprocess.STDOUT, env=job_env).returncode
 
-    if _update(folder, started) is None:
+    # task_codegen.py:535-537: a failed setup ends the job FAILED_SETUP; the run never starts.
+    rc = step("SETTING_UP", setup) if setup else 0
+    if rc is None:
         return 0
-    with open(folder / "job.log", "ab") as out:
-        job_env = {**os.environ, "PATH": os.environ["STANDIN_JOB_PATH"],
-                   "PYTHONPATH": os.environ["STANDIN_JOB_PYTHONPATH"]}
-        rc = subprocess.run(["bash", "-c", run], cwd=workdir, stdin=subprocess.DEVNULL, stdout=out,
-                            stderr=subprocess.STDOUT, env=job_env).returncode
-
-    def ended(d: dict[str, Any]) -> None:
-        d["jobs"][str(job_id)].update(status="SUCCEEDED" if rc == 0 else "FAILED", exit_code=rc, ended_at=time.time())
-
-    if _update(folder, ended) is None:
+    final = "FAILED_SETUP" if rc != 0 else None
+    if final is None:
+        rc = step("RUNNING", run)
+        if rc is None:
+            return 0
+        final = "SUCCEEDED" if rc == 0 else "FAILED"
+    if _update(folder, lambda d: d["jobs"][str(job_id)].update(status=final, exit_code=rc, ended_at=time.time())) is None:
         return 0
-    print(f"job {job_id} ended with exit code {rc}", flush=True)
+    print(f"job {job_id} ended {final} (exit code {rc})", flush=True)
 
-    while True:  # autostop: the cluster is idle from the job's end (or from when autostop was last set)
+    while True:  # autostop (events.py:292-330): idle from the job's end, or from when autostop was last set
         data = _read_json(folder / "cluster.json")
         if (data is None or data.get("instance_id") != machine or data.get("job_id") != job_id
                 or data.get("status") != "UP"):
@@ -923,12 +1061,16 @@ def supervise(root: Path, name: str, job_id: int) -> int:
         if minutes is not None and minutes >= 0:
             idle_since = max(data["jobs"][str(job_id)]["ended_at"], autostop.get("set_at") or 0)
             if time.time() >= idle_since + minutes * float(data.get("minute_s", 60)):
+                _update(folder, lambda d: d.__setitem__("autostopping", True))  # events.py:362
+                hold = data.get("hold_autostop")
+                while hold and os.path.exists(hold):  # a test holds the cluster AUTOSTOPPING
+                    time.sleep(0.05)
                 if autostop.get("to_down"):
                     print(f"autodown: idle for {minutes} minute(s)", flush=True)
                     _autodown(root, name, machine)
                 else:
                     print(f"autostop: idle for {minutes} minute(s)", flush=True)
-                    _update(folder, lambda d: d.__setitem__("status", "STOPPED"))
+                    _update(folder, lambda d: d.update(status="STOPPED", autostopping=False))
                     _kill_all(root, name, None)
                 return 0
         time.sleep(0.1)

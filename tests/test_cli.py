@@ -227,3 +227,14 @@ def test_without_skypilot_status_lists_the_sandbox_and_says_what_to_install(tmp_
 def test_without_boto3_pull_says_what_to_install(tmp_path):
     one_line_error(artcloud_cli(tmp_path, "pull", "mail/agent-1", "--s3", "s3://bucket/runs", block=("boto3",)),
                    "pip install 'artcloud[s3]'")
+
+
+def test_a_cloud_for_the_modal_backend_says_what_artcloud_does_not_pass(tmp_path):
+    """Modal's Sandbox.create takes cloud= ("Cloud provider for the sandbox", modal sandbox/_sandbox.py:194, 240):
+    the refusal says that artcloud's modal backend does not pass one, not that Modal has no choice."""
+    summary = tmp_path / "run.json"
+    line = one_line_error(artcloud_cli(tmp_path, "run", "examples/ci/train.py", "--backend", "modal", "--s3",
+                                       "s3://bucket/runs", "--cloud", "aws", "--summary", str(summary)),
+                          "cloud='aws' is for the sky backend", "modal backend does not pass a cloud to Modal",
+                          "--backend sky")
+    assert "picks its own" not in line and not summary.exists()

@@ -125,6 +125,22 @@ def test_detach_on_sky_the_runner_exits_and_the_loop_finishes_on_the_cluster(sky
     assert leftover_processes(sky_env) == {}
 
 
+def test_detach_on_sky_whose_install_fails_is_a_failed_launch_not_detached(sky_env, monkeypatch, seaweed, tmp_path):  # noqa: F811
+    """The install runs inside SkyPilot's job, after `launch` returned: the runner waits for the job to run before it
+    says "detached", and a failed install (FAILED_SETUP) is a failed launch (exit 3) with the install's lines."""
+    recording(monkeypatch, "setup_fails")
+    s3 = use_s3(monkeypatch, seaweed, "detached-setup")
+    monkeypatch.chdir(tmp_path)
+    result = cli("run", str(TRAIN), "--backend", "sky", "--s3", s3, "--name", "det-bad", "--detach")
+    assert result.returncode == 3, result.stderr
+    assert "training on its own" not in result.stderr
+    summary = json.loads((tmp_path / "artcloud-run.json").read_text())
+    assert summary["outcome"] == "launch_failed"
+    assert "installing artcloud on it failed (SkyPilot job FAILED_SETUP)" in summary["reason"]
+    assert "the wheel cannot be installed here" in summary["reason"]
+    assert status_names() == [] and leftover_processes(sky_env) == {}
+
+
 @pytest.mark.slow
 def test_detach_on_modal_the_sandbox_ends_with_the_loop(fake, monkeypatch, seaweed, tmp_path):  # noqa: F811
     bucket = "detached-modal"

@@ -21,7 +21,7 @@ import artcloud
 from artcloud.backends.sky import SkyBackend, SkyError
 from artcloud.backends.state import StateDir
 from artcloud.storage.seaweed import ACCESS_KEY, SECRET_KEY
-from tests.helpers import gather_groups
+from tests.helpers import find_python, gather_groups
 from tests.sky_standin import cluster_pids, read_calls
 
 TINY = "artcloud/tiny-random"
@@ -124,6 +124,33 @@ def test_a_failing_server_job_fails_fast_with_its_logs(sky_env, monkeypatch):
         asyncio.run(SkyBackend(cluster_name="boom", startup_timeout="5m").start())
     assert time.monotonic() - started < 120  # not the startup timeout
     assert "down" in calls(sky_env)
+
+
+def test_a_failed_install_is_a_launch_failure_with_the_setups_last_lines(sky_env, monkeypatch):
+    """SkyPilot 0.14 runs the setup inside the job, after `launch` returned (execution.py:924). A node whose
+    python3 is 3.10 (Ubuntu 22.04), its venv forced onto it: resolving the gpu lock finds no solution there. That is
+    a failed launch, said with uv's own lines, and the cluster is torn down (not left to autodown)."""
+    monkeypatch.setenv("ARTCLOUD_STANDIN_PYTHON", find_python("3.10"))
+    backend = SkyBackend(gpu="L4:1", cluster_name="u22", env={"ARTCLOUD_PYTHON": ">=3.10"}, startup_timeout="5m")
+    started = time.monotonic()
+    with pytest.raises(SkyError) as e:
+        asyncio.run(backend.start())
+    message = str(e.value)
+    assert e.value.code == "setup_failed"
+    assert message.startswith("could not launch u22: installing artcloud on it failed (SkyPilot job FAILED_SETUP)")
+    assert "No solution found when resolving dependencies" in message and "torn down" in message, message
+    assert time.monotonic() - started < 120  # at once, not at startup_timeout
+    assert backend.api.status("u22", refresh=True) is None and StateDir().load("u22").state == "down"
+
+
+def test_the_install_counts_against_startup_timeout(sky_env, monkeypatch):
+    """The install runs after `launch` returned: startup_timeout bounds it, with the server's start."""
+    monkeypatch.setenv("ARTCLOUD_STANDIN_INSTALL_DELAY_S", "600")  # each of the node's `uv pip install` waits
+    backend = SkyBackend(gpu="L4:1", cluster_name="slow", startup_timeout="6s")
+    with pytest.raises(SkyError, match=r"not ready in time \(startup_timeout 6s\).*torn down") as e:
+        asyncio.run(backend.start())
+    assert e.value.code == "startup_timeout"
+    assert backend.api.status("slow", refresh=True) is None and cluster_pids(sky_env, "slow") == set()
 
 
 def test_health_that_never_comes_times_out_and_tears_down(sky_env, monkeypatch):

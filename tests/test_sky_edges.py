@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from artcloud.backends.sky import SkyBackend, SkyError
+from artcloud.backends.sky_api import ClusterInfo
 from artcloud.backends.state import StateDir
+from tests.helpers import one_line_error, wait_for
 from tests.sky_standin import LocalSky
 from tests.test_sky import calls, cli, recording
 
@@ -52,6 +54,42 @@ def test_no_enabled_cloud_has_the_gpu(sky_env, monkeypatch):
         SkyBackend(gpu="A100-80GB:1").plan()
 
 
+def test_a_cheaper_cloud_that_cannot_open_the_port_is_never_quoted(sky_env, monkeypatch):
+    """vSphere's H100 ($1.10, spot $0.55) is the catalog's cheapest and vSphere is enabled, but SkyPilot opens no port
+    there (sky/clouds/vsphere.py:57): its optimizer would skip it, and artcloud's server could not be reached on it."""
+    recording(monkeypatch)
+    monkeypatch.setenv("ARTCLOUD_STANDIN_CLOUDS", "local,vsphere")
+    plan = SkyBackend(gpu="H100:1").plan()
+    assert (plan.offer.cloud, plan.price_per_hour) == ("local", 2.49)
+    assert SkyBackend(gpu="H100:1", use_spot=True).plan().price_per_hour == 1.25
+
+
+def test_a_cloud_that_cannot_open_the_port_is_refused_in_one_line_before_anything(sky_env, monkeypatch):
+    recording(monkeypatch)
+    monkeypatch.setenv("ARTCLOUD_STANDIN_CLOUDS", "local,vsphere")
+    with pytest.raises(SkyError) as raised:
+        asyncio.run(SkyBackend(gpu="H100:1", cloud="vsphere").start())
+    assert (raised.value.code, raised.value.field) == ("cloud_without_ports", "cloud")
+    assert str(raised.value) == (
+        "artcloud needs an open port (8080) to reach its server, and SkyPilot cannot open one on vsphere: pin a cloud "
+        "that can (e.g. cloud='aws', 'gcp', 'azure', 'kubernetes', 'lambda' or 'runpod') or leave cloud unset for the "
+        "cheapest enabled one")
+    assert not {"check_cloud", "gpu_offers", "launch"} & set(calls(sky_env)) and StateDir().all() == []
+    one_line_error(cli("launch", "--gpu", "H100:1", "--cloud", "vsphere", "--dry-run"),
+                   "SkyPilot cannot open one on vsphere", "cloud='aws'")
+
+
+def test_a_cloud_whose_sdk_is_missing_names_the_extra_to_install(sky_env, monkeypatch):
+    """artcloud[sky] brings SkyPilot alone; `sky check runpod` then says runpod's SDK is missing."""
+    recording(monkeypatch)
+    with pytest.raises(SkyError) as raised:
+        asyncio.run(SkyBackend(gpu="H100:1", cloud="runpod").start())
+    assert (raised.value.code, raised.value.field) == ("cloud_sdk_missing", "cloud")
+    assert str(raised.value).startswith("runpod's SDK is not installed: pip install 'artcloud[sky-runpod]', then "
+                                        "`sky check runpod` (sky check says: RunPod: Failed to import runpod")
+    assert "launch" not in calls(sky_env) and StateDir().all() == []
+
+
 def test_the_price_is_what_was_launched_not_the_catalogs_guess(sky_env, monkeypatch, tmp_path):
     """Local is sold out: SkyPilot fails over to AWS. The registry (what `artcloud status` and the budget
     read) must hold AWS's price, from the launch handle, not the $2.49 the catalog guessed."""
@@ -86,31 +124,53 @@ def test_an_ingress_endpoint_fails_fast_and_tears_down(sky_env, monkeypatch):
 
 # ----------------------------------------------------------------------------------------- dead clusters
 
+def refreshed(name: str, status: str) -> ClusterInfo:
+    """The cluster as SkyPilot's refresh sees it, once it does (an AUTO refresh skips a record younger than 2 s)."""
+    def seen() -> ClusterInfo | None:
+        info = LocalSky().status(name, refresh=True)
+        return info if info is not None and info.status == status else None
+
+    return wait_for(f"{name} {status}", seen, timeout=10, every=0.5)
+
+
 def test_a_stopped_cluster_is_gone_and_torn_down(sky_env, tmp_path):
     """Stopped: the server is gone, the disks bill, and autodown never fires on a stopped node."""
     backend = detached(tmp_path, "stopped")
     LocalSky().stop("stopped")
-    assert LocalSky().status("stopped").status == "STOPPED"
+    refreshed("stopped", "STOPPED")
     shown = cli("status")
     assert " STOPPED" in shown.stdout and "disks may bill: `artcloud down stopped`" in shown.stdout
     assert asyncio.run(backend.gone()) is True
     assert LocalSky().status("stopped") is None and StateDir().load("stopped").state == "down"
 
 
-def test_an_unhealthy_cluster_fails_the_client_at_once_and_is_torn_down(sky_env, tmp_path):
+def test_an_unhealthy_cluster_whose_head_is_dead_fails_the_client_at_once_and_is_torn_down(sky_env, tmp_path):
+    """SkyPilot's refresh cancels the autostop of a broken cluster whose head is down: nothing would take it down."""
     from artcloud.backends.remote import ServerGone
 
     backend = detached(tmp_path, "broken")
-    LocalSky().break_cluster("broken")
+    LocalSky().break_cluster("broken", head_alive=False)
+    assert refreshed("broken", "INIT").autostop_minutes == -1
     with pytest.raises(ServerGone) as raised:
         asyncio.run(backend._check_alive())
     assert raised.value.code == "cluster_dead" and "unhealthy" in str(raised.value)
     assert LocalSky().status("broken") is None and StateDir().load("broken").state == "down"
 
 
+def test_an_unhealthy_cluster_whose_head_is_alive_is_not_reaped(sky_env, tmp_path):
+    """INIT 'unhealthy' with the head alive keeps its autostop (backend_utils.py:3136-3145): a blip, not a death."""
+    backend = detached(tmp_path, "blip")
+    LocalSky().break_cluster("blip", head_alive=True)
+    assert refreshed("blip", "INIT").autostop_minutes == 10  # the default idle_minutes, kept
+    asyncio.run(backend._check_alive())  # no ServerGone: not dead, and its job is not known to have ended
+    assert asyncio.run(backend.gone()) is False
+    assert LocalSky().status("blip") is not None and StateDir().load("blip").state == "up"
+
+
 def test_starting_on_a_stopped_cluster_of_ours_replaces_it(sky_env, monkeypatch, tmp_path):
     detached(tmp_path, "again")
     LocalSky().stop("again")
+    refreshed("again", "STOPPED")
     recording(monkeypatch, "launch_fails")  # the new launch itself is not the point
     with pytest.raises(SkyError, match="could not launch again"):
         asyncio.run(SkyBackend(gpu="H100:1", cluster_name="again").start())
@@ -118,13 +178,16 @@ def test_starting_on_a_stopped_cluster_of_ours_replaces_it(sky_env, monkeypatch,
     assert order[:2] == ["down", "launch"]
 
 
-def test_a_cluster_still_launching_is_not_taken_for_dead(sky_env, tmp_path):
-    """INIT before the launch returned is provisioning, not a broken node."""
-    from artcloud.backends.sky_api import ClusterInfo
-
-    assert SkyBackend._dead(ClusterInfo("x", "INIT"), seen_up=False) is None
-    assert SkyBackend._dead(ClusterInfo("x", "UP"), seen_up=True) is None
-    assert "unhealthy" in SkyBackend._dead(ClusterInfo("x", "INIT"), seen_up=True)
+def test_only_a_stopped_cluster_or_one_whose_head_is_down_is_dead():
+    """INIT is a launch in progress ('launching') or a node found unwell ('unhealthy'); only the latter with its
+    autostop cancelled (the head down) is dead. AUTOSTOPPING is on its way down by itself."""
+    dead = SkyBackend._dead
+    assert dead(ClusterInfo("x", "INIT", autostop_minutes=-1, init_kind="launching")) is None
+    assert dead(ClusterInfo("x", "INIT", autostop_minutes=10, init_kind="unhealthy")) is None
+    assert "head node down" in dead(ClusterInfo("x", "INIT", autostop_minutes=-1, init_kind="unhealthy"))
+    assert dead(ClusterInfo("x", "UP", autostop_minutes=10)) is None
+    assert dead(ClusterInfo("x", "AUTOSTOPPING", autostop_minutes=10)) is None
+    assert "stopped" in dead(ClusterInfo("x", "STOPPED"))
 
 
 # ----------------------------------------------------------------------------------------- credentials

@@ -123,3 +123,60 @@ def test_pick_offer_takes_the_cheapest_that_fits():
     with pytest.raises(ValueError, match="no GPU named 'H1000'"):
         pick_offer([], "H1000", cloud=None, use_spot=False)
     assert parse_gpu("L4") == ("L4", 1) and parse_gpu("A100-80GB:2") == ("A100-80GB", 2)
+
+
+def test_pick_offer_never_quotes_a_cloud_that_cannot_open_artclouds_port():
+    """vSphere is cheapest here, but SkyPilot cannot open a port there (sky/clouds/vsphere.py:57): the optimizer
+    would drop it, and artcloud's server could not be reached on it."""
+    cheap = [*offers(), GPUOffer("vSphere", "vsphere-h100", "H100", 1, 0.5, 0.2)]
+    assert pick_offer(cheap, "H100:1", cloud=None, use_spot=False).cloud == "lambda"
+    assert pick_offer(cheap, "H100:1", cloud=None, use_spot=True).spot_price == 2.1
+    assert pick_offer(cheap, "H100:1", cloud=None, use_spot=False, enabled=["vsphere", "aws"]).cloud == "aws"
+    for pinned in ("vsphere", "IBM", "slurm"):
+        with pytest.raises(ValueError, match=rf"artcloud needs an open port \(8080\) to reach its server, and SkyPilot "
+                                             rf"cannot open one on {pinned}: pin a cloud that can \(e\.g\. cloud='aws'"
+                           ) as raised:
+            pick_offer(cheap, "H100:1", cloud=pinned, use_spot=False)
+        assert raised.value.field == "cloud" and raised.value.code == "cloud_without_ports"
+    only_closed = [GPUOffer("Hyperbolic", "h", "H200", 1, 2.0, None), GPUOffer("Verda", "v", "H200", 1, 2.1, None)]
+    with pytest.raises(ValueError, match="H200 is only on Hyperbolic, Verda, where SkyPilot cannot open the port"):
+        pick_offer(only_closed, "H200:1", cloud=None, use_spot=False)
+
+
+def test_no_enabled_cloud_names_the_extra_that_brings_a_clouds_sdk():
+    with pytest.raises(ValueError, match=r"no enabled cloud offers H100 \(enabled: none; H100 is on aws, lambda\): set "
+                                         r"one of those up \(e\.g\. pip install 'artcloud\[sky-aws\]', and its "
+                                         r"credentials\), then `sky check`"):
+        pick_offer(offers(), "H100:1", cloud=None, use_spot=False, enabled=[])
+    with pytest.raises(ValueError, match=r"H100 is on lambda\): set one of those up, then `sky check`"):
+        pick_offer(offers()[2:], "H100:1", cloud=None, use_spot=False, enabled=[])  # Lambda needs no SDK
+
+
+@pytest.mark.parametrize("cloud,reason,install", [
+    ("aws", "AWS: disabled Reason [compute, storage]: AWS dependencies are not installed. Run the following commands: "
+            "$ pip install skypilot[aws]", "pip install 'artcloud[sky-aws]'"),
+    ("RunPod", 'RunPod: disabled Reason [compute]: Failed to import runpod or TOML parser. Install: pip install '
+               '"skypilot[runpod]".', "pip install 'artcloud[sky-runpod]'"),
+    ("ssh", 'Failed to import dependencies for Kubernetes. Try running: pip install "skypilot[kubernetes]"',
+     "pip install 'artcloud[sky-kubernetes]'"),
+    ("aws", "AWS: disabled Reason [compute, storage]: AWS credentials are not set. Run the following commands: "
+            "$ aws configure", None),  # installed, not set up: no pip install helps
+    ("kubernetes", "Kubernetes: disabled Reason [compute]: `socat` is required ... $ sudo apt install socat netcat",
+     None),  # a system tool
+    ("lambda", "Failed to access Lambda Cloud with credentials.", None),  # no SDK to install
+])
+def test_a_missing_cloud_sdk_is_named_as_the_artcloud_extra(cloud, reason, install):
+    from artcloud.backends.deps import sky_cloud_install
+
+    assert sky_cloud_install(cloud, reason) == install
+
+
+def test_the_preemption_hook_goes_only_where_skypilot_can_run_it():
+    """The hook runs on Kubernetes only; declared, it costs every `sky down` a command on the head first."""
+    from artcloud.backends.sky_task import build_task
+
+    secrets = {"ARTCLOUD_TOKEN": "t", "ARTCLOUD_TLS_CERT": "c", "ARTCLOUD_TLS_KEY": "k"}
+    hooks = lambda **kw: build_task(secrets=secrets, **kw).config.get("config", {}).get("hooks")  # noqa: E731
+    assert hooks()[0]["events"] == ["preemption"]  # unpinned: the optimizer may pick Kubernetes
+    assert hooks(cloud="kubernetes")[0]["events"] == ["preemption"]
+    assert hooks(cloud="aws") is None and hooks(cloud="gcp", region="us-central1") is None

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import wait_for
+from helpers import find_python, wait_for
 
 from artcloud import locks as artcloud_locks
 from artcloud._version import __version__
@@ -213,24 +213,23 @@ def test_state_is_on_disk_and_survives_a_killed_client(sky, root):
 # ---------------------------------------------------------------------------------------------- the real task
 
 
-def test_failed_setup_leaves_the_cluster_up(sky, root):
-    """No wheel and no index: pip cannot install artcloud. Like SkyPilot, the cluster stays UP with no
-    autostop (that is set only once setup has passed): whoever launched must take it down."""
+def test_a_failed_setup_is_a_failed_job_and_the_cluster_is_autodowned(sky, root):
+    """No wheel and artcloud is not on PyPI: the install cannot resolve. As SkyPilot 0.14.1 does, launch returns once
+    the job is submitted (the setup runs inside it), the job ends FAILED_SETUP with uv's own words in its log, and
+    the autostop set before the job (PRE_EXEC) takes the cluster down a "minute" later."""
     made, secrets = launch_secrets()
     task = build_task(secrets=secrets, gpu="H100:1", wheel=None)
-    with pytest.raises(StandinLaunchError) as raised:
-        sky.launch(task.config, secrets=task.secrets, cluster_name="bad", idle_minutes=1)
-    message = str(raised.value)
-    assert "Failed to run setup" in message and "artcloud" in message and "No solution found" in message  # uv's words
+    launched = sky.launch(task.config, secrets=task.secrets, cluster_name="bad", idle_minutes=1)
+    assert launched.job_id == 1
     info = sky.status("bad")
-    assert info.status == "UP" and info.autostop_minutes == -1
-    assert sky.job_status("bad", None) == "FAILED_SETUP"
+    assert info.status == "UP" and info.autostop_minutes == 1 and info.to_down  # set before the job ran
+    wait_for("setup failed", lambda: sky.job_status("bad", 1) not in ("PENDING", "SETTING_UP"), timeout=120)
+    assert sky.job_status("bad", 1) == "FAILED_SETUP"
     text = "\n".join(sky.logs("bad"))
-    assert "No solution found" in text
+    assert "No solution found" in text and "artcloud" in text  # uv's resolution, for real
     assert made.token not in text and made.server_key not in text
-    time.sleep(1.0)
-    assert sky.status("bad") is not None  # no autodown after a failed setup
-    assert sky.down("bad") is True and sky.status("bad") is None
+    wait_for("autodown", lambda: sky.status("bad", refresh=True) is None, timeout=20)
+    assert leftover_processes(root) == {}
 
 
 def a_wheel_whose_lock_is(wheel: Path, folder: Path, change: str) -> Path:
@@ -260,29 +259,112 @@ def a_wheel_whose_lock_is(wheel: Path, folder: Path, change: str) -> Path:
     ("missing", "artcloud: ./artcloud-{v}-py3-none-any.whl ships no lock for the extras 'gpu' (it has: server): set "
                 "ARTCLOUD_EXTRAS to one of those, or ARTCLOUD_LOCK=0 to resolve without a lock"),
     ("damaged", "/artcloud/locks/gpu.txt is damaged (line {n}:torch==): reinstall artcloud or rebuild the wheel"),
-    ("bad_marker", "gpu.txt|at position"),  # uv's own words: it parsed the lock, --no-deps or not (uv wraps the
-                                            # message at its width, where a long temporary path may fall)
+    ("bad_marker", "gpu.txt|at position"),  # uv's own words: it parsed the lock (uv wraps the message at its
+                                            # width, where a long temporary path may fall)
 ], ids=["kept", "missing", "damaged", "bad_marker"])
 def test_the_setup_installs_with_the_wheels_lock(sky, root, wheel, tmp_path, change, line):
-    """The real setup reads the lock from the wheel it installs and hands it to uv as constraints (here with
-    --no-deps --no-index: the image has the packages); a missing or damaged lock fails it with one line."""
+    """The real setup reads the lock from the wheel it installs and hands it to uv as constraints (uv resolves it
+    for real against PyPI, then installs from the image); a missing or damaged lock fails it with one line."""
     made, secrets = launch_secrets()
     task = build_task(secrets=secrets, gpu="H100:1", wheel=a_wheel_whose_lock_is(wheel, tmp_path / change, change))
     task.config["run"] = "echo served"
     n = 1 + (Path(artcloud_locks.__file__).parent / "gpu.txt").read_text().splitlines().index("torch==2.13.0")
     line = line.format(v=__version__, n=n)
+    sky.launch(task.config, secrets=task.secrets, cluster_name="lock", idle_minutes=1)
+    wait_for("job end", lambda: sky.job_status("lock", 1) in ("SUCCEEDED", "FAILED_SETUP", "FAILED"), timeout=120)
+    text = "\n".join(sky.logs("lock"))
     if change == "kept":
-        sky.launch(task.config, secrets=task.secrets, cluster_name="lock", idle_minutes=1)
-        wait_for("job end", lambda: sky.job_status("lock", 1) == "SUCCEEDED", timeout=30)
-        text = "\n".join(sky.logs("lock"))
+        assert sky.job_status("lock", 1) == "SUCCEEDED", text
         assert line in text.splitlines() and text.endswith("served")
         return
-    with pytest.raises(StandinLaunchError) as raised:
-        sky.launch(task.config, secrets=task.secrets, cluster_name="lock", idle_minutes=1)
-    said = " ".join(str(raised.value).split())
-    assert all(" ".join(part.split()) in said for part in line.split("|")), str(raised.value)
-    assert sky.job_status("lock", None) == "FAILED_SETUP"
-    assert sky.down("lock") is True
+    assert sky.job_status("lock", 1) == "FAILED_SETUP", text
+    said = " ".join(text.split())
+    assert all(" ".join(part.split()) in said for part in line.split("|")), text
+    assert "served" not in text
+
+
+# ---------------------------------------------------------------------------------------------- SkyPilot's views
+
+
+def test_status_is_the_api_servers_cache_until_refreshed(sky, root, monkeypatch):
+    """sky.status() is the API server's cache (StatusRefreshMode.NONE, its daemon refreshing once a minute): a
+    machine the cloud took away is still UP there, and so is its endpoint, until a refresh (AUTO) looks."""
+    monkeypatch.setenv("ARTCLOUD_STANDIN_STATUS_REFRESH_S", "3600")  # the daemon's minute never comes here
+    sky.launch(small_task("sleep 60", ARTCLOUD_PORT="8443"), secrets={}, cluster_name="c", idle_minutes=5)
+    wait_for("job running", lambda: sky.job_status("c", 1) == "RUNNING", timeout=10)
+    before = sky.endpoint("c", 8443)
+    sky.preempt("c", notice_s=0)  # no notice: the machine just goes
+    assert leftover_processes(root) == {}
+    assert sky.status("c").status == "UP" and sky.endpoint("c", 8443) == before  # stale, as SkyPilot's
+    time.sleep(2.0)  # older than the 2 s an AUTO refresh skips (CLUSTER_STATUS_CACHE_DURATION_SECONDS)
+    assert sky.job_status("c", 1) is None  # job_status refreshes first (check_cluster_available)
+    assert sky.status("c") is None and sky.endpoint("c", 8443) is None  # the refresh updated the cache
+    assert sky.down("c") is False
+
+
+def test_autostopping_still_answers_and_then_goes(sky, root, monkeypatch):
+    hold = root / "hold"
+    root.mkdir(parents=True, exist_ok=True)
+    hold.touch()
+    monkeypatch.setenv("ARTCLOUD_STANDIN_HOLD_AUTOSTOP", str(hold))
+    sky.launch(small_task("exit 0", ARTCLOUD_PORT="8443"), secrets={}, cluster_name="a", idle_minutes=0)
+    wait_for("autostopping", lambda: (sky.status("a", refresh=True) or ClusterInfo("a", "?")).status == "AUTOSTOPPING",
+             timeout=20, every=0.5)
+    assert sky.job_status("a", 1) == "SUCCEEDED" and sky.endpoint("a", 8443)  # UP or AUTOSTOPPING: answered
+    assert "exit" not in " ".join(sky.logs("a"))
+    hold.unlink()
+    wait_for("autodown", lambda: sky.status("a", refresh=True) is None, timeout=20, every=0.5)
+    assert leftover_processes(root) == {}
+
+
+@pytest.mark.parametrize("head_alive", [True, False], ids=["head-alive", "head-dead"])
+def test_a_broken_node_is_init_unhealthy_and_loses_its_autostop_only_with_its_head(sky, root, head_alive):
+    sky.launch(small_task("sleep 60"), secrets={}, cluster_name="b", idle_minutes=5)
+    wait_for("job running", lambda: sky.job_status("b", 1) == "RUNNING", timeout=10)
+    sky.break_cluster("b", head_alive=head_alive)
+    time.sleep(2.0)
+    info = sky.status("b", refresh=True)
+    assert (info.status, info.init_kind) == ("INIT", "unhealthy")
+    assert info.autostop_minutes == (5 if head_alive else -1)  # backend_utils.py:3136-3183
+    assert sky.job_status("b", 1) is None  # INIT: not answered
+    assert bool(leftover_processes(root)) is head_alive  # a dead head runs nothing; its disks still bill
+    assert sky.down("b") is True and sky.status("b") is None
+
+
+# ---------------------------------------------------------------------------------------------- the node's Python
+
+
+def test_a_python_the_lock_does_not_serve_gets_a_cpython_from_uv(root, wheel, monkeypatch):
+    """Ubuntu 22.04's python3 is 3.10; the gpu lock needs 3.11+ (ARTCLOUD_PYTHON). The setup leaves python3 alone
+    and has uv install a CPython the lock serves (here: the stand-in's uv offers this machine's 3.11)."""
+    monkeypatch.setenv("ARTCLOUD_STANDIN_PYTHON", find_python("3.10"))
+    sky = LocalSky()
+    made, secrets = launch_secrets()
+    task = build_task(secrets=secrets, gpu="L4:1", wheel=wheel)
+    assert task.config["envs"]["ARTCLOUD_PYTHON"] == ">=3.11,<3.14"
+    task.config["run"] = ('"$HOME/artcloud-venv/bin/python" -c "import sys, artcloud; print(sys.version_info[:2])"; '
+                          'python3 -c "import sys; print(\'image\', sys.version_info[:2])"')
+    sky.launch(task.config, secrets=task.secrets, cluster_name="u22", idle_minutes=1)
+    wait_for("job end", lambda: sky.job_status("u22", 1) in ("SUCCEEDED", "FAILED_SETUP", "FAILED"), timeout=120)
+    lines = list(sky.logs("u22"))
+    assert sky.job_status("u22", 1) == "SUCCEEDED", "\n".join(lines[-20:])
+    assert lines[-2:] == ["(3, 11)", "image (3, 10)"]
+    assert any("the image's python3 is Python 3.10" in line and "uv installs a CPython" in line for line in lines)
+
+
+def test_a_lock_resolved_on_a_python_it_does_not_serve_fails_the_setup_as_on_a_node(root, wheel, monkeypatch):
+    """What a real GCP node did: the venv made from its 3.10 python3, then `uv pip install -c gpu.txt` finds no
+    solution (the lock's pins need 3.11). Forcing ARTCLOUD_PYTHON to admit 3.10 shows the stand-in resolves the lock
+    for real, with the node's Python, instead of trusting what is installed."""
+    monkeypatch.setenv("ARTCLOUD_STANDIN_PYTHON", find_python("3.10"))
+    sky = LocalSky()
+    made, secrets = launch_secrets()
+    task = build_task(secrets=secrets, gpu="L4:1", wheel=wheel, env={"ARTCLOUD_PYTHON": ">=3.10"})
+    sky.launch(task.config, secrets=task.secrets, cluster_name="u22", idle_minutes=1)
+    wait_for("job end", lambda: sky.job_status("u22", 1) in ("SUCCEEDED", "FAILED_SETUP", "FAILED"), timeout=120)
+    text = " ".join("\n".join(sky.logs("u22")).split())
+    assert sky.job_status("u22", 1) == "FAILED_SETUP", text
+    assert "No solution found when resolving dependencies" in text and "Python>=3.11" in text, text
 
 
 def test_recording_sky_faults(root, monkeypatch):
@@ -386,7 +468,8 @@ def test_the_lease_ends_the_job_then_autodown(sky, root, wheel):
     made, secrets = launch_secrets()
     task = build_task(secrets=secrets, gpu="L4:1", engine="auto", lease_s=2, max_duration_s=600, wheel=wheel)
     sky.launch(task.config, secrets=task.secrets, cluster_name="lease", idle_minutes=1)
-    wait_for("job end", lambda: sky.job_status("lease", 1) not in ("PENDING", "RUNNING"), timeout=120, every=0.2)
+    wait_for("job end", lambda: sky.job_status("lease", 1) not in ("PENDING", "SETTING_UP", "RUNNING"), timeout=120,
+             every=0.2)
     lines = list(sky.logs("lease"))
     assert sky.job_status("lease", 1) == "SUCCEEDED", "\n".join(lines[-20:])
     assert any("no client request or heartbeat for 2s" in line for line in lines)

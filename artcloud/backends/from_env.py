@@ -100,7 +100,11 @@ def make_backend(
     from artcloud.backends.modal import ModalBackend
 
     if cloud:
-        raise InvalidArgument("cloud does not apply to the modal backend (Modal picks its own)")
+        # Modal's Sandbox.create takes a cloud= ("Cloud provider for the sandbox", modal sandbox/_sandbox.py:194,
+        # 240), but ModalBackend does not pass one: say that, not that Modal has no choice.
+        raise InvalidArgument(f"cloud={cloud!r} is for the sky backend: artcloud's modal backend does not pass a cloud "
+                              "to Modal, which picks one itself; leave --cloud out, or use --backend sky to pin a cloud",
+                              field="cloud")
     return ModalBackend(gpu=gpu or "H100", name=name, **({"timeout": max_duration} if max_duration is not None else {}),
                         **common)
 

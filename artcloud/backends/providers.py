@@ -28,7 +28,7 @@ class SkySandboxes:
         self.api = sky_api()
 
     def status(self, record: SandboxRecord) -> str | None:
-        info = self.api.status(record.name)
+        info = self.api.status(record.name, refresh=True)  # the registry marks it down on None: not from a cache
         return None if info is None else info.status
 
     def down(self, record: SandboxRecord) -> bool:

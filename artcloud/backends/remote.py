@@ -64,6 +64,17 @@ class ServerGone(ArtcloudError):
     code = "server_gone"
 
 
+def check_version(health: Mapping[str, Any]) -> None:
+    """VersionMismatch unless a /health answer says this client's artcloud version."""
+    server_version = health.get("version")
+    if server_version != __version__:
+        raise VersionMismatch(
+            f"the server runs artcloud {server_version} and this client artcloud {__version__}: "
+            "launch the server from this client's version (or install the server's version here)",
+            code="version_mismatch",
+        )
+
+
 def _retryable(exc: BaseException) -> bool:
     if isinstance(exc, httpx.TransportError):
         return True
@@ -258,13 +269,7 @@ class RemoteBackend:
 
     async def health(self, *, retry: bool = True) -> dict[str, Any]:
         body = await self._call("GET", "/health", retry=retry)
-        server_version = body.get("version")
-        if server_version != __version__:
-            raise VersionMismatch(
-                f"the server runs artcloud {server_version} and this client artcloud {__version__}: "
-                "launch the server from this client's version (or install the server's version here)",
-                code="version_mismatch",
-            )
+        check_version(body)
         self._version_checked = True
         return body
 

@@ -32,14 +32,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, TypeVar
+from typing import Any
 
-from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone, _first_line, push_verdicts
+from artcloud.backends.remote import (
+    ArtcloudError,
+    RemoteBackend,
+    ServerGone,
+    _first_line,
+    check_version,
+    push_verdicts,
+)
 from artcloud.backends.state import SandboxRecord, StateDir
 from artcloud.durations import format_duration
 
 log = logging.getLogger("artcloud.client")  # what the client says about its sandbox
-T = TypeVar("T")
 
 ATTACH_TIMEOUT_S = 300.0  # an attached server was ready once: it should answer within this
 
@@ -104,9 +110,9 @@ class SandboxBackend(RemoteBackend):
         """Provision, then (for a server, not a detached job) wait until it is ready. A failure after anything
         was asked of the provider tears it down; one before (bad input, a preflight check) only raises."""
         self.cold_start_s, self._launch_began = {}, time.monotonic()
-        # One bar from the launch call to ready: a provider whose launch call waits for the install (SkyPilot's)
-        # shows "installing" meanwhile (_while_observing). None for a job, nor for a replacement (model.train's
-        # own bar may be on the terminal then; the replacement is said in the log).
+        # One bar from the launch call to ready ("provisioning", then the server's phases: installing, fetching
+        # weights, ...). None for a job, nor for a replacement (model.train's own bar may be on the terminal then;
+        # the replacement is said in the log).
         shown = self.progress and show_bar and job is None
         with StartBar(self.sandbox_name, enabled=shown, console=self.progress_console) as bar:
             self._bar = bar
@@ -123,65 +129,16 @@ class SandboxBackend(RemoteBackend):
                 raise
             await self._fail_start(e, launching=True)
         record = self._record
-        if job is not None:
-            if record is not None:
-                record.state = "up"
-                self.state.save(record)
-            return
         try:
-            await self._wait_ready(record, deadline=time.monotonic() + self.startup_timeout_s)
+            if job is not None:  # a detached job is launched once its install is done and it runs
+                await self._job_started(deadline=time.monotonic() + self.startup_timeout_s)
+            else:
+                await self._wait_ready(record, deadline=time.monotonic() + self.startup_timeout_s)
         except BaseException as e:
             await self._fail_start(e, launching=False)
-
-    async def _while_observing(self, call: Awaitable[T]) -> T:
-        """Await a provider's launch call while watching /health: SkyPilot's launch returns only after the
-        task's setup, so the install (answered by bootstrap_health.py) is seen, and provision measured, while
-        it runs. Watching only: the call's own outcome decides, and _wait_ready checks everything after."""
-        watcher = asyncio.ensure_future(self._observe(self._bar))
-        try:
-            return await call
-        finally:
-            watcher.cancel()
-            try:
-                await watcher
-            except asyncio.CancelledError:
-                pass
-
-    async def _observe(self, bar: "StartBar | None") -> None:
-        """Poll the new machine's /health with a client of its own: `base_url` stays the old server's until
-        _wait_ready, so that requests in flight during a spot replacement keep failing over to the recovery
-        (ServerGone) and never reach the install's responder, which answers 404 to everything but /health."""
-        import httpx
-
-        from artcloud.tls import client_ssl_context
-
-        delay, longest = self.poll_s
-        client: httpx.AsyncClient | None = None
-        try:
-            while True:
-                await asyncio.sleep(delay)
-                delay = min(delay * 1.5, longest)
-                try:
-                    url = await self._endpoint(time.monotonic() + self.startup_timeout_s)
-                    if not url:
-                        continue
-                    if client is None or str(client.base_url).rstrip("/") != url.rstrip("/"):
-                        if client is not None:
-                            await client.aclose()
-                        client = httpx.AsyncClient(base_url=url, timeout=10.0,
-                                                   verify=client_ssl_context(self.ca_cert, check_hostname=self.check_hostname))
-                    response = await client.get("/health")
-                    body = response.json() if response.status_code == 200 else None
-                except Exception:  # not up yet, not answering, the provider's API busy: the launch call and
-                    continue       # _wait_ready say what is wrong; watching must never fail a launch
-                if not isinstance(body, dict):
-                    continue
-                self._first_answer(body)
-                if bar is not None:
-                    bar.show(body)
-        finally:
-            if client is not None:
-                await client.aclose()
+        if job is not None and record is not None:
+            record.state = "up"
+            self.state.save(record)
 
     def _record_launch(self, record: SandboxRecord | None, *, ca_cert: str | None, token: str) -> None:
         """Called by _provision just before the provider is asked: from here on the sandbox is ours to
@@ -193,8 +150,7 @@ class SandboxBackend(RemoteBackend):
     async def _wait_ready(self, record: SandboxRecord | None, *, deadline: float) -> None:
         """Poll until /health says ready, showing its phase; note where the time went (cold_start_s).
         Provision is from the launch call to the first answer, less what the server says it spent before that
-        answer (the install, its own phases): a provider's launch call may wait for the install (SkyPilot's
-        does), and the first poll may come late."""
+        answer (the install, its own phases): the first poll may come late."""
         if self._bar is not None:  # launching: the launch's bar goes on
             await self._poll_ready(record, deadline, self._bar)
             return
@@ -207,32 +163,48 @@ class SandboxBackend(RemoteBackend):
             self.cold_start_s["provision"] = max(0.0, waited - _server_seconds(body))
 
     async def _poll_ready(self, record: SandboxRecord | None, deadline: float, bar: "StartBar") -> None:
+        """The new machine's /health is polled with a client of its own: `base_url` moves to it only once it is
+        ready. Until then, requests of a spot replacement in flight keep failing over to the recovery
+        (ServerGone) and never reach the install's responder (bootstrap_health.py answers 404 but on /health)."""
+        import httpx
+
+        from artcloud.tls import client_ssl_context
+
         delay, longest = self.poll_s
-        while True:
-            url = await self._endpoint(deadline)
-            if url:
-                if url != self.base_url:
-                    await self._close_http()  # the HTTP client is bound to the old URL
-                    self.base_url, self._version_checked = url, False
-                if record is not None and self.state is not None and (record.url != url or record.state != "up"):
-                    record.url, record.state = url, "up"
-                    self.state.save(record)
-                try:  # one try: this loop is the retry, and it asks _check_alive between tries
-                    body = await self.health(retry=False)
-                    self._first_answer(body)
-                    bar.show(body)
-                    if body.get("ready"):
-                        self._note_phases(body)
-                        self._launch_began = None
-                        return
-                except ArtcloudError as e:
-                    if e.code == "version_mismatch":
-                        raise
-            await self._check_alive()
-            if time.monotonic() > deadline:
-                raise self._not_ready(url)
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, longest)
+        probe: httpx.AsyncClient | None = None
+        try:
+            while True:
+                url = await self._endpoint(deadline)
+                if url:
+                    if record is not None and self.state is not None and (record.url != url or record.state != "up"):
+                        record.url, record.state = url, "up"
+                        self.state.save(record)
+                    if probe is None or str(probe.base_url).rstrip("/") != url.rstrip("/"):
+                        if probe is not None:
+                            await probe.aclose()
+                        probe = httpx.AsyncClient(base_url=url, timeout=10.0, verify=client_ssl_context(
+                            self.ca_cert, check_hostname=self.check_hostname))
+                    body = await _health_of(probe)  # one try: this loop is the retry, and asks _check_alive between
+                    if body is not None:
+                        check_version(body)
+                        self._first_answer(body)
+                        bar.show(body)
+                        if body.get("ready"):
+                            if url != self.base_url:
+                                await self._close_http()  # the HTTP client is bound to the old URL
+                                self.base_url = url
+                            self._version_checked = True
+                            self._note_phases(body)
+                            self._launch_began = None
+                            return
+                await self._check_alive()
+                if time.monotonic() > deadline:
+                    raise self._not_ready(url)
+                await asyncio.sleep(delay)
+                delay = min(delay * 1.5, longest)
+        finally:
+            if probe is not None:
+                await probe.aclose()
 
     def _not_ready(self, url: str | None) -> ArtcloudError:
         return self.error(f"the server on {self.sandbox_name} was not ready in time (startup_timeout "
@@ -350,6 +322,10 @@ class SandboxBackend(RemoteBackend):
     async def _endpoint(self, deadline: float) -> str | None:
         raise NotImplementedError
 
+    async def _job_started(self, deadline: float) -> None:
+        """A detached job (`artcloud run --detach`) was submitted: return once it runs (its install done), raise
+        if it failed before. Most providers start the command itself: nothing to wait for."""
+
     async def _destroy(self) -> None:
         raise NotImplementedError
 
@@ -398,6 +374,18 @@ class StartBar:
     def __exit__(self, *exc: Any) -> None:
         if self._progress is not None:
             self._progress.stop()
+
+
+async def _health_of(client: Any) -> dict[str, Any] | None:
+    """GET /health once: its JSON object, or None when nothing (or not JSON, or not 200) answers yet."""
+    import httpx
+
+    try:
+        response = await client.get("/health")
+        body = response.json() if response.status_code == 200 else None
+    except (httpx.TransportError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def _server_seconds(body: dict[str, Any]) -> float:

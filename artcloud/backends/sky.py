@@ -29,6 +29,7 @@ import os
 import secrets as _secrets
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -47,8 +48,11 @@ log = logging.getLogger("artcloud.sky")
 
 PROVIDER = "sky"
 PREEMPTION_LINE = "preemption notice ("  # what the server logs when its cloud announces the end (server/preemption.py)
-FAILED_JOB = ("FAILED", "FAILED_SETUP", "FAILED_DRIVER", "FAILED_PRECHECKS", "FAILED_NO_RESOURCE",
-              "FAILED_CONTROLLER", "CANCELLED", "SUCCEEDED")  # SUCCEEDED: the server exited
+# A cluster job's statuses that mean it ended (skylet/job_lib.py:165-203; FAILED_PRECHECKS and the like are a
+# managed job's, jobs/state.py:761-765, never a cluster job's). SUCCEEDED: the server exited. FAILED_SETUP: the
+# install failed (setup runs inside the job: execution.py:924).
+FAILED_JOB = ("FAILED", "FAILED_SETUP", "FAILED_DRIVER", "CANCELLED", "SUCCEEDED")
+STARTING_JOB = ("INIT", "PENDING", "SETTING_UP")  # submitted, not yet running the task's `run`
 
 
 class SkyError(ArtcloudError):
@@ -65,13 +69,36 @@ def parse_gpu(gpu: str) -> tuple[str, int]:
     return name, int(count or 1)
 
 
+def closed_port_cloud(cloud: str | None) -> str | None:
+    """Why `cloud` cannot host artcloud's server, or None: SkyPilot cannot open a port there (NO_OPEN_PORTS), and a
+    launch would only fail once SkyPilot's optimizer weighs it."""
+    from artcloud.backends.sky_api import NO_OPEN_PORTS
+
+    if not cloud or cloud.lower() not in NO_OPEN_PORTS:
+        return None
+    return (f"artcloud needs an open port ({SERVER_PORT}) to reach its server, and SkyPilot cannot open one on "
+            f"{cloud}: pin a cloud that can (e.g. cloud='aws', 'gcp', 'azure', 'kubernetes', 'lambda' or 'runpod') or leave "
+            "cloud unset for the cheapest enabled one")
+
+
 def pick_offer(offers: list[GPUOffer], gpu: str, *, cloud: str | None, use_spot: bool,
                enabled: list[str] | None = None) -> GPUOffer | None:
     """The cheapest offer for `gpu` (on `cloud` if given, else among the `enabled` clouds when known), as
-    SkyPilot's optimizer picks it. Raises ValueError if none can serve it."""
+    SkyPilot's optimizer picks it; never one on a cloud that cannot open artcloud's port. Raises ValueError if
+    none can serve it."""
+    from artcloud.backends.deps import sky_cloud_install
+    from artcloud.backends.sky_api import NO_OPEN_PORTS
+
     name, count = parse_gpu(gpu)
     if not offers:
         raise InvalidArgument(f"SkyPilot knows no GPU named {name!r}: `sky show-gpus` lists the names (e.g. H100, A100-80GB, L4)")
+    if closed_port_cloud(cloud):
+        raise InvalidArgument(closed_port_cloud(cloud), code="cloud_without_ports", field="cloud")
+    open_ports = [o for o in offers if o.cloud.lower() not in NO_OPEN_PORTS]
+    if not open_ports:
+        raise InvalidArgument(f"{name} is only on {', '.join(sorted({o.cloud for o in offers}))}, where SkyPilot "
+                              f"cannot open the port artcloud needs: `sky show-gpus` lists the other GPUs")
+    offers = open_ports
     if cloud:
         offers = [o for o in offers if o.cloud.lower() == cloud.lower()]
         if not offers:
@@ -80,8 +107,11 @@ def pick_offer(offers: list[GPUOffer], gpu: str, *, cloud: str | None, use_spot:
         clouds = sorted({o.cloud for o in offers})
         offers = [o for o in offers if o.cloud.lower() in enabled]
         if not offers:
-            raise InvalidArgument(f"no enabled cloud offers {name} (enabled: {', '.join(enabled) or 'none'}; {name} is on "
-                             f"{', '.join(clouds)}): set one of those up, then `sky check`")
+            install = next(filter(None, map(sky_cloud_install, clouds)), None)
+            raise InvalidArgument(f"no enabled cloud offers {name} (enabled: {', '.join(enabled) or 'none'}; {name} is "
+                                  f"on {', '.join(clouds)}): set one of those up"
+                                  + (f" (e.g. {install}, and its credentials)" if install else "")
+                                  + ", then `sky check`")
     fitting = [o for o in offers if o.count == count]
     if not fitting:
         counts = sorted({o.count for o in offers})
@@ -200,7 +230,6 @@ class SkyBackend(SandboxBackend):
         self.offer: GPUOffer | None = None  # the catalog's guess before launching
         self.resources: str | None = None  # what SkyPilot launched, e.g. "1x AWS(p5.4xlarge, {'H100': 1})"
         self._job_id: int | None = None
-        self._seen_up = False  # launched, or attached as up: an INIT status now means unhealthy
         # A spot machine may be taken away: with S3 to resume from, a new one takes its place (see recover).
         self.relaunch_on_loss = bool(use_spot and s3)
         if use_spot and not s3:
@@ -222,12 +251,12 @@ class SkyBackend(SandboxBackend):
         """A cluster of this name that this machine launched and that still serves: attach to it. One of ours
         that is dead (stopped, or unhealthy once up) is torn down first: it serves nothing and may bill."""
         name = self.cluster_name
-        info = await asyncio.to_thread(self.api.status, name)
+        info = await asyncio.to_thread(self.api.status, name, refresh=True)
         if info is None:
             return False
         ours = record is not None and record.provider == PROVIDER
         if ours:
-            reason = self._dead(info, seen_up=record.state == "up")
+            reason = self._dead(info)
             if reason is not None:  # a new one is launched in its place
                 await self._reap(reason)
                 return False
@@ -240,7 +269,6 @@ class SkyBackend(SandboxBackend):
 
     async def _adopt(self, record: SandboxRecord, creds: tuple[str, str]) -> None:
         self.ca_cert, self._token = creds
-        self._seen_up = record.state == "up"
         self.price_per_hour, self.resources = record.price_per_hour, record.extra.get("resources")
 
     def _launch_secrets(self) -> dict[str, str]:
@@ -282,8 +310,16 @@ class SkyBackend(SandboxBackend):
         """The machine a launch would get and what it costs, per hour and for max_duration; launches
         nothing (it asks SkyPilot's catalog and `sky check`). The real price is known once launched:
         `price_per_hour` then comes from what SkyPilot launched."""
+        from artcloud.backends.deps import sky_cloud_install
+
+        if closed_port_cloud(self.cloud):  # before `sky check`: set up or not, it cannot serve
+            raise SkyError(closed_port_cloud(self.cloud), code="cloud_without_ports", field="cloud")
         if self.cloud:
             reason = self.api.check_cloud(self.cloud)
+            install = reason and sky_cloud_install(self.cloud, reason)
+            if install:  # `sky check` found no SDK: artcloud[sky] brings SkyPilot alone
+                raise SkyError(f"{self.cloud}'s SDK is not installed: {install}, then `sky check {self.cloud}` "
+                               f"(sky check says: {reason})", code="cloud_sdk_missing", field="cloud")
             if reason:
                 raise SkyError(f"{self.cloud} is not enabled in SkyPilot: {reason} (then run `sky check {self.cloud}`)",
                                code="cloud_not_enabled", field="cloud")
@@ -312,8 +348,9 @@ class SkyBackend(SandboxBackend):
         """`artcloud run --detach`: the cluster runs the training loop itself (`artcloud run SCRIPT
         --backend local ...`, its own server on the same machine) instead of serving this client.
         `run_args(price_per_hour)` gives that command's arguments once the catalog's price is known.
-        Returns once SkyPilot has the job; the cluster goes `idle_minutes` after the loop ends."""
-        if self._owns or await asyncio.to_thread(self.api.status, self.cluster_name) is not None:
+        Returns once the job runs, its install done (a failed install raises, with its last lines); the cluster goes
+        `idle_minutes` after the loop ends."""
+        if self._owns or await asyncio.to_thread(self.api.status, self.cluster_name, refresh=True) is not None:
             raise SkyError(f"a cluster named {self.cluster_name} exists: choose another name for the run",
                            code="name_taken", field="cluster_name")
         self._shut_down = True  # no server of ours to ask for a final push: the loop pushes its own
@@ -330,7 +367,6 @@ class SkyBackend(SandboxBackend):
         launch_secrets = {"ARTCLOUD_TOKEN": tls.token, "ARTCLOUD_TLS_CERT": tls.server_cert,
                           "ARTCLOUD_TLS_KEY": tls.server_key, **user_secrets}
         self.ca_cert, self._token = tls.ca_cert, tls.token
-        self._seen_up = False  # a cluster being launched is INIT until it is up: that is not "unhealthy"
         record = SandboxRecord(
             name=name, provider=PROVIDER, gpu=self.gpu, cloud=self.cloud, price_per_hour=self.price_per_hour,
             max_duration_s=self.max_duration_s, idle_minutes=self.idle_minutes, s3=self.s3,
@@ -349,10 +385,12 @@ class SkyBackend(SandboxBackend):
                              workdir=Path(tmp) if job is not None else None)
             log.info("launching %s: %s", name, describe(task))
             self._record_launch(record, ca_cert=tls.ca_cert, token=tls.token)
-            launched: Launched = await self._while_observing(asyncio.to_thread(
+            # Returns once the job is submitted: the install (the task's setup) runs inside the job, and is
+            # watched (and bounded by startup_timeout) with the server's start, by _wait_ready.
+            launched: Launched = await asyncio.to_thread(
                 self.api.launch, task.config, secrets=task.secrets, cluster_name=name,
-                idle_minutes=self.idle_minutes, retry_until_up=self.retry_until_up))
-        self._job_id, self._seen_up = launched.job_id, True
+                idle_minutes=self.idle_minutes, retry_until_up=self.retry_until_up)
+        self._job_id = launched.job_id
         if launched.price_per_hour is not None:  # what was launched, not the catalog's guess
             if self.price_per_hour is not None and abs(launched.price_per_hour - self.price_per_hour) > 0.005:
                 log.info("%s: launched %s at $%.2f/h (the catalog's guess was $%.2f/h)", name, launched.resources,
@@ -394,14 +432,17 @@ class SkyBackend(SandboxBackend):
     # ------------------------------------------------------------------------------------- liveness
 
     @staticmethod
-    def _dead(info: ClusterInfo, *, seen_up: bool) -> str | None:
-        """Why a cluster that exists serves nothing, or None. STOPPED: every node stopped (a stopped node runs
-        no skylet, so autodown never fires while its disks bill). INIT once it was up: SkyPilot's refresh
-        found it broken (and cancelled its autostop)."""
+    def _dead(info: ClusterInfo) -> str | None:
+        """Why a cluster that exists serves nothing and nothing will take it down, or None. STOPPED: every node
+        stopped (a stopped node runs no skylet, so autodown never fires while its disks bill). INIT 'unhealthy'
+        with its autostop cancelled: SkyPilot's refresh cancels it only when the head node is not alive
+        (backend_utils.py:3120-3183). INIT otherwise is a launch in progress, or a node that is unwell while its
+        head runs (its autostop stands): not dead (AUTOSTOPPING neither: it is on its way down)."""
         if info.status == "STOPPED":
             return "stopped (its disks still bill, and a stopped cluster never autodowns)"
-        if info.status == "INIT" and seen_up:
-            return "unhealthy (SkyPilot's status is INIT; its autostop is cancelled)"
+        if info.status == "INIT" and info.init_kind == "unhealthy" and (info.autostop_minutes is None
+                                                                        or info.autostop_minutes < 0):
+            return "unhealthy, its head node down (SkyPilot's status is INIT and its autostop is cancelled)"
         return None
 
     async def _reap(self, reason: str) -> None:
@@ -413,11 +454,11 @@ class SkyBackend(SandboxBackend):
 
     async def _check_alive(self) -> None:
         name = self.cluster_name
-        info = await asyncio.to_thread(self.api.status, name)
+        info = await asyncio.to_thread(self.api.status, name, refresh=True)
         if info is None:
             raise ServerGone(f"the cluster {name} is gone (torn down, preempted or autodowned): "
                              "launch again; training resumes from the last checkpoint pushed to S3", code="cluster_gone")
-        reason = self._dead(info, seen_up=self._seen_up)
+        reason = self._dead(info)
         if reason is not None:
             tail = "\n".join("  " + line for line in await asyncio.to_thread(self.log_tail, 20))
             await self._reap(reason)
@@ -425,17 +466,44 @@ class SkyBackend(SandboxBackend):
                              "last checkpoint pushed to S3" + (f". Its last lines:\n{tail}" if tail else ""),
                              code="cluster_dead")
         status = await asyncio.to_thread(self.api.job_status, name, self._job_id)
+        if status == "FAILED_SETUP":
+            raise await self._setup_failed()
         if status in FAILED_JOB:
             tail = "\n".join("  " + line for line in await asyncio.to_thread(self.log_tail, 20))
             raise ServerGone(f"the server job on {name} ended ({status}); its last lines:\n{tail}", code="server_exited")
+
+    async def _setup_failed(self) -> ServerGone:
+        """The install failed (the task's setup, inside the job: FAILED_SETUP): a launch failure, with its lines."""
+        tail = "\n".join("  " + line for line in await asyncio.to_thread(self.log_tail, 20))
+        return ServerGone(f"could not launch {self.cluster_name}: installing artcloud on it failed (SkyPilot job "
+                          f"FAILED_SETUP); the setup's last lines:\n{tail}", code="setup_failed")
+
+    async def _job_started(self, deadline: float) -> None:
+        """`artcloud run --detach`: the job's setup (the install) runs after launch returns; the run is launched
+        once the job RUNS. FAILED_SETUP, a vanished cluster, or still installing at startup_timeout fail it."""
+        delay, longest = self.poll_s
+        while True:
+            status = await asyncio.to_thread(self.api.job_status, self.cluster_name, self._job_id)
+            if status == "FAILED_SETUP":
+                raise await self._setup_failed()
+            if status is not None and status not in STARTING_JOB:
+                return  # RUNNING, or already over: the run's own summary says how it went
+            if status is None:
+                await self._check_alive()  # gone or dead: why
+            if time.monotonic() > deadline:
+                raise SkyError(f"the job on {self.cluster_name} was still installing (SkyPilot job {status}) after "
+                               f"startup_timeout: raise it, or see `artcloud logs {self.cluster_name}`",
+                               code="startup_timeout")
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, longest)
 
     # ------------------------------------------------------------------------------------- down
 
     async def _lost_machine(self, cause: BaseException) -> bool:
         """The cluster is gone or dead, or its server exited on the cloud's preemption notice (the machine goes
         a little later). A server that failed on a machine that is still fine is not replaced."""
-        info = await asyncio.to_thread(self.api.status, self.cluster_name)
-        if info is None or self._dead(info, seen_up=True) is not None:
+        info = await asyncio.to_thread(self.api.status, self.cluster_name, refresh=True)
+        if info is None or self._dead(info) is not None:
             return True
         lines = await asyncio.to_thread(self.log_tail, 400)
         return any(PREEMPTION_LINE in line for line in lines)
@@ -443,14 +511,14 @@ class SkyBackend(SandboxBackend):
     async def gone(self) -> bool:
         """True when nothing of the cluster is left. A cluster of ours that exists but is dead (stopped, or
         unhealthy after being up) is torn down first: it serves nothing and may still bill."""
-        info = await asyncio.to_thread(self.api.status, self.cluster_name)
+        info = await asyncio.to_thread(self.api.status, self.cluster_name, refresh=True)
         if info is None:
             return True
-        reason = self._dead(info, seen_up=self._seen_up)
+        reason = self._dead(info)
         if reason is None or not (self._owns or self.state.load(self.cluster_name) is not None):
             return False
         await self._reap(reason)
-        return await asyncio.to_thread(self.api.status, self.cluster_name) is None
+        return await asyncio.to_thread(self.api.status, self.cluster_name, refresh=True) is None
 
     @property
     def sandbox_name(self) -> str:

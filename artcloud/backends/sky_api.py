@@ -10,24 +10,38 @@ it runs the task's own setup and run commands as local processes, so everything 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import io
+import logging
 import os
+import re
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol
 
 ENV_SKY_API = "ARTCLOUD_SKY_API"
+# The clouds on which SkyPilot 0.14.1 cannot open a port: OPEN_PORTS is among their unsupported features
+# (sky/clouds/hyperbolic.py:44, ibm.py:54, mithril.py:45, slurm.py:49, verda.py:44, vsphere.py:57), and a task
+# with `ports` requires it (resources.py:2379). artcloud's server is reached on its port, so these are never
+# quoted nor picked. Kept here, not asked of `sky` (whose import takes seconds); tests/laptop/test_sky_pins.py
+# pins the set against the installed SkyPilot.
+NO_OPEN_PORTS = frozenset({"hyperbolic", "ibm", "mithril", "slurm", "verda", "vsphere"})
 
 
 @dataclass(frozen=True)
 class ClusterInfo:
     name: str
-    status: str  # SkyPilot's: INIT, UP or STOPPED
+    status: str  # SkyPilot's ClusterStatus: INIT, UP, AUTOSTOPPING or STOPPED (utils/status_lib.py:18-44)
     launched_at: float | None = None  # unix seconds
     autostop_minutes: int | None = None  # None or negative: no autostop set
     to_down: bool = False  # autostop tears the cluster down (not just stops it)
     resources: str | None = None  # e.g. "1x AWS(p5.48xlarge, {'H100': 1})"
+    # For INIT only: 'launching' (being provisioned) or 'unhealthy' (a refresh found a node in a bad state;
+    # its head may still be alive). schemas/api/responses.py:126-131.
+    init_kind: str | None = None
 
 
 @dataclass(frozen=True)
@@ -53,15 +67,19 @@ class GPUOffer:
 class SkyAPI(Protocol):
     def launch(self, task: dict[str, Any], *, secrets: dict[str, str], cluster_name: str,
                idle_minutes: int | None, retry_until_up: bool = False) -> Launched:
-        """Provision (or reuse) the cluster, run setup, submit `run` as a job; return the job id and what
-        was launched. Autodown: `idle_minutes` after the last job ends, the cluster is torn down."""
+        """Provision (or reuse) the cluster, set autostop, submit the job; return the job id and what was launched.
+        The task's setup runs INSIDE the job, after this returns (SETTING_UP, then RUNNING or FAILED_SETUP:
+        execution.py:924 detach_setup). Autodown: `idle_minutes` after the last job ends (a failed setup too)."""
 
-    def status(self, cluster_name: str) -> ClusterInfo | None:
-        """The cluster, or None if it does not exist (never launched, or torn down)."""
+    def status(self, cluster_name: str, *, refresh: bool = False) -> ClusterInfo | None:
+        """The cluster, or None if it does not exist (never launched, or torn down). Without `refresh`, what the
+        API server last saw (its daemon looks once a minute): for listing. With it, what the cloud says now (for
+        an artcloud cluster, which always has autostop set): for deciding that a machine is dead or lost."""
 
     def job_status(self, cluster_name: str, job_id: int | None) -> str | None:
-        """SkyPilot's status of the job (PENDING, SETTING_UP, RUNNING, SUCCEEDED, FAILED, FAILED_SETUP, ...),
-        or None if it cannot be told (no such job, cluster not up)."""
+        """SkyPilot's status of the job (skylet/job_lib.py:165-203: INIT, PENDING, SETTING_UP, RUNNING,
+        FAILED_DRIVER, SUCCEEDED, FAILED, FAILED_SETUP, CANCELLED), or None if it cannot be told (no such job,
+        cluster not UP or AUTOSTOPPING). It refreshes the cluster's status first (check_cluster_available)."""
 
     def endpoint(self, cluster_name: str, port: int) -> str | None:
         """Where the cluster's `port` is reachable, as SkyPilot says it: 'host:port' for a plain TCP port (what
@@ -69,7 +87,7 @@ class SkyAPI(Protocol):
         'http://IP:80/skypilot/NAMESPACE/CLUSTER/PORT'); None if not open yet."""
 
     def logs(self, cluster_name: str, *, follow: bool = False, tail: int = 0) -> Iterator[str]:
-        """Lines of the latest job's output (setup and run)."""
+        """Lines of the latest job's output: its setup (the install runs inside the job), then its run."""
 
     def autostop(self, cluster_name: str, idle_minutes: int, *, down: bool = True) -> None: ...
 
@@ -122,21 +140,29 @@ class SkyPilotAPI:
         config.pop("secrets", None)
         t = sky.Task.from_yaml_config(config)
         t.update_secrets(secrets)  # inline secrets: '<redacted>' in the YAML sky logs and shows
-        request = sky.launch(t, cluster_name=cluster_name, idle_minutes_to_autostop=idle_minutes,
-                             down=idle_minutes is not None, retry_until_up=retry_until_up)
-        # (job_id, handle); a 3-tuple (+ credentials) only when launch(_include_credentials=True). The handle
-        # (CloudVmRayResourceHandle) says what the optimizer chose: its launched_resources price that machine,
-        # spot or not, where the catalog lookup before launching could only guess.
-        job_id, handle = sky.stream_and_get(request)[:2]
+        # `launch` echoes "Running on cluster: NAME" (client/sdk.py:1032-1034) and stream_and_get prints the
+        # provisioning log (stream_response's print(..., file=output_stream)) on stdout, from this worker thread,
+        # through artcloud's own output and progress bar: to artcloud's logger instead, line by line.
+        with _LogLines(logging.getLogger("artcloud.sky")) as lines, _this_threads_stdout(lines):
+            request = sky.launch(t, cluster_name=cluster_name, idle_minutes_to_autostop=idle_minutes,
+                                 down=idle_minutes is not None, retry_until_up=retry_until_up)
+            # (job_id, handle); a 3-tuple (+ credentials) only when launch(_include_credentials=True). The handle
+            # (CloudVmRayResourceHandle) says what the optimizer chose: its launched_resources price that machine,
+            # spot or not, where the catalog lookup before launching could only guess.
+            job_id, handle = sky.stream_and_get(request, output_stream=lines)[:2]
         return Launched(job_id=job_id, **_launched(handle))
 
-    def status(self, cluster_name: str) -> ClusterInfo | None:
+    def status(self, cluster_name: str, *, refresh: bool = False) -> ClusterInfo | None:
         import sky
+        from sky.utils.common import StatusRefreshMode
 
         # A list of sky.schemas.api.responses.StatusResponse (pydantic; `status` a sky.ClusterStatus enum:
-        # INIT, UP, AUTOSTOPPING or STOPPED); a missing or torn-down cluster is left out. No refresh here: the
-        # API server's own daemon refreshes every cluster each minute (sky/server/daemons.py).
-        for record in sky.get(sky.status([cluster_name])):
+        # INIT, UP, AUTOSTOPPING or STOPPED); a missing or torn-down cluster is left out. The default, NONE, is
+        # the API server's cache, which its daemon refreshes once a minute (client/sdk.py:1912; server/daemons.py:
+        # 161-174): up to a minute after a spot VM went, it still says UP. AUTO refreshes a cluster with spot or
+        # autostop (every artcloud cluster) whose record is older than 2 s (backend_utils.py:3329-3346).
+        mode = StatusRefreshMode.AUTO if refresh else StatusRefreshMode.NONE
+        for record in sky.get(sky.status([cluster_name], refresh=mode)):
             if record.name == cluster_name:
                 return ClusterInfo(
                     name=cluster_name,
@@ -145,6 +171,7 @@ class SkyPilotAPI:
                     autostop_minutes=record.autostop,  # -1: none set
                     to_down=bool(record.to_down),
                     resources=record.resources_str,
+                    init_kind=record.init_kind,
                 )
         return None
 
@@ -180,8 +207,9 @@ class SkyPilotAPI:
         import sky
         from sky import exceptions
 
-        # The streamed request never reports a missing cluster (it just yields nothing): ask first.
-        if self.status(cluster_name) is None:
+        # The streamed request never reports a missing cluster (it just yields nothing): ask first, refreshed
+        # (tail_logs refreshes too: the cache may still hold a cluster the cloud took away).
+        if self.status(cluster_name, refresh=True) is None:
             raise exceptions.ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
         return self._lines(sky.tail_logs(cluster_name, job_id=None, follow=follow, tail=tail, preload_content=False))
 
@@ -294,3 +322,80 @@ def _launched(handle: Any) -> dict[str, Any]:
     except Exception:  # e.g. a Kubernetes or SSH node pool has no price
         price = None
     return {"price_per_hour": price, "resources": f"{nodes}x {resources}"}
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+class _LogLines(io.TextIOBase):
+    """A text stream that hands each line written to it to a logger (colours stripped, blank lines dropped)."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__()
+        self._log, self._pending = logger, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        *lines, self._pending = re.split(r"\r\n|\r|\n", self._pending + text)  # '\r': a progress line redrawn
+        for line in lines:
+            self._emit(line)
+        return len(text)
+
+    def _emit(self, line: str) -> None:
+        line = _ANSI.sub("", line).rstrip()
+        if line.strip():
+            self._log.info("%s", line)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._emit(self._pending)
+            self._pending = ""
+        super().close()
+
+
+_ROUTES: dict[int, Any] = {}  # thread id -> where that thread's stdout goes, while it launches
+_ROUTES_LOCK = threading.Lock()
+
+
+class _ThreadStdout:
+    """sys.stdout while a launch runs: the launching thread's writes go to its own stream, every other thread's
+    (the user's prints, a progress bar) to the stdout that was there."""
+
+    def __init__(self, original: Any) -> None:
+        self.original = original
+
+    def _target(self) -> Any:
+        return _ROUTES.get(threading.get_ident(), self.original)
+
+    def write(self, text: str) -> int:
+        return self._target().write(text)
+
+    def flush(self) -> None:
+        self._target().flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, encoding, fileno, buffer...: the target's
+        return getattr(self._target(), name)
+
+
+@contextlib.contextmanager
+def _this_threads_stdout(stream: Any) -> Iterator[None]:
+    """What this thread prints on sys.stdout goes to `stream` meanwhile; no other thread's output changes.
+    (SkyPilot's click.secho resolves sys.stdout when it writes, so only a router in its place reaches it.)"""
+    me = threading.get_ident()
+    if sys.stdout is None:  # no stdout at all (pythonw): nothing to keep clean
+        yield
+        return
+    with _ROUTES_LOCK:
+        if not isinstance(sys.stdout, _ThreadStdout):
+            sys.stdout = _ThreadStdout(sys.stdout)
+        router = sys.stdout
+        _ROUTES[me] = stream
+    try:
+        yield
+    finally:
+        with _ROUTES_LOCK:
+            _ROUTES.pop(me, None)
+            if not _ROUTES and sys.stdout is router:  # else someone (rich's Live) swapped it since: theirs to restore
+                sys.stdout = router.original

@@ -41,14 +41,21 @@ class LocalSkyServer:
         if self.was_answering or "sky" not in sys.modules or getattr(sys.modules["sky"], "__file__", None) is None:
             return None  # not ours, or SkyPilot was never imported (so never asked to start anything)
         try:
+            from sky import sky_logging
             from sky.client import sdk
             from sky.server import common
 
             if not common.is_api_server_local() or common.get_local_api_server_port() != self.port:
                 return None  # an endpoint of its own is configured: not started by this command
+            # api_stop does not say whether it found a server: ask first (a process still starting counts).
             if not _answering(self.port) and not sdk._local_api_server_running():
                 return None
-            sdk._local_api_server_running(kill=True)  # what `sky api stop` does, for this port only
+            # `sky api stop` itself (client/sdk.py api_stop): under the API-server creation lock, so no other
+            # command starts one meanwhile; it also ends every managed-jobs controller process recorded in
+            # ~/.sky/job_controller_pid (artcloud starts none), then the server on this port. Its "stopped" line
+            # is ours to say.
+            with sky_logging.silent():
+                sdk.api_stop()
         except Exception as e:  # never let tidying up hide the command's own outcome
             return (f"artcloud: the SkyPilot API server this command started on 127.0.0.1:{self.port} may still run "
                     f"({type(e).__name__}): `sky api stop` ends it")

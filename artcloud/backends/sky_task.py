@@ -18,12 +18,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from artcloud import locks
 from artcloud._version import __version__
 from artcloud.errors import InvalidArgument
 
 TEMPLATE_NAME = "artcloud-server.yaml"
 SERVER_PORT = 8080  # the one port every SkyPilot cloud forwards (Vast forwards no other)
 SECRET_NAMES = ("ARTCLOUD_TOKEN", "ARTCLOUD_TLS_CERT", "ARTCLOUD_TLS_KEY")
+HOOK_CLOUDS = ("kubernetes", "k8s", "ssh")  # where SkyPilot runs the template's preemption hook (a pod's SIGTERM)
 REDACTED = "<redacted>"
 
 
@@ -97,6 +99,11 @@ def build_task(
         res.pop("accelerators", None)
     if cloud:
         res["infra"] = f"{cloud}/{region}" if region else cloud
+        if cloud.lower() not in HOOK_CLOUDS:
+            # The preemption hook runs only on Kubernetes (skylet/skylet.py:94-126), but a task that declares a
+            # hook makes every `sky down` first run a command on the head (core.py:949, 953-1010): up to SSH's
+            # 30 s timeout on a dead head, the very ones artcloud reaps. Pinned elsewhere, it is left out.
+            config.pop("config", None)
     res["use_spot"] = bool(use_spot)
     config["envs"]["ARTCLOUD_WATCH_PREEMPTION"] = "1" if use_spot else "0"
     if disk_size is not None:
@@ -129,6 +136,8 @@ def build_task(
         if key in secrets:
             raise InvalidArgument(f"{key} is given both as an env and as a secret: keep it a secret only")
         envs[key] = str(value)
+    if not (env or {}).get("ARTCLOUD_PYTHON"):  # the Pythons the lock of the extras installed serves
+        envs["ARTCLOUD_PYTHON"] = locks.python_request(envs["ARTCLOUD_EXTRAS"])
 
     # Only the names: the values stay in ServerTask.secrets and go to SkyPilot as task secrets.
     config["secrets"] = {name: None for name in secrets}

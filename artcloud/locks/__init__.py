@@ -24,6 +24,11 @@ from artcloud.errors import ArtcloudError, InvalidArgument
 
 HERE = Path(__file__).resolve().parent
 HEADER = "# artcloud {version} lock for extras: {name}"  # the first line of every lock (`make lock` writes it)
+# The Pythons each lock serves: from the version `make lock` resolves it for (vLLM 0.32 needs 3.11) to the newest
+# one tests/test_lock.py checks it on. A sandbox's setup makes its venv from the image's python3 when it is one of
+# these, else from a CPython that uv installs (sky/artcloud-server.yaml, ARTCLOUD_PYTHON): Ubuntu 22.04, the
+# default GPU image on GCP, has 3.10.
+PYTHONS = {"gpu": ">=3.11,<3.14", "server": ">=3.10,<3.14"}
 _EXTRA = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
 # what `uv pip compile` writes: NAME==VERSION, optionally ` ; MARKER`; comments and `    # via` lines between
 _PIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.+!_-]+(?: ; \S.*)?")
@@ -57,6 +62,12 @@ def lock_name(extras: str | Iterable[str]) -> str:
 def available(folder: Path = HERE) -> list[str]:
     """The extras this artcloud ships locks for."""
     return sorted(p.stem for p in folder.glob("*.txt"))
+
+
+def python_request(extras: str | Iterable[str]) -> str:
+    """The Python versions the lock of `extras` serves, as uv takes them (e.g. '>=3.11,<3.14'). Extras without a
+    lock of their own get the strictest range (gpu's): their install resolves anew (ARTCLOUD_LOCK=0), vLLM and all."""
+    return PYTHONS.get(lock_name(extras), PYTHONS["gpu"])
 
 
 def lock_path(extras: str | Iterable[str]) -> Path:

@@ -4,6 +4,8 @@ signature and answered with what SkyPilot's own client decoders produce (tests/l
 from __future__ import annotations
 
 import copy
+import inspect
+import sys
 
 import pytest
 import yaml
@@ -76,6 +78,62 @@ def test_launch_reports_the_machine_skypilot_launched_and_its_price(sky, launch_
     assert f"launched_resources={launched.resources}, " in repr(decoded)  # as SkyPilot itself shows the handle
 
 
+def test_launch_output_goes_to_the_artcloud_sky_logger_not_stdout(sky, launch_secrets, monkeypatch, caplog, capsys):
+    """What SkyPilot prints while it launches (`launch`'s echo, client/sdk.py:1032-1034, and the provisioning log that
+    stream_and_get prints, 2487+) reaches logging.getLogger("artcloud.sky") line by line, from the worker thread that
+    launches; stdout carries only what other threads print meanwhile (a progress bar, the user's own lines)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import click
+    from sky.client import sdk
+    from sky.utils import message_utils, rich_utils
+
+    fakes = FakeSDK(sky, monkeypatch)
+    fake_launch, real_stream_and_get = sky.launch, sdk.stream_and_get
+
+    def launch(task, cluster_name=None, **kwargs):  # the real client's echo (client/sdk.py:1033-1034), then the fake
+        click.secho("Running on cluster: ", fg="cyan", nl=False)
+        click.secho(cluster_name)
+        return fake_launch(task, cluster_name=cluster_name, **kwargs)
+
+    spinner = message_utils.encode_payload(rich_utils.Control.INIT.encode("[bold cyan]Launching[/]"))
+    wire = ("\x1b[1mConsidered resources (1 node):\x1b[0m\n" + spinner + "\n"
+            "⚙︎ Launching on AWS us-east-1 (us-east-1a).\n  Uploading  50%\r  Uploading 100%\r\n"
+            "\x1b[32m✓ Cluster launched: c1.\x1b[0m  View logs: sky logs --provision c1\n").encode()
+    streaming, printed = threading.Event(), threading.Event()
+
+    class Response:  # what the API server sends, in two chunks cut inside a character
+        def iter_content(self, chunk_size=None):
+            streaming.set()
+            printed.wait(10)  # the main thread prints while this one streams
+            yield from (wire[:120], wire[120:])
+
+    def stream_and_get(request_id, **kwargs):  # the real printing path: stream_response and its decoder
+        inspect.signature(real_stream_and_get).bind(request_id, **kwargs)
+        sdk.stream_response(None, Response(), kwargs.get("output_stream"), get_result=False)
+        return served("launch", (7, None))
+
+    monkeypatch.setattr(sky, "launch", launch)
+    monkeypatch.setattr(sky, "stream_and_get", stream_and_get)
+    caplog.set_level("INFO", logger="artcloud.sky")
+    stdout = sys.stdout
+    server_task = build_task(secrets=launch_secrets)
+    with ThreadPoolExecutor(1) as pool:  # as SkyBackend calls it: asyncio.to_thread
+        done = pool.submit(SkyPilotAPI().launch, server_task.config, secrets=server_task.secrets, cluster_name="c1",
+                           idle_minutes=10)
+        assert streaming.wait(10)
+        print("the main thread's own line")
+        printed.set()
+        assert done.result(30) == Launched(job_id=7)
+
+    assert capsys.readouterr().out == "the main thread's own line\n"
+    assert [r.getMessage() for r in caplog.records if r.name == "artcloud.sky"] == [
+        "Running on cluster: c1", "Considered resources (1 node):", "⚙︎ Launching on AWS us-east-1 (us-east-1a).",
+        "  Uploading  50%", "  Uploading 100%", "✓ Cluster launched: c1.  View logs: sky logs --provision c1"]
+    assert sys.stdout is stdout and fakes.calls["launch"]
+
+
 # ----------------------------------------------------------------------------------------- the other calls
 
 def _status_json(name="c1", status="UP", **more):
@@ -91,10 +149,20 @@ def test_status(sky, monkeypatch):
     assert SkyPilotAPI().status("c1") == ClusterInfo(
         name="c1", status="UP", launched_at=1_700_000_000, autostop_minutes=10, to_down=True,
         resources="1x AWS(p5.4xlarge, {'H100': 1})")
-    assert fakes.calls["status"] == [((["c1"],), {})]
+    from sky.utils.common import StatusRefreshMode
+
+    # Listing reads the API server's cache (sky.status's own default); deciding that a machine is gone refreshes
+    # a cluster with autostop or spot, i.e. every artcloud cluster (AUTO, not FORCE: no cloud call per poll).
+    assert SkyPilotAPI().status("c1", refresh=True) is not None
+    assert fakes.calls["status"] == [((["c1"],), {"refresh": StatusRefreshMode.NONE}),
+                                     ((["c1"],), {"refresh": StatusRefreshMode.AUTO})]
     fakes.answer("status", lambda: decode("status", [_status_json(status="AUTOSTOPPING", autostop=-1,
                                                                    to_down=False)]))
     assert SkyPilotAPI().status("c1").status == "AUTOSTOPPING"
+    # INIT is a launch in progress or a node found unwell: init_kind tells them apart (responses.py:126-131).
+    fakes.answer("status", lambda: decode("status", [_status_json(status="INIT", init_kind="unhealthy")]))
+    info = SkyPilotAPI().status("c1", refresh=True)
+    assert (info.status, info.init_kind) == ("INIT", "unhealthy")
     fakes.answer("status", lambda: decode("status", []))  # torn down or never launched: left out
     assert SkyPilotAPI().status("c1") is None
 
@@ -219,6 +287,31 @@ def test_check_cloud(sky, monkeypatch):
     assert SkyPilotAPI().check_cloud("aws") is None
     fakes.answer("check", ("printing", "", {"default": {"AWS": ["storage"]}}))  # storage only: cannot launch
     assert SkyPilotAPI().check_cloud("aws") == "aws is not enabled (run `sky check aws`)"
+
+
+def test_a_cloud_whose_sdk_is_missing_is_named_as_the_artcloud_extra(sky, monkeypatch, capsys):
+    """artcloud[sky] brings SkyPilot without any cloud's SDK. What the API server's own `sky check runpod` streams
+    where the runpod SDK is missing (this venv) becomes one line naming `pip install 'artcloud[sky-runpod]'`."""
+    import importlib.util
+
+    from sky import check, global_user_state
+
+    from artcloud.backends.sky import SkyBackend, SkyError
+
+    assert importlib.util.find_spec("runpod") is None, "this test runs where RunPod's SDK is not installed"
+    for name in ("set_allowed_clouds", "set_enabled_clouds", "set_check_results"):  # the state the other tests read
+        monkeypatch.setattr(global_user_state, name, lambda *args, **kwargs: None)
+    capsys.readouterr()
+    answer = check.check(quiet=False, verbose=False, clouds=("runpod",))  # the server side of sdk.check, offline
+    fakes = FakeSDK(sky, monkeypatch)
+    fakes.answer("check", ("printing", capsys.readouterr().out, answer))
+    with pytest.raises(SkyError) as raised:
+        SkyBackend(gpu="H100:1", cloud="runpod", api=SkyPilotAPI()).plan()
+    assert raised.value.code == "cloud_sdk_missing" and raised.value.field == "cloud"
+    assert str(raised.value).startswith("runpod's SDK is not installed: pip install 'artcloud[sky-runpod]', then "
+                                        "`sky check runpod` (sky check says: RunPod: disabled Reason [compute]: "
+                                        'Failed to import runpod or TOML parser. Install: pip install "skypilot[runpod]".')
+    assert "\n" not in str(raised.value)
 
 
 def test_enabled_clouds(sky, monkeypatch):
