@@ -314,8 +314,9 @@ class TrainableModel(Model):
                 break
             except ServerGone as e:
                 # A preempted spot machine: the backend brings up a new one, which resumes from S3 at the last
-                # committed step. The step was either committed and pushed before the machine went (then it is
-                # not trained again) or lost with it (then the same groups train on the new machine).
+                # pushed step and trains again the earlier steps S3 did not get (RemoteBackend.note_trained). This
+                # step was either committed and pushed before the machine went (then it is not trained again) or
+                # lost with it (then the same groups train on the new machine).
                 if not await backend.recover(e, generation):
                     raise
                 info = await backend.model_info(self.name)
@@ -335,10 +336,12 @@ class TrainableModel(Model):
         if last["type"] == "error":
             raise ArtcloudError(f"training {self.name} failed: {last['data'].get('message')}", code=last["data"].get("code", "error"))
         self.step = last["data"]["step"]
-        await self._push_temperature()
         result = TrainResult(step=self.step, trained=last["data"].get("trained", False),
                              metrics=_numbers(last["data"].get("metrics", {})), events=events,
                              checkpoint_path=last["data"].get("checkpoint"))
+        if result.trained:  # kept until S3 has it: a machine lost before its push trains it again on the next
+            backend.note_trained(self.name, self.step, body, last["data"].get("s3"))
+        await self._push_temperature()
         self._report_train(groups, result)
         return result
 

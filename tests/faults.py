@@ -7,7 +7,10 @@ one, so it can act on a chosen request:
   server's whole answer is read, and then the client's connection is aborted instead of answered: the
   write happened, the answer was lost (a dropped connection at the worst moment);
 - `rate_bytes_per_s`: request bodies are forwarded no faster than this (a slow uplink to S3), so an
-  upload takes size / rate seconds at least.
+  upload takes size / rate seconds at least;
+- `hold(match)`: every request for which `match(request)` is true waits at the proxy, unsent (a barrier at the
+  network: a test knows the upload has begun and that none of it reached the server), until the Hold is
+  released: then forwarded, or its connection reset (the machine that sent it is gone).
 
 It understands keep-alive, Content-Length and chunked bodies (both ways), HEAD and 1xx/204/304 answers,
 and `Expect: 100-continue` (the proxy answers the 100 itself and forwards the request without it).
@@ -30,6 +33,22 @@ class Request:
     method: str
     path: str
     headers: dict[str, str] = field(default_factory=dict)  # names lower-cased
+
+
+class Hold:
+    """Requests held at the proxy (HTTPFaultProxy.hold): `arrived` is set once one is; `release` lets them go."""
+
+    def __init__(self, match: Callable[[Request], bool]):
+        self.match = match
+        self.held: list[Request] = []
+        self.arrived = threading.Event()
+        self._released = threading.Event()
+        self._forward = False
+
+    def release(self, *, forward: bool) -> None:
+        """forward=True: the held requests go on to the server; False: their connections are reset, unsent."""
+        self._forward = forward
+        self._released.set()
 
 
 class _Closed(Exception):
@@ -67,6 +86,7 @@ class HTTPFaultProxy:
         self.rate_bytes_per_s = rate_bytes_per_s
         self.log: list[tuple[str, str, int | None]] = []
         self._lose: list[Callable[[Request], bool]] = []
+        self._holds: list[Hold] = []
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -82,6 +102,17 @@ class HTTPFaultProxy:
         """The next request matching `match` reaches the server, but its answer never reaches the client."""
         with self._lock:
             self._lose.append(match)
+
+    def hold(self, match: Callable[[Request], bool]) -> Hold:
+        """Hold every request matching `match`, from now until the returned Hold is released."""
+        hold = Hold(match)
+        with self._lock:
+            self._holds.append(hold)
+        return hold
+
+    @property
+    def holds(self) -> list[Hold]:
+        return list(self._holds)
 
     def requests(self, method: str, path_suffix: str = "") -> list[tuple[str, str, int | None]]:
         return [r for r in self.log if r[0] == method and r[1].split("?")[0].endswith(path_suffix)]
@@ -120,6 +151,20 @@ class HTTPFaultProxy:
                     return True
         return False
 
+    def _wait_if_held(self, request: Request) -> bool:
+        """Whether `request` may go on: False when a hold that matched it was released without forwarding."""
+        with self._lock:
+            hold = next((h for h in self._holds if not h._released.is_set() and h.match(request)), None)
+            if hold is not None:
+                hold.held.append(request)
+        if hold is None:
+            return True
+        hold.arrived.set()
+        while not hold._released.wait(0.1):
+            if self._closed:
+                return False
+        return hold._forward
+
     def _serve(self, client: socket.socket) -> None:
         with self._lock:
             self._sockets.add(client)
@@ -131,6 +176,8 @@ class HTTPFaultProxy:
                 head = _read_head(crfile)
                 method, path, _ = head[0].decode("latin-1").split(" ", 2)
                 request = Request(method, path, _headers(head[1:]))
+                if not self._wait_if_held(request):
+                    return  # the finally below resets the client's connection: never sent
                 if upstream is None:
                     upstream = socket.create_connection(self.target)
                     with self._lock:

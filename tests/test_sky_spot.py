@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import os
+import signal
 import threading
 import time
 
@@ -22,7 +24,7 @@ import artcloud
 from artcloud.backends.sky import SkyBackend
 from artcloud.backends.state import StateDir
 from artcloud.storage.s3 import CheckpointStore, S3Config
-from tests.helpers import gather_groups
+from tests.helpers import gather_groups, wait_for
 from tests.sky_standin import LocalSky, cluster_pids
 from tests.test_sky import TINY, use_s3
 
@@ -114,6 +116,139 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
     warnings = "\n".join(r.getMessage() for r in caplog.records)
     assert "spot was lost" in warnings and "training resumes from the last checkpoint on S3" in warnings
     assert "NOT pushed" not in warnings  # the last server resumed its step from S3: it is there
+
+
+def _checkpoint_paths(step: int, *, manifest_only: bool = False):
+    """Matches the requests of a push of `step` (its files; or its manifest alone, which the pusher writes last)."""
+    def match(request) -> bool:
+        path = request.path.split("?")[0]
+        if request.method not in ("PUT", "POST") or f"/checkpoints/{step}/" not in path:
+            return False
+        return path.endswith("/manifest.json") or not manifest_only
+
+    return match
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_preemption_at_any_phase_loses_no_step_and_trains_none_twice(sky_env, monkeypatch, seaweed, caplog):
+    """The machine goes, with no notice, at each phase of a step, each one reached by a barrier on every run:
+    1. between steps, everything pushed: a rollout request finds it gone;
+    2. inside the train call, before the step is committed (the machine frozen at the step's first gradient step,
+       checked not committed): the train call finds it gone and trains the same groups on the new machine;
+    3. after the step committed and model.train returned, before any of it reached S3 (its upload held at the
+       network): a rollout finds it gone, and the new machine trains that step again from the kept request;
+    4. during the push (its files on S3, its manifest held): the train call finds it gone; the step is trained
+       again, then the call's own.
+    SkyPilot's cached status never sees the loss here (its daemon's minute never comes): only a refresh does."""
+    from tests.faults import HTTPFaultProxy
+
+    caplog.set_level(logging.WARNING)
+    s3 = use_s3(monkeypatch, seaweed, "phases")
+    proxy = HTTPFaultProxy("127.0.0.1", seaweed.port)
+    monkeypatch.setenv("ARTCLOUD_S3_ENDPOINT_URL", proxy.endpoint)  # the servers push through the proxy
+    monkeypatch.setenv("ARTCLOUD_STANDIN_STATUS_REFRESH_S", "3600")
+    store = CheckpointStore(S3Config.from_uri(s3))  # straight to SeaweedFS
+    home = sky_env / "clusters" / "spot" / "home"
+
+    def on_s3(step: int) -> bool:
+        return step in store.committed_steps("spot", "agent")
+
+    def committed_on_the_machine(step: int) -> bool:
+        return (home / "artcloud-data" / "spot" / "agent" / "checkpoints" / str(step) / "manifest.json").exists()
+
+    def go_now() -> None:  # the cloud takes the machine: every process gone at once
+        LocalSky().preempt("spot", notice_s=0)
+
+    async def phases(backend: SkyBackend) -> None:
+        model = artcloud.TrainableModel(name="agent", project="spot", base_model=TINY,
+                                        lora=artcloud.LoraConfig(rank=4))
+        await model.register(backend)
+        client = model.openai_client()
+        config = artcloud.TrainConfig(learning_rate=1e-3)
+
+        async def groups():
+            return await gather_groups(model, client)
+
+        assert (await model.train(await groups(), config=config, progress=False)).step == 1
+
+        # 1. Between steps, step 1 on S3: the next rollout finds the machine gone.
+        await asyncio.to_thread(wait_for, "step 1 on S3", lambda: on_s3(1), 60)
+        await asyncio.to_thread(go_now)
+        batch = await groups()
+        assert len(backend.replacements) == 1 and (await backend.model_info("agent"))["step"] == 1
+        assert (await model.train(batch, config=config, progress=False)).step == 2
+
+        # 2. Inside the train call of step 3, step 2 on S3: frozen at its first gradient step (of 64).
+        await asyncio.to_thread(wait_for, "step 2 on S3", lambda: on_s3(2), 60)
+        frozen = asyncio.Event()
+        original = backend.follow_job
+
+        async def follow(job_id, on_event=None, **kw):
+            def seen(event):
+                if event["type"] == "step" and not frozen.is_set():
+                    for pid in cluster_pids(sky_env, "spot"):
+                        os.kill(pid, signal.SIGSTOP)
+                    frozen.set()
+                if on_event is not None:
+                    on_event(event)
+            return await original(job_id, on_event=seen, **kw)
+
+        backend.follow_job = follow
+        training = asyncio.ensure_future(model.train(await groups(), config=artcloud.TrainConfig(
+            learning_rate=1e-3, gradient_steps=64), progress=False))
+        await frozen.wait()
+        backend.follow_job = original
+        assert not committed_on_the_machine(3), "the step committed before the machine went: not phase 2"
+        await asyncio.to_thread(go_now)
+        assert (await training).step == 3 and len(backend.replacements) == 2
+
+        # 3. Step 4 committed and returned; its upload held before any of it reached S3.
+        await asyncio.to_thread(wait_for, "step 3 on S3", lambda: on_s3(3), 60)
+        held = proxy.hold(_checkpoint_paths(4))
+        assert (await model.train(await groups(), config=config, progress=False)).step == 4
+        assert await asyncio.to_thread(held.arrived.wait, 60), "the push never began"
+        assert not on_s3(4)
+        await asyncio.to_thread(go_now)
+        held.release(forward=False)  # the machine that sent it is gone
+        batch = await groups()  # finds it gone; the new machine trains step 4 again
+        assert len(backend.replacements) == 3 and (await backend.model_info("agent"))["step"] == 4
+        assert (await model.train(batch, config=config, progress=False)).step == 5
+
+        # 4. Step 6 committed and returned, step 5 on S3; step 6's files pushed, its manifest held.
+        await asyncio.to_thread(wait_for, "step 5 on S3", lambda: on_s3(5), 60)
+        held = proxy.hold(_checkpoint_paths(6, manifest_only=True))
+        batch = await groups()
+        assert (await model.train(batch, config=config, progress=False)).step == 6
+        assert await asyncio.to_thread(held.arrived.wait, 60), "the push never began"
+        assert not on_s3(6)
+        await asyncio.to_thread(go_now)
+        held.release(forward=False)
+        assert (await model.train(batch, config=config, progress=False)).step == 7  # 6 again, then this one
+        assert len(backend.replacements) == 4
+
+        history = (await backend.model_info("agent"))["history"]
+        assert [h["step"] for h in history if h.get("source", "train") == "train"] == list(range(1, 8))
+
+    async def main() -> SkyBackend:
+        backend = SkyBackend(gpu="H100:1", use_spot=True, cluster_name="spot", s3=s3, idle_minutes=1)
+        async with backend:
+            try:
+                await phases(backend)
+            finally:  # a failed assertion must not leave the last push held until it times out
+                for hold in proxy.holds:
+                    hold.release(forward=True)
+        return backend
+
+    try:
+        backend = asyncio.run(main())
+    finally:
+        proxy.close()
+    assert store.committed_steps("spot", "agent")[-1] == 7
+    assert [r["sandbox"] for r in backend.replacements] == ["spot"] * 4
+    again = [r.getMessage() for r in caplog.records if "was committed on the lost machine" in r.getMessage()]
+    assert [m.split("step ")[1].split()[0] for m in again] == ["4", "6"], again  # phases 3 and 4, once each
+    assert LocalSky().status("spot", refresh=True) is None and cluster_pids(sky_env, "spot") == set()
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -214,6 +215,10 @@ class RemoteBackend:
         self._generation = 0
         self._replacing: asyncio.Lock | None = None
         self._registrations: dict[str, dict[str, Any]] = {}
+        # Per model: the steps committed on the server that S3 does not hold yet, with the train request that
+        # made each. The server pushes a step after it commits it (and model.train returns): a machine lost in
+        # between takes the step with it, and its replacement trains it again from these (_replay).
+        self._unpushed: dict[str, list[tuple[int, dict[str, Any]]]] = {}
         self._temperatures: dict[str, float] = {}
         self.replacements: list[dict[str, Any]] = []  # each lost server that was replaced: when, why, its cost
         self.cold_start_s: dict[str, float] = {}  # seconds per cold-start phase of this server (COLD_START_PHASES)
@@ -421,17 +426,57 @@ class RemoteBackend:
         return self._replacing
 
     async def _replace_and_register(self, cause: BaseException) -> bool:
-        """recover's work, under its lock."""
-        replaced = await self._replace_server(cause)
-        if replaced is None:
-            return False
-        self.replacements.append(replaced)
-        for kwargs in self._registrations.values():  # the lost server never released its S3 claims
-            await RemoteBackend.register(self, **kwargs, take_over=True)
-        for name, temperature in self._temperatures.items():
-            await RemoteBackend.set_temperature(self, name, temperature)
-        self._generation += 1
-        return True
+        """recover's work, under its lock: a new server, every model registered on it again (each resumes from
+        its last step on S3), then the steps S3 did not get trained again, in order. A machine lost meanwhile is
+        replaced in turn (up to the provider's limit)."""
+        while True:
+            replaced = await self._replace_server(cause)
+            if replaced is None:
+                return False
+            self.replacements.append(replaced)
+            try:
+                for kwargs in self._registrations.values():  # the lost server never released its S3 claims
+                    info = await RemoteBackend.register(self, **kwargs, take_over=True)
+                    await self._replay(kwargs["name"], int(info["step"]))
+                for name, temperature in self._temperatures.items():
+                    await RemoteBackend.set_temperature(self, name, temperature)
+            except ServerGone as gone:
+                cause = gone
+                continue
+            self._generation += 1
+            return True
+
+    def note_trained(self, name: str, step: int, body: dict[str, Any], s3: Any) -> None:
+        """model.train's step `step` of `name` is committed: keep its request until the server says S3 holds it
+        (`s3`: the server's S3 status at the step's end; None: no S3, so no replacement could resume anyway)."""
+        pushed = s3.get("pushed_step") if isinstance(s3, dict) else None
+        if not isinstance(s3, dict):
+            self._unpushed.pop(name, None)
+            return
+        on_s3 = pushed if isinstance(pushed, int) else -1
+        kept = [(s, b) for s, b in self._unpushed.get(name, []) if s > on_s3 and s != step]  # (a replayed step anew)
+        if step > on_s3:
+            kept.append((step, body))
+        self._unpushed[name] = sorted(kept, key=lambda item: item[0])
+
+    async def _replay(self, name: str, resumed: int) -> None:
+        """Train again, on a new server that resumed `name` at step `resumed`, the steps the lost one committed
+        but never pushed: the same groups and config, so that no step is lost and none is trained twice."""
+        kept = [(s, b) for s, b in self._unpushed.get(name, []) if s > resumed]
+        self._unpushed[name] = kept
+        if kept and kept[0][0] != resumed + 1:
+            raise ArtcloudError(f"{name} resumed from S3 at step {resumed}, but steps {resumed + 1}..{kept[0][0] - 1} "
+                                "were neither on S3 nor kept here to train again: they are lost", code="steps_lost")
+        for step, body in kept:
+            log.warning("%s: step %d was committed on the lost machine but never reached S3: training it again on "
+                        "the new one, from the same groups", name, step)
+            job = await self.start_train(name, {**body, "idempotency_key": uuid.uuid4().hex})
+            last = (await self.follow_job(job["job_id"]))[-1]
+            data = last.get("data", {})
+            if last["type"] != "end" or data.get("step") != step:
+                raise ArtcloudError(f"training step {step} of {name} again on the new machine failed: "
+                                    f"{data.get('message') or last['type']}", code=data.get("code", "replay_failed"))
+            self.note_trained(name, step, body, data.get("s3"))
 
     async def _replace_server(self, cause: BaseException) -> dict[str, Any] | None:
         """Bring up a new server in place of the lost one; what was lost (for the run's summary), or None
