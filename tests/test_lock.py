@@ -28,8 +28,8 @@ from artcloud.tls import make_launch_secrets
 
 REPO = Path(__file__).resolve().parents[1]
 BASH = shutil.which("bash") or "/bin/bash"
-# The Pythons each lock serves (requires-python and up; vLLM 0.32 needs 3.11).
-PYTHONS = {"gpu": ["3.11", "3.12", "3.13"], "server": ["3.10", "3.11", "3.12", "3.13"]}
+# The Pythons each lock serves (requires-python and up; vLLM 0.32 needs 3.11; gpu has no cp313 cuda-python).
+PYTHONS = {"gpu": ["3.11", "3.12"], "server": ["3.10", "3.11", "3.12", "3.13"]}
 
 
 def extra_requirements(extra: str, python: str) -> list[str]:
@@ -69,6 +69,17 @@ def test_a_lock_carries_this_artclouds_version(extra):
     assert text.splitlines()[0] == locks.HEADER.format(version=__version__, name=extra)
     version, name, pins = locks.read_lock(text)
     assert (version, name) == (__version__, extra) and len(pins) > 100
+
+
+@pytest.mark.parametrize("extra", sorted(PYTHONS))
+def test_a_sandbox_gets_a_python_its_lock_serves(extra):
+    """ARTCLOUD_PYTHON (the node's venv: the image's python3 if it is one of these, else uv's CPython) is the
+    Pythons checked here, from the one `make lock` resolves for."""
+    from packaging.specifiers import SpecifierSet
+
+    wanted = SpecifierSet(locks.python_request(extra))
+    assert [v for v in ("3.9", "3.10", "3.11", "3.12", "3.13", "3.14") if wanted.contains(f"{v}.0")] == PYTHONS[extra]
+    assert f"$(call LOCK_ONE,{extra},{PYTHONS[extra][0]})" in (REPO / "Makefile").read_text()
 
 
 def test_a_stale_lock_fails_the_check():

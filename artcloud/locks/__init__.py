@@ -25,10 +25,11 @@ from artcloud.errors import ArtcloudError, InvalidArgument
 HERE = Path(__file__).resolve().parent
 HEADER = "# artcloud {version} lock for extras: {name}"  # the first line of every lock (`make lock` writes it)
 # The Pythons each lock serves: from the version `make lock` resolves it for (vLLM 0.32 needs 3.11) to the newest
-# one tests/test_lock.py checks it on. A sandbox's setup makes its venv from the image's python3 when it is one of
-# these, else from a CPython that uv installs (sky/artcloud-server.yaml, ARTCLOUD_PYTHON): Ubuntu 22.04, the
-# default GPU image on GCP, has 3.10.
-PYTHONS = {"gpu": ">=3.11,<3.14", "server": ">=3.10,<3.14"}
+# one whose wheels it has (gpu: vLLM 0.32's flashinfer pins cuda-python 12.6.2.post1, which has no cp313 wheel:
+# found by the stand-in node's real resolution). A sandbox's setup makes its venv from the image's python3 when
+# it is one of these, else from a CPython that uv installs (sky/artcloud-server.yaml, ARTCLOUD_PYTHON): Ubuntu
+# 22.04, the default GPU image on GCP, has 3.10; 24.10 and later, 3.13.
+PYTHONS = {"gpu": ">=3.11,<3.13", "server": ">=3.10,<3.14"}
 _EXTRA = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")
 # what `uv pip compile` writes: NAME==VERSION, optionally ` ; MARKER`; comments and `    # via` lines between
 _PIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.+!_-]+(?: ; \S.*)?")

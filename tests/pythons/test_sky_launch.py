@@ -52,11 +52,11 @@ def test_launch_train_down_on_this_python(tmp_path, monkeypatch):
             assert StateDir().load("py").price_per_hour == 0.44  # what was launched: local-l4-1
 
             # The server is the wheel's artcloud in a venv that uv made from the image's python3 when the gpu lock
-            # serves it (3.11-3.13), else from a CPython uv installed (the stand-in's: this machine's 3.11).
+            # serves it (3.11-3.12), else from a CPython uv installed (the stand-in's: this machine's 3.11).
             venv = root / "clusters" / "py" / "home" / "artcloud-venv"
             cfg = (venv / "pyvenv.cfg").read_text()
             mine = f"{sys.version_info.major}.{sys.version_info.minor}"
-            expected = mine if (3, 11) <= sys.version_info[:2] < (3, 14) else "3.11"
+            expected = mine if (3, 11) <= sys.version_info[:2] < (3, 13) else "3.11"
             assert f"version_info = {expected}." in cfg and "uv = " in cfg
             log = "\n".join(LocalSky().logs("py"))
             assert "serving on https://" in log
