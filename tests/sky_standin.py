@@ -464,7 +464,8 @@ class LocalSky:
         env_task = self._check_envs(task, secrets)
         resources_str, price = self._pick_resources(task, resources)
 
-        # SkyPilot's cluster lock while the cluster's record is made: a teardown of the name finishes first.
+        # SkyPilot's per-cluster lock (backend_utils.py:3421, cluster_status_lock_id :4598) while the cluster's
+        # record is made: a teardown of the name finishes first.
         with _name_lock(self.root, cluster_name):
             state = self._reserve(cluster_name, resources=resources, resources_str=resources_str,
                                   retry_until_up=retry_until_up)
@@ -482,7 +483,7 @@ class LocalSky:
             job = existing["jobs"].get(str(existing.get("job_id")), {})
             busy = (job.get("status") in ACTIVE_JOB
                     and (_alive(existing.get("supervisor_pid")) or cluster_pids(self.root, cluster_name)))
-            if busy:
+            if busy:  # SkyPilot would queue the job; artcloud never launches twice onto a busy cluster
                 raise StandinLaunchError(
                     f"cluster {cluster_name} is running job {existing.get('job_id')}: the stand-in does not queue jobs")
             job_id = int(existing.get("job_id") or 0) + 1
@@ -755,6 +756,8 @@ class LocalSky:
             _kill_all(self.root, cluster_name, data.get("supervisor_pid"))
 
     def check_cloud(self, cloud: str) -> str | None:
+        """None if enabled, else a reason in `sky check`'s words ('  AWS: disabled' and its Reason: check.py:
+        658-682), here shortened to one line with each cloud's own hint."""
         key = cloud.lower()
         if key in enabled_clouds():
             return None
@@ -765,6 +768,8 @@ class LocalSky:
         return enabled_clouds()
 
     def gpu_offers(self, gpu: str) -> list[GPUOffer] | None:
+        """sdk.list_accelerators(gpus_only=True, name_filter=...) as InstanceTypeInfo rows (catalog/common.py:56-80)
+        from CATALOG; the catalog lives online (facts.md: offline, its fetch fails): ENV_CATALOG=offline."""
         if os.environ.get(ENV_CATALOG, "").lower() == "offline":
             return None
         name = gpu.partition(":")[0].strip().lower()
@@ -774,24 +779,30 @@ class LocalSky:
 
     @staticmethod
     def _check_envs(task: dict[str, Any], secrets: dict[str, str]) -> dict[str, str]:
-        """The task's envs as strings; like SkyPilot, a None env or secret is an error."""
+        """The task's envs as strings, as SkyPilot checks them: a None env is a ValueError (task.py:712-719); a
+        secret named with no value and none given is a managed-secret reference nobody resolves, a RuntimeError at
+        launch (task.py:721-725; execution.py:160-169). A name in both is no error: the secret wins, as in
+        Task.envs_and_secrets (task.py:1325-1328; the job's environment gets the secrets after the envs)."""
         envs = {}
         for key, value in (task.get("envs") or {}).items():
             if value is None:
                 raise ValueError(f"Environment variable {key!r} is None. Please set a value for it in task YAML "
-                                 f"or with --env flag.")
+                                 f"or with --env flag. To set it to be empty, use an empty string ({key}: \"\" "
+                                 f"in task YAML or --env {key}=\"\" in CLI).")
             envs[key] = str(value)
-        for key, value in (task.get("secrets") or {}).items():
-            if value is None and secrets.get(key) is None:
-                raise ValueError(f"Secret {key!r} is None. Please set a value for it with --secret flag.")
-        overlap = set(envs) & set(secrets)
-        if overlap:
-            raise ValueError(f"Environment variables and secrets share names: {sorted(overlap)}")
+        unresolved = sorted(k for k, v in (task.get("secrets") or {}).items() if v is None and secrets.get(k) is None)
+        if unresolved:
+            raise RuntimeError(f"No value available for secret(s): {', '.join(unresolved)}. A secret with no inline "
+                               "value must be provided at launch with the --secret flag (e.g. --secret NAME=value), "
+                               "or resolved by a managed secrets provider. No managed secrets provider is configured.")
         return envs
 
     def _pick_resources(self, task: dict[str, Any], resources: dict[str, Any]) -> tuple[str, float | None]:
-        """Like SkyPilot's optimizer: the cheapest enabled offer that fits, as its resources string (what
-        `sky status` shows) and its price per hour (what the launch handle's resources cost)."""
+        """Like SkyPilot's optimizer: the cheapest enabled offer that fits (optimizer.py:110, OptimizeTarget.COST),
+        failing over past clouds with no capacity (the provisioner's retries, cloud_vm_ray_backend.py:3535-3612),
+        as its resources string (what `sky status` shows) and its price per hour (what the launch handle's
+        resources cost: Resources.get_cost, resources.py:1847). A cloud pinned but not enabled is refused as
+        optimizer.py:1750-1767 refuses it."""
         infra = str(resources.get("infra") or resources.get("cloud") or "").split("/")[0].lower() or None
         clouds = enabled_clouds()
         if infra and infra not in clouds:
@@ -836,6 +847,7 @@ class LocalSky:
         cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
         env["ARTCLOUD_CACHE"] = os.environ.get("ARTCLOUD_CACHE") or os.path.join(cache, "artcloud")
         env.setdefault("HF_HOME", os.path.join(cache, "huggingface"))
+        # The job's SKYPILOT_* variables (skylet/constants.py:641-646), one node.
         env.update(HOME=str(home), SKYPILOT_NODE_RANK="0", SKYPILOT_NUM_NODES="1", SKYPILOT_NODE_IPS="127.0.0.1",
                    SKYPILOT_TASK_ID=f"sky-standin-{uuid.uuid4().hex[:8]}_{home.parent.name}_1")
         acc = _accelerator(task.get("resources") or {})
@@ -956,7 +968,7 @@ class RecordingSky(LocalSky):
         if "launch_fails" in self.faults():
             acc = _accelerator((task or {}).get("resources") or {})
             what = f"{acc[0]}:{acc[1]}" if acc else "the requested resources"
-            raise ResourcesUnavailableError(
+            raise ResourcesUnavailableError(  # cloud_vm_ray_backend.py:3609-3656
                 f"Failed to provision all possible launchable resources. Relax the task's resource requirements: "
                 f"1x {what} (no capacity in any enabled region). To keep retrying until the cluster is up, use "
                 f"the `--retry-until-up` flag.")

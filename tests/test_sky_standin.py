@@ -136,7 +136,7 @@ def test_launch_checks_resources_like_sky(sky, monkeypatch):
     task = build_task(secrets=secrets, gpu="H100:1", cloud="aws").config
     with pytest.raises(ResourcesUnavailableError, match="AWS which is not enabled"):
         sky.launch(task, secrets=secrets, cluster_name="aws", idle_minutes=5)
-    with pytest.raises(ValueError, match="ARTCLOUD_TLS_KEY"):  # a secret the task names but nobody gave
+    with pytest.raises(RuntimeError, match="No value available for secret.*ARTCLOUD_TLS_KEY"):  # named, not given
         sky.launch(task, secrets={k: v for k, v in secrets.items() if k != "ARTCLOUD_TLS_KEY"},
                    cluster_name="nokey", idle_minutes=5)
     assert sky.status("a100") is None and sky.status("aws") is None and sky.status("nokey") is None
