@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from artcloud.durations import parse_duration
+from tests.test_modal import fake  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 CI = ROOT / "examples" / "ci"
@@ -287,3 +288,78 @@ def test_modal_cron_raises_on_failure_and_always_tears_down(modal_cron, monkeypa
         modal_cron.nightly.local()
     assert [c[:2] for c in calls] == [["artcloud", "run"], ["artcloud", "down"]]
     assert calls[1] == ["artcloud", "down", "--all", "--yes"]
+
+
+# --- what the examples install: this checkout (artcloud is not on PyPI) ---------------------------------
+
+
+def _optional_extras() -> set[str]:
+    import tomllib
+
+    return set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+
+
+def _split_spec(spec: str) -> tuple[str, list[str]]:
+    """'.[sky-aws,s3]' -> ('.', ['sky-aws', 's3'])."""
+    found = re.fullmatch(r"(?P<path>[^\[\]]+)\[(?P<extras>[^\]]+)\]", spec)
+    assert found, f"not PATH[EXTRAS]: {spec!r}"
+    return found["path"], [e.strip() for e in found["extras"].split(",")]
+
+
+def _resolves(extras: list[str], python: str) -> None:
+    """uv resolves artcloud[extras] from this pyproject for `python`, against PyPI: what the install would get."""
+    uv = tool("uv")
+    args = [uv, "pip", "compile", "--quiet", str(ROOT / "pyproject.toml"), "--python-version", python,
+            "--no-header", "-o", os.devnull, *[a for e in extras for a in ("--extra", e)]]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_workflow_installs_artcloud_from_its_checkout(workflow, job):
+    steps = job["steps"]
+    checkout = next(i for i, s in enumerate(steps) if str(s.get("uses", "")).startswith("actions/checkout@"))
+    (install,) = [i for i, s in enumerate(steps) if "pip install" in s.get("run", "")]
+    assert checkout < install
+    words = shlex.split(steps[install]["run"])
+    assert words[:2] == ["pip", "install"] and len(words) == 3, words
+    path, extras = _split_spec(words[2])
+    assert path == "." and "working-directory" not in steps[install]  # the checkout, where it lands
+    assert set(extras) <= _optional_extras() and "sky-aws" in extras  # `sky check aws` needs AWS's SDK
+    python = next(s for s in steps if str(s.get("uses", "")).startswith("actions/setup-python@"))["with"]
+    _resolves(extras, str(python["python-version"]))
+
+
+@pytest.mark.slow
+def test_the_modal_cron_image_installs_the_artcloud_it_carries(modal_cron, fake, tmp_path):  # noqa: F811
+    """The image as the real modal client sends it (to the fake control plane, which records it): the files it
+    copies build artcloud's wheel, with its templates and locks, and the extras it installs exist and resolve."""
+    import zipfile
+
+    import modal
+
+    assert modal_cron.REPO == ROOT
+    app = modal.App.lookup("artcloud-nightly-check", create_if_missing=True)
+    sb = modal.Sandbox.create("true", app=app, image=modal_cron.image, timeout=30)
+    sb.wait()
+    layers = [c["request"]["image"]["dockerfile_commands"] for c in fake.calls("ImageGetOrCreate")]
+    (install,) = [cmd for layer in layers for cmd in layer if "pip install" in cmd and "artcloud" in cmd]
+    words = shlex.split(install)
+    assert words[:3] == ["RUN", "pip", "install"] and len(words) == 4, install
+    path, extras = _split_spec(words[3])
+    assert path == modal_cron.SOURCE and set(extras) <= _optional_extras() and "modal" in extras
+
+    src = tmp_path / "src"  # the tree the layer's pip sees, from the bytes the client uploaded
+    for files in fake._mounts.values():
+        for name, sha in files:
+            if name.startswith(modal_cron.SOURCE + "/"):
+                dest = src / name[len(modal_cron.SOURCE) + 1:]
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes((fake.root / "blobs" / sha).read_bytes())
+    assert (src / "pyproject.toml").read_bytes() == (ROOT / "pyproject.toml").read_bytes()
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("artcloud-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {"artcloud/templates/artcloud-server.yaml", "artcloud/locks/gpu.txt", "artcloud/cli/__init__.py"} <= set(names)
+    assert not [n for n in names if "__pycache__" in n]
+    _resolves(extras, "3.12")

@@ -45,9 +45,22 @@ TIMEOUT_S = 3 * 3600 + 15 * 60
 
 app = modal.App("artcloud-nightly")
 
+# artcloud comes from this checkout (it is not on PyPI): the files a wheel is built from, copied into a layer,
+# then installed with the runner's extras. `.parent` never fails, also where Modal imports this file in the
+# container (/root/modal_cron.py), where the image is not built again.
+REPO = Path(__file__).resolve().parent.parent.parent
+SOURCE = "/root/artcloud-src"
+PACKAGE_FILES = ("pyproject.toml", "README.md", "LICENSE")
+PACKAGE_DIRS = ("artcloud", "sky")  # sky/: the SkyPilot templates the package links to (artcloud/templates)
+EXTRAS = "s3,modal"
+
+image = modal.Image.debian_slim(python_version="3.12")
+for _name in PACKAGE_FILES:
+    image = image.add_local_file(REPO / _name, f"{SOURCE}/{_name}", copy=True)
+for _name in PACKAGE_DIRS:
+    image = image.add_local_dir(REPO / _name, f"{SOURCE}/{_name}", copy=True, ignore=["**/__pycache__"])
 image = (
-    modal.Image.debian_slim(python_version="3.12")
-    .pip_install("artcloud[s3,modal]")
+    image.run_commands(f"pip install '{SOURCE}[{EXTRAS}]'")
     .add_local_file(TRAIN_PY, REMOTE_TRAIN_PY)
 )
 
