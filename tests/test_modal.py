@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
 import os
 import queue
 import subprocess
@@ -370,10 +371,10 @@ def test_a_sandbox_that_exits_during_start_up_fails_with_its_logs(fake):
 
 
 @pytest.mark.slow
-def test_start_up_waits_for_a_gpu_being_scheduled(fake, monkeypatch):
-    # Modal answers tunnels() with SandboxTimeoutError while the container waits for a GPU; one call waits a
-    # while (here the fake's cap: 1 s), and start() must ask again until its startup_timeout.
-    fake.schedule_delay_s, fake.tunnels_wait_cap_s = 4.0, 1.0
+def test_start_up_waits_inside_create_for_a_gpu_being_scheduled(fake):
+    # modal 1.6.4 creates a GPU sandbox through V1, whose create returns only once Modal has scheduled the
+    # container (modal/sandbox/_impl_v1.py:158-161): the fake answers no task id until then.
+    fake.schedule_delay_s = 3.0
 
     async def main():
         async with ModalBackend(gpu="H100", name="sched", tunnel_ca=fake.edge_ca_path) as backend:
@@ -381,18 +382,91 @@ def test_start_up_waits_for_a_gpu_being_scheduled(fake, monkeypatch):
             return backend
 
     backend = asyncio.run(main())
-    assert len(fake.calls("SandboxGetTunnels")) >= 3  # timed out while scheduling, then answered
+    assert len(fake.calls("SandboxGetTaskId")) >= 3  # polled every 0.5 s inside create while the GPU was scheduled
     assert fake.sandboxes()[backend.sandbox_id]["status"] == "GENERIC_STATUS_TERMINATED"
 
 
-@pytest.mark.slow
-def test_a_gpu_never_scheduled_fails_at_startup_timeout(fake):
-    fake.schedule_delay_s, fake.tunnels_wait_cap_s = 600.0, 1.0
-    with pytest.raises(ModalError, match=r"Modal did not start nosched within startup_timeout \(no H100 container"):
-        asyncio.run(ModalBackend(gpu="H100", name="nosched", startup_timeout="3s", tunnel_ca=fake.edge_ca_path).start())
+# ----------------------------------------------------------------------------------------- no capacity
+# With a GPU, modal 1.6.4's Sandbox.create waits inside for Modal to schedule the container, up to 21 minutes
+# (modal/sandbox/_impl_v1.py:88, 157-172); the fake never schedules it here. startup_timeout must bound that wait,
+# say in one line that there was no capacity and what to do, and leave nothing running.
+
+NO_H100 = "Modal found no H100 capacity for {name} "
+WHAT_TO_DO = "try another gpu or region, or again later"
+
+
+def test_a_gpu_never_scheduled_fails_at_startup_timeout_and_leaves_nothing(fake):
+    fake.schedule_delay_s = math.inf
+    # 6 s: ample for the few calls before create (App.lookup, the image); then create waits for a task id
+    backend = ModalBackend(gpu="H100", name="nosched", startup_timeout="6s", image=fresh_image())
+    with pytest.raises(ModalError) as e:
+        asyncio.run(backend.start())
+    line = str(e.value)
+    assert line.startswith(NO_H100.format(name="nosched") + "within startup_timeout 6s: " + WHAT_TO_DO
+                           + ", or a longer startup_timeout (terminated"), line
+    assert "\n" not in line and e.value.code == "no_capacity"
     (sandbox,) = fake.sandboxes().values()
-    assert sandbox["pid"] is None and sandbox["status"] == "GENERIC_STATUS_TERMINATED"
-    assert StateDir().load("nosched").state == "down"
+    assert sandbox["pid"] is None and sandbox["status"] == "GENERIC_STATUS_TERMINATED" and fake.live_pids() == []
+    # create was still waiting for the task id when startup_timeout ended it: it never returned
+    assert len(fake.calls("SandboxGetTaskId")) >= 2 and fake.calls("SandboxGetTunnels") == []
+    record = StateDir().load("nosched")  # saved before Modal was asked, marked down after
+    assert record.state == "down" and record.extra == {"app": "artcloud"}
+
+
+def test_modals_own_scheduling_limit_gives_the_same_line(fake, monkeypatch):
+    from modal.sandbox import _impl_v1
+
+    # Modal's 21 minutes, shortened: create terminates the sandbox and raises ResourceExhaustedError itself
+    monkeypatch.setattr(_impl_v1, "_SANDBOX_SCHEDULING_TIMEOUT", 1.5)
+    fake.schedule_delay_s = math.inf
+    with pytest.raises(ModalError) as e:
+        asyncio.run(ModalBackend(gpu="H100", name="exhausted", startup_timeout="10m", image=fresh_image()).start())
+    line = str(e.value)
+    assert line.startswith(NO_H100.format(name="exhausted") + "within Modal's own scheduling wait "
+                           "(ResourceExhaustedError: Insufficient capacity to create sandbox.): " + WHAT_TO_DO
+                           + " (terminated"), line
+    assert "\n" not in line and e.value.code == "no_capacity"
+    (sandbox,) = fake.sandboxes().values()
+    assert sandbox["pid"] is None and sandbox["status"] == "GENERIC_STATUS_TERMINATED" and fake.live_pids() == []
+    assert StateDir().load("exhausted").state == "down"
+
+
+def test_a_create_whose_answer_never_came_is_found_by_its_launch_tag_and_terminated(fake, monkeypatch):
+    # Modal made the sandbox and it runs, but SandboxCreate's answer (its id) never reaches the client: modal's
+    # own clean-up cannot reach it (modal/sandbox/_impl_v1.py:154-169), so the backend finds it by its tag.
+    monkeypatch.setattr(modal_backend, "server_command", lambda **kw: ["sleep", "600"])
+    fake.create_answers.clear()
+    with pytest.raises(ModalError) as e:
+        asyncio.run(ModalBackend(gpu="H100", name="lost", startup_timeout="6s", image=fresh_image()).start())
+    assert str(e.value).startswith(NO_H100.format(name="lost") + "within startup_timeout 6s: "), str(e.value)
+    (sandbox,) = fake.sandboxes().values()
+    assert sandbox["pid"] is not None  # it had started
+    assert not sandbox["running"] and sandbox["status"] == "GENERIC_STATUS_TERMINATED" and fake.live_pids() == []
+    assert StateDir().load("lost").state == "down"
+
+
+def test_a_cpu_sandbox_never_scheduled_fails_at_startup_timeout_on_its_tunnel(fake):
+    # without a GPU (modal's V2 path) create returns at once; the ready poll's tunnels() then never answers
+    fake.schedule_delay_s, fake.tunnels_wait_cap_s = math.inf, 1.0
+    with pytest.raises(ModalError) as e:
+        asyncio.run(ModalBackend(gpu=None, name="nocpu", startup_timeout="3s", image=fresh_image()).start())
+    line = str(e.value)
+    assert line.startswith("Modal did not open the tunnel of nocpu within startup_timeout (its container was not "
+                           "running yet): try again later, or a longer startup_timeout (terminated"), line
+    assert e.value.code == "startup_timeout"
+    (sandbox,) = fake.sandboxes().values()
+    assert sandbox["v2"] and sandbox["pid"] is None and sandbox["status"] == "GENERIC_STATUS_TERMINATED"
+    assert StateDir().load("nocpu").state == "down"
+
+
+def test_an_image_still_building_at_startup_timeout_is_not_called_no_capacity(fake):
+    fake.build_delay_s = math.inf
+    with pytest.raises(ModalError) as e:
+        asyncio.run(ModalBackend(gpu="H100", name="slowbuild", startup_timeout="3s", image=fresh_image()).start())
+    assert str(e.value).startswith("Modal did not finish building the image of slowbuild within startup_timeout 3s: "
+                                   "a first build takes minutes"), str(e.value)
+    assert e.value.code == "image_build_timeout"
+    assert fake.calls("SandboxCreate") == [] and StateDir().load("slowbuild").state == "down"
 
 
 @pytest.mark.slow
@@ -474,7 +548,10 @@ def test_cli_launch_status_and_down_all_on_modal(fake, monkeypatch):
 
 @pytest.mark.slow
 def test_a_cpu_only_sandbox_takes_modals_other_path(fake):
-    """modal 1.6.4 creates a sandbox without a GPU through its V2 calls (secrets inline, another stdio API)."""
+    """modal 1.6.4 creates a sandbox without a GPU through its V2 calls (secrets inline, another stdio API),
+    whose create does not wait for the container: `tunnels()` raises SandboxTimeoutError until it runs (one
+    call waits at most the fake's cap, 1 s here), and start() asks again until its startup_timeout."""
+    fake.schedule_delay_s, fake.tunnels_wait_cap_s = 3.0, 1.0
 
     async def main():
         async with ModalBackend(gpu=None, name="cpu1", tunnel_ca=fake.edge_ca_path) as backend:
@@ -485,3 +562,4 @@ def test_a_cpu_only_sandbox_takes_modals_other_path(fake):
     sandbox = fake.sandboxes()[backend.sandbox_id]
     assert sandbox["v2"] and sandbox["gpu"] is None and not sandbox["running"]
     assert "SandboxCreateV2" in fake.methods() and "SandboxCreate" not in fake.methods()
+    assert len(fake.calls("SandboxGetTunnelsV2")) >= 3  # timed out while scheduling, then answered

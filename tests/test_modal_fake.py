@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import http.client
 import json
+import math
 import os
 import signal
 import socket
@@ -30,6 +31,7 @@ from modal.exception import (
     AuthError,
     InvalidError,
     NotFoundError,
+    ResourceExhaustedError,
     SandboxTimeoutError,
     UnimplementedError,
 )
@@ -88,17 +90,15 @@ def test_app_lookup_without_create_is_not_found(modal_fake):
 
 
 def test_gpu_strings(modal_fake, app):
-    # client side, 1.6.4 only parses ":COUNT" and upper-cases the type; the type itself is checked by the server
+    # 1.6.4's client only parses ":COUNT" and upper-cases the type (_utils/function_utils.py:655-667); which
+    # types and counts exist is Modal's server's (its docs): the fake does not pretend to know, and accepts them
     with pytest.raises(InvalidError, match="Invalid GPU count"):
         modal.Sandbox.create("true", app=app, gpu="H100:two")
-    with pytest.raises(InvalidError, match="Unknown GPU type 'H1000'"):
-        modal.Sandbox.create("true", app=app, gpu="h1000")
+    assert modal_fake.calls("SandboxCreate") == []  # refused before anything was sent
+    sb = modal.Sandbox.create("true", app=app, gpu="a10g:2", timeout=30)
+    sb.wait(raise_on_termination=False)
     assert modal_fake.calls("SandboxCreate")[-1]["request"]["definition"]["resources"]["gpu_config"] == {
-        "gpu_type": "H1000", "count": 1}
-    with pytest.raises(InvalidError, match="A10 supports 1 to 4 GPUs per container, not 5"):  # Modal's cap for A10
-        modal.Sandbox.create("true", app=app, gpu="A10:5")
-    with pytest.raises(InvalidError, match="H100 supports 1 to 8 GPUs per container, not 9"):
-        modal.Sandbox.create("true", app=app, gpu="H100:9")
+        "gpu_type": "A10G", "count": 2}
 
 
 def test_no_token_configured(modal_fake, tmp_path):
@@ -253,16 +253,48 @@ def test_idle_timeout_counts_stdin_writes_but_not_the_sandboxs_own_work(modal_fa
     assert (Path(modal_fake.sandboxes()[fed.object_id]["dir"]) / "fed.txt").read_text().startswith("xxxxx")
 
 
+def test_a_gpu_sandboxs_create_returns_only_once_it_is_scheduled(modal_fake, app, monkeypatch):
+    # 1.6.4 creates it through V1, which polls SandboxGetTaskId until a task id comes (_impl_v1.py:158-161)
+    fake = modal_fake
+    fake.schedule_delay_s = 2.0
+    try:
+        sb = modal.Sandbox.create("sleep", "600", app=app, gpu="H100", timeout=60)
+    finally:
+        fake.schedule_delay_s = 0.0
+    try:
+        assert fake.sandboxes()[sb.object_id]["pid"] is not None  # scheduled, and running, when create returned
+        polls = [c for c in fake.calls("SandboxGetTaskId") if c["request"]["sandbox_id"] == sb.object_id]
+        assert len(polls) >= 3  # every 0.5 s for 2 s
+    finally:
+        sb.terminate()
+
+    # never scheduled: after _SANDBOX_SCHEDULING_TIMEOUT (21 min: shortened here) create terminates the sandbox
+    # itself and raises ResourceExhaustedError (_impl_v1.py:164-171)
+    from modal.sandbox import _impl_v1
+
+    monkeypatch.setattr(_impl_v1, "_SANDBOX_SCHEDULING_TIMEOUT", 1.5)
+    before = set(fake.sandboxes())
+    fake.schedule_delay_s = math.inf
+    try:
+        with pytest.raises(ResourceExhaustedError, match="Insufficient capacity to create sandbox"):
+            modal.Sandbox.create("sleep", "600", app=app, gpu="H100", timeout=60)
+    finally:
+        fake.schedule_delay_s = 0.0
+    (never,) = [v for k, v in fake.sandboxes().items() if k not in before]
+    assert never["pid"] is None and never["status"] == "GENERIC_STATUS_TERMINATED"
+
+
 @pytest.mark.slow
-def test_tunnels_time_out_while_a_gpu_is_being_scheduled(modal_fake, app):
+def test_tunnels_time_out_while_a_cpu_sandbox_is_being_scheduled(modal_fake, app):
+    # V2 (no GPU): create returns with the task id at once (_impl_v2.py:201-221), tunnels() waits for the container
     modal_fake.schedule_delay_s = 3.0
     try:
-        sb = modal.Sandbox.create("sh", "-c", HTTP_SERVER, app=app, gpu="H100", timeout=60, encrypted_ports=[8443])
+        sb = modal.Sandbox.create("sh", "-c", HTTP_SERVER, app=app, timeout=60, encrypted_ports=[8443])
     finally:
         modal_fake.schedule_delay_s = 0.0
     try:
         assert sb.object_id and not modal_fake.sandboxes()[sb.object_id]["started"]
-        with pytest.raises(SandboxTimeoutError):  # what real Modal answers while the container is not scheduled
+        with pytest.raises(SandboxTimeoutError):  # what the client raises for GENERIC_STATUS_TIMEOUT
             sb.tunnels(timeout=1)
         assert sb.poll() is None and modal_fake.sandboxes()[sb.object_id]["pid"] is None
         modal_fake.tunnels_wait_cap_s = 0.5  # one call waits at most this long, whatever timeout it asks

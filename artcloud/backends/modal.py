@@ -50,8 +50,8 @@ PROVIDER = "modal"
 SERVER_PORT = 8443
 MAX_TIMEOUT_S = 24 * 3600.0  # Modal's cap on a sandbox's lifetime
 PUSH_MARGIN_S = 300.0  # the server stops this long before Modal's timeout, to push its last checkpoint
-MIN_IMAGE_PYTHON = (3, 11)  # the image's Python, at least: vLLM 0.32 (the gpu lock) needs it
 TUNNEL_WAIT_S = 50.0  # how long one `tunnels()` call waits for a container still being scheduled (Modal's default)
+LAUNCH_TAG = "artcloud-launch"  # a tag unique to one launch: finds its sandbox when `create` gave no handle
 # Modal's GPU types (modal.gpu docs); "NAME:COUNT" asks for several: up to 8 in one sandbox, A10 up to 4
 # (https://modal.com/docs/guide/gpu, "Specifying GPU count"; A10G is A10's older name).
 GPU_TYPES = ("T4", "L4", "A10", "A10G", "L40S", "A100", "A100-40GB", "A100-80GB", "RTX-PRO-6000", "H100", "H100!",
@@ -115,9 +115,10 @@ def server_image(wheel: Path | None, *, extras: str = "gpu", python: str | None 
     from artcloud import locks
     from artcloud.backends.wheel import wheel_requirements
 
-    # the sandbox's Python need not be the laptop's (they speak HTTP)
-    python = python or "%d.%d" % max(sys.version_info[:2], MIN_IMAGE_PYTHON)
+    # the sandbox's Python need not be the laptop's (they speak HTTP): the laptop's if the lock serves it, else the
+    # nearest one it does (gpu: 3.11-3.12; a 3.13 laptop got a 3.13 image, where vLLM's cuda-python has no wheel)
     name = locks.lock_name(extras)
+    python = python or locks.python_near(name, sys.version_info[:2])
     if wheel is None:
         lock = locks.lock_path(name)
     else:
@@ -145,6 +146,8 @@ class ModalBackend(SandboxBackend):
     lease: the server pushes its last checkpoint and exits when no request or heartbeat came for this long.
     s3, env, secrets: as for SkyBackend (secrets travel as a modal.Secret).
     image: a modal.Image to run instead of the default recipe (`server_image`).
+    startup_timeout: bounds, from the launch, the image build and Modal's search for the GPU together (no
+        capacity: a ModalError, and nothing left running), then the server's own start.
     tunnel_ca: the CA bundle that signs the tunnel's certificate; default: the public CAs.
     """
 
@@ -290,25 +293,78 @@ class ModalBackend(SandboxBackend):
                                      engine=self.engine)
         self._record_launch(record, ca_cert="", token=token)  # before the sandbox exists: see the module docstring
         self._tunnel = None
+        deadline = (self._launch_began or time.monotonic()) + self.startup_timeout_s
+        launch = _secrets.token_hex(8)
         with tempfile.TemporaryDirectory(prefix="artcloud-wheel-") as tmp:
             image = self.image if self.image is not None else server_image(build_wheel(Path(tmp)))
-            self._sandbox = await modal.Sandbox.create.aio(
+            await self._build(image, app, deadline)
+            create = modal.Sandbox.create.aio(
                 *command,
-                app=app, name=self.name, tags={"artcloud": __version__}, image=image, env=env or None,
-                secrets=[modal.Secret.from_dict(secret_env)], gpu=self.gpu, cpu=self.cpu, memory=self.memory,
-                region=self.region, timeout=int(self.timeout_s),
+                app=app, name=self.name, tags={"artcloud": __version__, LAUNCH_TAG: launch}, image=image,
+                env=env or None, secrets=[modal.Secret.from_dict(secret_env)], gpu=self.gpu, cpu=self.cpu,
+                memory=self.memory, region=self.region, timeout=int(self.timeout_s),
                 idle_timeout=int(self.idle_timeout_s) if self.idle_timeout_s else None,
                 encrypted_ports=[SERVER_PORT] if job is None else [],
             )
+            self._sandbox = await self._scheduled(create, app, launch, deadline)
         self.sandbox_id = self._sandbox.object_id
         record.extra["sandbox_id"] = self.sandbox_id
         self.state.save(record)
         log.info("created Modal sandbox %s (%s) for %s", self.sandbox_id, self.gpu, self.name)
 
+    async def _build(self, image: Any, app: Any, deadline: float) -> None:
+        """Build the image (or find it cached) before `create`, which would otherwise build it inside: so a
+        slow first build (torch, vLLM: minutes) is told apart from a GPU Modal cannot find."""
+        try:
+            await asyncio.wait_for(image.build.aio(app), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise ModalError(f"Modal did not finish building the image of {self.name} within startup_timeout "
+                             f"{format_duration(self.startup_timeout_s)}: a first build takes minutes (the default "
+                             "image installs torch and vLLM) and later launches reuse it: give a longer "
+                             "startup_timeout", code="image_build_timeout") from None
+
+    async def _scheduled(self, create: Any, app: Any, launch: str, deadline: float) -> Any:
+        """Await `Sandbox.create`, bounded by the start's deadline. With a GPU, modal 1.6.4's create waits
+        inside until Modal schedules the container, up to 21 minutes, then raises ResourceExhaustedError
+        (modal/sandbox/_impl_v1.py:157-172). Whatever way it fails, no sandbox of this launch may be left."""
+        import modal
+
+        try:
+            return await asyncio.wait_for(create, max(0.0, deadline - time.monotonic()))
+        except BaseException as e:
+            await self._terminate_launch(app, launch)
+            if isinstance(e, asyncio.TimeoutError):
+                raise self._no_capacity(f"within startup_timeout {format_duration(self.startup_timeout_s)}",
+                                        longer=True) from None
+            if isinstance(e, modal.exception.ResourceExhaustedError):
+                raise self._no_capacity(f"within Modal's own scheduling wait ({_modal_hint(e)})", longer=False) from e
+            raise
+
+    async def _terminate_launch(self, app: Any, launch: str) -> None:
+        """Terminate the sandboxes tagged with this launch (at most one). A create cancelled while it waited
+        for scheduling terminates its sandbox itself (_impl_v1.py:164-169), but not one whose SandboxCreate
+        answer was cut off (_impl_v1.py:154), nor one that came up just as it was cancelled (synchronicity
+        raises the cancel even then): those exist and we hold no handle, so look them up by the tag."""
+        import modal
+
+        try:
+            async for sandbox in modal.Sandbox.list.aio(app_id=app.app_id, tags={LAUNCH_TAG: launch}):
+                await sandbox.terminate.aio()
+                log.info("terminated %s, the Modal sandbox of a failed create for %s", sandbox.object_id, self.name)
+        except Exception as e:  # noqa: BLE001 - the start's own error matters more
+            log.warning("could not check whether Modal left a sandbox of %s (%s): run `artcloud down %s`",
+                        self.name, _modal_hint(e), self.name)
+
+    def _no_capacity(self, when: str, *, longer: bool) -> ModalError:
+        also = ", or a longer startup_timeout" if longer else ""
+        return ModalError(f"Modal found no {self.gpu or 'CPU'} capacity for {self.name} {when}: try another gpu "
+                          f"or region, or again later{also}", code="no_capacity", field="gpu")
+
     async def _endpoint(self, deadline: float) -> str | None:
         """The tunnel's URL. It exists before the server listens, but `tunnels()` raises SandboxTimeoutError
-        while Modal still schedules the container (a GPU can take minutes): then None, and the ready poll
-        asks again until the startup deadline."""
+        while the container is not running yet: then None, and the ready poll asks again until the startup
+        deadline. A GPU sandbox is scheduled by then (`create` waited for it); one without a GPU (modal's V2
+        path) may not be."""
         import modal
 
         if self._tunnel is None:
@@ -323,8 +379,8 @@ class ModalBackend(SandboxBackend):
 
     def _not_ready(self, url: str | None) -> ArtcloudError:
         if url is None:
-            return ModalError(f"Modal did not start {self.name} within startup_timeout (no {self.gpu or 'CPU'} "
-                              "container was free): try again later, another gpu, or a longer startup_timeout",
+            return ModalError(f"Modal did not open the tunnel of {self.name} within startup_timeout (its container "
+                              "was not running yet): try again later, or a longer startup_timeout",
                               code="startup_timeout")
         return ModalError(f"the server in {self.name} was not ready in time (startup_timeout): raise it for a big "
                           f"model, or see `artcloud logs {self.name}`", code="startup_timeout")

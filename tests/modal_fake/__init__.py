@@ -1,8 +1,16 @@
 """A fake Modal control plane on loopback, for the REAL `modal` client (1.6.4).
 
 The client speaks gRPC (grpclib) to `MODAL_SERVER_URL`; this package serves `modal_proto.api_grpc.ModalClientBase`
-on 127.0.0.1 over plain HTTP/2 (the client accepts `http://`: TLS only when the scheme is `https`). What is
-behind each call is real where it can be; each module's docstring says how, for its part:
+on 127.0.0.1 over plain HTTP/2 (the client accepts `http://`: TLS only when the scheme is `https`,
+modal/_utils/grpc_utils.py:384-392). What is behind each call is real where it can be; each module's docstring
+says how, for its part, and every behaviour cites the modal 1.6.4 file:line it follows (client source, or a field's
+comment from api.proto as modal_proto/api_pb2.pyi carries it). A rule found only in Modal's docs says so; such
+rules are kept to what a test needs (the idle-timeout activity), so the fake and artcloud do not agree by
+construction (GPU types and counts, the 24 h cap: not enforced here).
+
+Timing is driven by the fake's controls, never by sleeps: `schedule_delay_s` (inf: never scheduled),
+`tunnels_wait_cap_s`, `build_delay_s` (inf: a build that never ends) and `create_answers` (a threading.Event:
+cleared, SandboxCreate's answer is held).
 
 - `fake.py`: `FakeModal`, the object a test holds: start/stop, `env()`, what a test inspects, the recording
   and token check of every request.
@@ -30,8 +38,6 @@ when a process talks to a second fake.
 from __future__ import annotations
 
 from .common import (
-    GPU_MAX_COUNT,
-    GPU_TYPES,
     IMAGE_BUILDER_VERSION,
     KILL_GRACE_S,
     TOKEN_ID,
@@ -44,8 +50,6 @@ from .servicer import IMPLEMENTED, IMPLEMENTED_ROUTER
 
 __all__ = [
     "FakeModal",
-    "GPU_MAX_COUNT",
-    "GPU_TYPES",
     "IMAGE_BUILDER_VERSION",
     "IMPLEMENTED",
     "IMPLEMENTED_ROUTER",

@@ -12,20 +12,19 @@ from typing import Any
 
 from modal_proto import api_pb2
 
-TOKEN_ID = "ak-fakemodaltest"
+TOKEN_ID = "ak-fakemodaltest"  # sent as x-modal-token-id / -secret metadata (modal/client.py:70-71)
 TOKEN_SECRET = "as-fakemodaltest"
+# the environment's image builder version (EnvironmentSettings), which the client builds for (modal/_image.py:380-384)
 IMAGE_BUILDER_VERSION = "2025.06"
-# Modal's GPU types (https://modal.com/docs/guide/gpu), upper-cased as the client sends them.
-GPU_TYPES = ("T4", "L4", "A10", "A10G", "L40S", "A100", "A100-40GB", "A100-80GB", "H100", "H100!", "H200",
-             "B200", "B200+", "RTX-PRO-6000")
-GPU_MAX_COUNT = {"A10": 4, "A10G": 4}  # per sandbox; every other type: 8
-KILL_GRACE_S = 5.0
+KILL_GRACE_S = 5.0  # SIGTERM, then SIGKILL: this fake's choice (Modal's own grace is not in the client)
 _ALNUM = string.digits + string.ascii_letters
 _G = api_pb2.GenericResult
 
 
 def new_id(prefix: str) -> str:
-    """An object id shaped like Modal's (a V1 sandbox id is 'sb-' + 22 alphanumerics: the client checks)."""
+    """An object id shaped like Modal's: PREFIX-, then 22 alphanumerics. The client checks the prefix on
+    hydration (modal/_object.py:182-188) and routes a sandbox as V1 on exactly this shape
+    (sandbox/_common.py:196-212)."""
     return f"{prefix}-" + "".join(_secrets.choice(_ALNUM) for _ in range(22))
 
 
@@ -36,13 +35,16 @@ def free_port() -> int:
 
 
 def _fake_jwt(lifetime_s: float = 3600) -> str:
+    """AuthTokenGet's token and the router's: the client reads only the payload's `exp`
+    (modal/_utils/auth_token_manager.py:155-159); nothing checks the signature here."""
     def b64(d: dict) -> str:
         return base64.urlsafe_b64encode(json.dumps(d).encode()).decode().rstrip("=")
 
     return f"{b64({'alg': 'none', 'typ': 'JWT'})}.{b64({'exp': int(time.time() + lifetime_s), 'sub': 'fake'})}.sig"
 
 
-_SECRET_KEYS = ("env_dict", "env", "ephemeral_secrets")  # SecretGetOrCreate; SecretSource.env; SandboxCreateV2
+# where secret values travel: SecretGetOrCreate.env_dict (modal/secret.py:216-229), V2's inline SecretSource.env
+_SECRET_KEYS = ("env_dict", "env", "ephemeral_secrets")
 
 
 def _scrub(obj: Any, key: str = "", masked: bool = False) -> Any:

@@ -33,8 +33,12 @@ class FakeModal(_Sandboxes, _Tunnels, _BlobServer):
     def __init__(self, root: Path, *, token_id: str = TOKEN_ID, token_secret: str = TOKEN_SECRET,
                  schedule_delay_s: float = 0.0):
         self.root = Path(root)
-        self.schedule_delay_s = schedule_delay_s  # how long a new sandbox's container takes to be scheduled
+        # The controls a test drives timing with (see sandboxes.py and images.py for what each follows):
+        self.schedule_delay_s = schedule_delay_s  # a new sandbox's container is scheduled after this (inf: never)
         self.tunnels_wait_cap_s = 50.0  # the longest one SandboxGetTunnels call waits for a container
+        self.build_delay_s = 0.0  # a new image layer is built after this (inf: never)
+        self.create_answers = threading.Event()  # cleared: SandboxCreate creates the sandbox, then holds its answer
+        self.create_answers.set()
         self.root.mkdir(parents=True, exist_ok=True)
         self.token_id, self.token_secret = token_id, token_secret
         self.port = 0
@@ -44,6 +48,7 @@ class FakeModal(_Sandboxes, _Tunnels, _BlobServer):
         self._environments: dict[str, str] = {}
         self._images: dict[str, api_pb2.Image] = {}
         self._image_by_digest: dict[str, str] = {}
+        self._image_since: dict[str, float] = {}  # image id -> when its build began (time.monotonic())
         self._secrets: dict[str, dict[str, str]] = {}
         self._named_secrets: dict[tuple[str, str], str] = {}
         self._mounts: dict[str, list[tuple[str, str]]] = {}
@@ -108,6 +113,8 @@ class FakeModal(_Sandboxes, _Tunnels, _BlobServer):
         loop, self._loop = self._loop, None
         if loop is None:
             return
+        self.create_answers.set()  # a held answer goes (to a client that is gone by now)
+        self.build_delay_s = 0.0
         try:
             asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(timeout=3 * KILL_GRACE_S + 10)
         finally:
@@ -147,13 +154,13 @@ class FakeModal(_Sandboxes, _Tunnels, _BlobServer):
 
     def env(self) -> dict[str, str]:
         """What a client process needs in its environment to talk to this fake (and only to it)."""
-        return {
+        return {  # modal/config.py's settings, read from MODAL_<NAME> (config.py:380-382, 403)
             "MODAL_SERVER_URL": self.url,
             "MODAL_TOKEN_ID": self.token_id,
             "MODAL_TOKEN_SECRET": self.token_secret,
-            # read when `modal` is imported: a file that does not exist, so no ~/.modal.toml profile is used
+            # read when `modal` is imported (config.py:123): a file that does not exist, so no profile is used
             "MODAL_CONFIG_PATH": str(self.root / "modal.toml"),
-            "MODAL_DISABLE_API_PROXY": "1",  # never through an HTTP(S)_PROXY of the machine
+            "MODAL_DISABLE_API_PROXY": "1",  # never through an HTTP(S)_PROXY (_utils/proxy_support.py:30-31)
         }
 
     def install(self, monkeypatch) -> "FakeModal":
@@ -165,7 +172,8 @@ class FakeModal(_Sandboxes, _Tunnels, _BlobServer):
 
     @staticmethod
     def forget_env_client() -> None:
-        """Drop this process's cached `modal.Client.from_env()` (it keeps the first server URL it saw)."""
+        """Drop this process's cached `modal.Client.from_env()` (it keeps the first server URL it saw:
+        modal/client.py:113, 341-342, 421)."""
         from modal.client import _Client
 
         _Client._client_from_env = None
@@ -224,7 +232,10 @@ class FakeModal(_Sandboxes, _Tunnels, _BlobServer):
     # --- internals, on the fake's loop ----------------------------------------------------------------
 
     def _record(self, method: str, req, metadata, *, implemented: bool = True, router: bool = False) -> None:
-        """Record a request; refuse it (UNAUTHENTICATED) without this fake's token (the router: a JWT)."""
+        """Record a request; refuse it without this fake's token: UNAUTHENTICATED, which the client raises as
+        AuthError (modal/exception.py:33). The token travels as x-modal-token-id/-secret (client.py:70-71), the
+        router's as a bearer JWT. ClientHello, the client's first call (client.py:294), is answered without
+        one here; real Modal may refuse it already: either way the client raises AuthError."""
         entry = {"t": time.time(), "method": method, "service": "TaskCommandRouter" if router else "ModalClient",
                  "request": _scrub(MessageToDict(req, preserving_proto_field_name=True)),
                  "token_id": (metadata or {}).get("x-modal-token-id")}

@@ -2,7 +2,7 @@
 by FakeModal's one grpclib server. Each request is recorded (and its token checked) before it is answered.
 
 Only the calls the sandbox flows need are implemented (in images.py, sandbox_rpcs.py and here); every other RPC
-answers UNIMPLEMENTED with its name (`modal.exception.UnimplementedError: FakeModal does not implement X`).
+answers UNIMPLEMENTED with its name, which the client raises as `modal.exception.UnimplementedError` (exception.py:29).
 """
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ class _Servicer(_ImageRpcs, _SandboxRpcs, ModalClientBase):
 
     # --- session, apps, environments ---------------------------------------------------------------
 
-    async def rpc_ClientHello(self, req, md):
+    async def rpc_ClientHello(self, req, md):  # modal/client.py:294
         return api_pb2.ClientHelloResponse(image_builder_version=IMAGE_BUILDER_VERSION)
 
-    async def rpc_AuthTokenGet(self, req, md):
+    async def rpc_AuthTokenGet(self, req, md):  # V2's input-plane token (_utils/auth_token_manager.py:136-159)
         return api_pb2.AuthTokenGetResponse(token=_fake_jwt())
 
     async def rpc_AppGetOrCreate(self, req, md):
+        """App.lookup: created only with OBJECT_CREATION_TYPE_CREATE_IF_MISSING, else NOT_FOUND (app.py:471-477)."""
         f = self.fake
         key = (req.environment_name or "main", req.app_name)
         if key not in f._apps:
@@ -48,7 +49,7 @@ class _Servicer(_ImageRpcs, _SandboxRpcs, ModalClientBase):
             f._apps[key] = new_id("ap")
         return api_pb2.AppGetOrCreateResponse(app_id=f._apps[key])
 
-    async def rpc_EnvironmentGetOrCreate(self, req, md):
+    async def rpc_EnvironmentGetOrCreate(self, req, md):  # gives the image builder version (_image.py:380-384)
         name = req.deployment_name or "main"
         env_id = self.fake._environments.setdefault(name, new_id("en"))
         meta = api_pb2.EnvironmentMetadata(
@@ -63,6 +64,8 @@ class _RouterServicer(TaskCommandRouterBase):
         self.fake = fake
 
     async def rpc_SandboxStdioReadV2(self, req, md):
+        """A V2 sandbox's stdout/stderr from `offset`, to the end of the output (the task command router's
+        stream, read by sandbox/_task_command_router_client.py:627-666)."""
         sb = next((s for s in self.fake._sandboxes.values() if s.task_id == req.task_id), None)
         if sb is None:
             raise GRPCError(Status.NOT_FOUND, f"Task {req.task_id} not found")

@@ -3,11 +3,14 @@
 Every port in `encrypted_ports` (and `h2_ports`) gets a TLS-terminating TCP proxy on
 127.0.0.1:<free port>, with a certificate for 127.0.0.1/localhost signed by a fake "Modal edge" CA
 (`FakeModal.edge_ca_pem`), forwarding plain TCP to the sandbox's local port; `unencrypted_ports` get a plain
-TCP proxy. A tunnel exists from creation on, before the server listens (as on Modal): a connection that
-arrives before the process listens is accepted and then closed.
+TCP proxy (the ports as the client sends them: `open_ports` PortSpecs, modal/sandbox/_common.py:464, 519).
+The client makes `Tunnel.url` "https://host[:port]" of an encrypted tunnel's host and port (modal/_tunnel.py:29-43).
+A tunnel exists from creation on, before the server listens: a connection that arrives before the process
+listens is accepted and then closed (Modal's docs say the tunnel is there at once; not checkable from the client).
 
 Their connections are the sandbox's activity for `idle_timeout` (see sandboxes.py): a connection open (`open_conns`)
-holds the timer, and its traffic in either direction resets it (`_Sandbox.touch`).
+holds the timer, and its traffic in either direction resets it (`_Sandbox.touch`). What counts as activity is
+Modal's docs, not checkable from the 1.6.4 client.
 """
 
 from __future__ import annotations
@@ -87,8 +90,10 @@ def _close_tunnel(tunnel: _Tunnel) -> None:
 
 
 def _tunnel_protos(sb: "_Sandbox") -> list:
+    """TunnelData as the client reads it: container_port -> (host, port, unencrypted_host, unencrypted_port)
+    (modal/sandbox/_common.py:365-366)."""
     out = []
-    if not sb.started:  # no container yet: no tunnel to report
+    if not sb.started:  # no container yet: no tunnel to report (tunnels() times out: _common.py:836-840)
         return out
     for t in sb.tunnels.values():
         if t.encrypted:
