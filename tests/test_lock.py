@@ -82,6 +82,13 @@ def test_a_sandbox_gets_a_python_its_lock_serves(extra):
     assert f"$(call LOCK_ONE,{extra},{PYTHONS[extra][0]})" in (REPO / "Makefile").read_text()
 
 
+@pytest.mark.parametrize("extra,laptop,image", [("gpu", (3, 10), "3.11"), ("gpu", (3, 12), "3.12"),
+                                                ("gpu", (3, 13), "3.12"), ("server", (3, 13), "3.13"),
+                                                ("server", (3, 10), "3.10")])
+def test_an_image_gets_the_python_its_lock_serves_nearest_the_laptops(extra, laptop, image):
+    assert locks.python_near(extra, laptop) == image  # Modal's server_image: a 3.13 laptop once got a 3.13 image
+
+
 def test_a_stale_lock_fails_the_check():
     text = locks.lock_path("gpu").read_text()
     with pytest.raises(locks.NoLock, match=r"stale: it pins vllm==0\.32\.0, and artcloud asks for vllm==0\.33\.0: "

@@ -129,11 +129,13 @@ class SandboxBackend(RemoteBackend):
                 raise
             await self._fail_start(e, launching=True)
         record = self._record
+        # One budget from the launch call: provisioning (or scheduling), the install, the server's start.
+        deadline = (self._launch_began or time.monotonic()) + self.startup_timeout_s
         try:
             if job is not None:  # a detached job is launched once its install is done and it runs
-                await self._job_started(deadline=time.monotonic() + self.startup_timeout_s)
+                await self._job_started(deadline=deadline)
             else:
-                await self._wait_ready(record, deadline=time.monotonic() + self.startup_timeout_s)
+                await self._wait_ready(record, deadline=deadline)
         except BaseException as e:
             await self._fail_start(e, launching=False)
         if job is not None and record is not None:

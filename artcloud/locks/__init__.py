@@ -71,6 +71,15 @@ def python_request(extras: str | Iterable[str]) -> str:
     return PYTHONS.get(lock_name(extras), PYTHONS["gpu"])
 
 
+def python_near(extras: str | Iterable[str], version: tuple[int, int]) -> str:
+    """The Python the lock of `extras` serves that is nearest `version` (e.g. the laptop's): an image's Python
+    (Modal's debian_slim takes any), 'X.Y'."""
+    bounds = dict(re.findall(r"(>=|<)(\d+\.\d+)", python_request(extras)))
+    low = tuple(int(p) for p in bounds[">="].split("."))
+    below = tuple(int(p) for p in bounds["<"].split("."))
+    return "%d.%d" % max(low, min(tuple(version[:2]), (below[0], below[1] - 1)))
+
+
 def lock_path(extras: str | Iterable[str]) -> Path:
     """The lock file of `extras` in this package; NoLock, naming the locks there are, if it ships none."""
     name = lock_name(extras)
