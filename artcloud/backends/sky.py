@@ -467,15 +467,15 @@ class SkyBackend(SandboxBackend):
                              code="cluster_dead")
         status = await asyncio.to_thread(self.api.job_status, name, self._job_id)
         if status == "FAILED_SETUP":
-            raise await self._setup_failed()
+            await self._raise_setup_failed()
         if status in FAILED_JOB:
             tail = "\n".join("  " + line for line in await asyncio.to_thread(self.log_tail, 20))
             raise ServerGone(f"the server job on {name} ended ({status}); its last lines:\n{tail}", code="server_exited")
 
-    async def _setup_failed(self) -> ServerGone:
+    async def _raise_setup_failed(self) -> None:
         """The install failed (the task's setup, inside the job: FAILED_SETUP): a launch failure, with its lines."""
         tail = "\n".join("  " + line for line in await asyncio.to_thread(self.log_tail, 20))
-        return ServerGone(f"could not launch {self.cluster_name}: installing artcloud on it failed (SkyPilot job "
+        raise ServerGone(f"could not launch {self.cluster_name}: installing artcloud on it failed (SkyPilot job "
                           f"FAILED_SETUP); the setup's last lines:\n{tail}", code="setup_failed")
 
     async def _job_started(self, deadline: float) -> None:
@@ -485,7 +485,7 @@ class SkyBackend(SandboxBackend):
         while True:
             status = await asyncio.to_thread(self.api.job_status, self.cluster_name, self._job_id)
             if status == "FAILED_SETUP":
-                raise await self._setup_failed()
+                await self._raise_setup_failed()
             if status is not None and status not in STARTING_JOB:
                 return  # RUNNING, or already over: the run's own summary says how it went
             if status is None:
