@@ -1,19 +1,26 @@
 """engine_args: the vLLM engine's settings, from the operator (--engine-args, ARTCLOUD_ENGINE_ARGS, a
 backend's engine_args=) and per model (RegisterRequest.engine_args, TrainableModel(engine_args=)).
 A client may set sizes and switches only; what artcloud sets itself (loopback host, port, key) no one
-may; the CPU engine has none. The vLLM side is tests/test_vllm_server.py."""
+may; the CPU engine takes those it honours (max_model_len, max_seq_length, dtype, seed) and names the rest.
+The vLLM side is tests/test_vllm_server.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import subprocess
 import sys
+import uuid
 
 import pytest
 from conftest import TINY
 
+import artcloud
 from artcloud.backends.remote import engine_args_env
 from artcloud.server.engines.choose import check_engine_args
+
+MESSAGES = [{"role": "user", "content": "Tell me something."}]  # 43 tokens with tiny-random's default system prompt
 
 
 def test_a_client_may_set_sizes_but_not_paths_ports_or_remote_code():
@@ -43,17 +50,95 @@ def test_register_refuses_engine_args_the_cpu_engine_or_a_loaded_base_model_cann
         assert "e2" not in [m["name"] for m in c.get("/artcloud/status").json()["models"]]
 
 
-def test_the_cpu_engine_has_no_engine_args(tmp_path):
+def test_the_cpu_engine_takes_the_engine_args_it_honours_and_names_the_rest(tmp_path):
     from fastapi.testclient import TestClient
 
     from artcloud.server.app import create_app
     from artcloud.server.state import Registry
 
     token = "t" * 32
-    with TestClient(create_app(Registry(tmp_path / "d", engine="cpu"), token), headers={"Authorization": f"Bearer {token}"}) as c:
-        r = c.post("/artcloud/models", json={"name": "a", "project": "p", "base_model": TINY, "engine_args": {"max_model_len": 512}})
-        assert r.status_code == 400 and r.json()["error"]["field"] == "engine_args", r.text
-        assert "apply to the vllm engines" in r.json()["error"]["message"]
+    long_prompt = [{"role": "user", "content": "word " * 20}]
+
+    def app(engine_args=None, folder="d"):
+        return TestClient(create_app(Registry(tmp_path / folder, engine="cpu", engine_args=engine_args), token),
+                          headers={"Authorization": f"Bearer {token}"})
+
+    def register(c, name, args):
+        return c.post("/artcloud/models", json={"name": name, "project": "p", "base_model": TINY, "engine_args": args})
+
+    with app() as c:
+        r = register(c, "a", {"max_model_len": 64, "gpu_memory_utilization": 0.8, "enforce_eager": True})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["code"] == "invalid_engine_args", r.text
+        assert error["field"] == "engine_args.enforce_eager" and "\n" not in error["message"]
+        assert error["message"].startswith("engine_args enforce_eager, gpu_memory_utilization: not for the CPU engine")
+        r = register(c, "a", {"max_model_len": 4096})  # over tiny-random's 2048 positions
+        assert r.status_code == 400 and r.json()["error"]["field"] == "engine_args.max_model_len", r.text
+        assert not c.get("/artcloud/status").json()["engines"]  # nothing loaded by a refused register
+
+        # A bound on prompt + completion tokens, for real; and the dtype the weights load in.
+        assert register(c, "a", {"max_model_len": 64, "dtype": "bfloat16"}).status_code == 200
+        assert c.get("/artcloud/status").json()["engines"][0]["engine"] == "cpu (torch cpu, bfloat16)"
+        out = c.post("/v1/chat/completions", json={"model": "a", "messages": MESSAGES, "max_tokens": 500, "seed": 1}).json()
+        assert out["usage"]["prompt_tokens"] == 43 and out["usage"]["total_tokens"] == 64, out["usage"]
+        assert out["choices"][0]["finish_reason"] == "length"
+        r = c.post("/v1/chat/completions", json={"model": "a", "messages": long_prompt})
+        assert r.status_code == 400 and "this model takes at most 64" in r.json()["error"]["message"], r.text
+
+    # The operator's (artcloud serve --engine-args, LocalBackend(engine_args=)) are the defaults under a model's.
+    with app({"max_seq_length": 50}) as c:
+        assert register(c, "b", None).status_code == 200
+        r = c.post("/v1/chat/completions", json={"model": "b", "messages": long_prompt})
+        assert r.status_code == 400 and "this model takes at most 50" in r.json()["error"]["message"], r.text
+
+    # seed: requests without a seed of their own sample the same on a fresh server with the same seed.
+    def unseeded(seed):
+        with app(folder=f"seed-{uuid.uuid4().hex}") as c:  # a fresh server each time
+            assert register(c, "s", {"seed": seed}).status_code == 200
+            body = {"model": "s", "messages": MESSAGES, "max_tokens": 8, "n": 2}
+            return [[ch["token_ids"] for ch in c.post("/v1/chat/completions", json=body).json()["choices"]]
+                    for _ in range(2)]
+
+    first = unseeded(7)
+    assert first == unseeded(7) and first[0] != first[1] and first != unseeded(8)
+    with app(folder="bad-seed") as c:
+        r = register(c, "s", {"seed": -1})
+        assert r.status_code == 400 and r.json()["error"]["field"] == "engine_args.seed", r.text
+    with pytest.raises(artcloud.InvalidArgument, match="^engine_args gpu_memory_utilization: not for the CPU engine"):
+        Registry(tmp_path / "e", engine="cpu", engine_args={"gpu_memory_utilization": 0.8})
+
+
+def test_auto_falling_back_to_the_cpu_engine_keeps_the_operators_engine_args_it_can_take(monkeypatch, tmp_path, caplog):
+    import torch
+
+    from artcloud.server.engines import choose
+
+    caplog.set_level(logging.WARNING, "artcloud.engine")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    factory = choose.engine_factory("auto", workdir=tmp_path, engine_args={"max_model_len": 64, "gpu_memory_utilization": 0.8})
+    assert factory.func is choose.cpu_engine and factory.keywords == {"defaults": {"max_model_len": 64}}
+    assert "it ignores engine_args gpu_memory_utilization" in caplog.text
+
+
+def test_arts_engine_args_on_a_local_backend_take_effect_or_are_refused_by_name(tmp_path):
+    """ART's `_internal_config=` moves to `engine_args=`: on LocalBackend's CPU engine, max_model_len bounds what
+    the model samples; vLLM's other settings are refused in one line that names each."""
+    async def main() -> None:
+        async with artcloud.LocalBackend(tmp_path / "local") as backend:
+            vllm_only = artcloud.TrainableModel(name="big", project="p", base_model=TINY,
+                                                engine_args={"max_model_len": 64, "gpu_memory_utilization": 0.8})
+            with pytest.raises(artcloud.ArtcloudError) as e:
+                await vllm_only.register(backend)
+            assert (e.value.status, e.value.code, e.value.field) == (400, "invalid_engine_args",
+                                                                     "engine_args.gpu_memory_utilization")
+            assert "\n" not in str(e.value)
+            model = artcloud.TrainableModel(name="short", project="p", base_model=TINY, engine_args={"max_model_len": 64})
+            await model.register(backend)
+            r = await model.openai_client().chat.completions.create(model=model.name, messages=MESSAGES, max_tokens=500)
+            assert r.usage.total_tokens == 64 and r.choices[0].finish_reason == "length", r.usage
+            await backend.down()
+
+    asyncio.run(main())
 
 
 def test_serve_reads_engine_args_from_the_flag_or_the_environment_and_says_what_is_wrong(tmp_path):

@@ -44,8 +44,9 @@ class LocalBackend(SandboxBackend):
     memory there never takes this script down, and the child dies with it), which trains the same:
     in_process=True is accepted with a warning that says so.
 
-    engine: cpu, vllm, vllm+unsloth, vllm+peft or auto (see `artcloud serve --help`); engine_args: the vLLM
-    engine's settings (artcloud serve --engine-args). s3: push checkpoints to
+    engine: cpu, vllm, vllm+unsloth, vllm+peft or auto (see `artcloud serve --help`); engine_args: the engine's
+    settings (artcloud serve --engine-args), the defaults under each model's own: the CPU engine takes
+    max_model_len, max_seq_length, dtype and seed, and refuses vLLM's other settings by name. s3: push checkpoints to
     s3://BUCKET/PREFIX too (credentials from this environment). lease, max_duration: as `artcloud serve`.
     """
 

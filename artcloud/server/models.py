@@ -72,7 +72,7 @@ class EngineHost:
             self.engine = await self.call(self.factory, *args)
         except EngineArgsError as e:
             self.close()
-            raise ApiError(400, "invalid_engine_args", str(e), "engine_args") from e
+            raise ApiError(400, "invalid_engine_args", str(e), e.field or "engine_args") from e
         except ModelNotFound as e:
             self.close()
             raise ApiError(400, "base_model_not_found", str(e), "base_model") from e

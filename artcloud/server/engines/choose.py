@@ -24,6 +24,13 @@ bfloat16, not 4-bit (load_in_4bit False), because sampler and trainer must compu
 logprobs for the GRPO importance ratio, and while one works the other is off the GPU anyway. Any of
 them is overridden by `engine_args` (artcloud serve --engine-args JSON; SkyBackend/ModalBackend(
 engine_args=...)); trainer keys: load_in_4bit, max_seq_length.
+
+The CPU engine takes the engine_args it can honour (CPU_ARGS): max_model_len and max_seq_length bound
+prompt + completion tokens (one model samples and trains there, so the smaller wins), dtype the weights'
+type, seed the sampling of requests without a seed of their own (a fresh server draws the same samples
+for the same requests, as vLLM's seed makes it). It refuses the rest (vLLM's and Unsloth's), naming
+them, where a client or `--engine cpu` asks for them; `--engine auto` falling back to it drops the
+operator's with a warning (they were for vLLM).
 """
 
 from __future__ import annotations
@@ -54,8 +61,13 @@ MODEL_ARGS = {"gpu_memory_utilization", "max_model_len", "max_loras", "max_cpu_l
               "load_in_4bit", "max_seq_length"}
 
 
+# What the CPU engine honours (see the module's docstring), and the dtypes it loads as vLLM spells them.
+CPU_ARGS = ("max_model_len", "max_seq_length", "dtype", "seed")
+CPU_DTYPES = {"auto": None, "float": "float32", "float32": "float32", "bfloat16": "bfloat16"}
+
+
 class EngineArgsError(InvalidArgument):
-    """engine_args this engine cannot take; the message names the key."""
+    """engine_args this engine cannot take; the message names the key, `field` is engine_args.KEY."""
 
     code = "invalid_engine_args"
 
@@ -158,14 +170,51 @@ def build_vllm_engine(base_model: str, *, trainer: str, workdir: Path, engine_ar
     return Engine(sampler, part, colocated=colocated, description=f"vllm + {name} ({placement}){why}")
 
 
-def cpu_engine(base_model: str, engine_args: dict[str, Any] | None = None, **kw: Any) -> Engine:
-    """The CPU engine; it has no engine_args."""
+def cpu_engine_args(args: dict[str, Any]) -> dict[str, Any]:
+    """CPUEngine's keywords for engine_args `args`; EngineArgsError naming every key it cannot honour."""
+    refused = sorted(k for k in args if k not in CPU_ARGS)
+    if refused:
+        raise EngineArgsError(f"engine_args {', '.join(refused)}: not for the CPU engine (vLLM's or Unsloth's); it "
+                              f"takes {', '.join(CPU_ARGS)} (or run artcloud serve --engine vllm on a GPU)",
+                              field=f"engine_args.{refused[0]}")
+    out: dict[str, Any] = {}
+    for key, least in (("max_model_len", 1), ("max_seq_length", 1), ("seed", 0)):
+        if key in args:
+            if type(args[key]) is not int or args[key] < least:
+                raise EngineArgsError(f"engine_args {key} must be a whole number >= {least}, not {args[key]!r}",
+                                      field=f"engine_args.{key}")
+            out[key] = args[key]
+    if "dtype" in args:
+        if args["dtype"] not in CPU_DTYPES:
+            raise EngineArgsError(f"engine_args dtype {args['dtype']!r}: the CPU engine loads "
+                                  f"{', '.join(CPU_DTYPES)}", field="engine_args.dtype")
+        if CPU_DTYPES[args["dtype"]] is not None:
+            out["dtype"] = CPU_DTYPES[args["dtype"]]
+    return out
+
+
+def cpu_engine(base_model: str, engine_args: dict[str, Any] | None = None, *,
+               defaults: dict[str, Any] | None = None, **kw: Any) -> Engine:
+    """The CPU engine, with the operator's engine_args (`defaults`) under a register request's."""
     from artcloud.server.engines.cpu import CPUEngine
 
-    if engine_args:
-        raise EngineArgsError(f"engine_args {sorted(engine_args)} apply to the vllm engines; this server runs the "
-                         "CPU engine (artcloud serve --engine cpu)")
-    return CPUEngine(base_model, **kw)
+    return CPUEngine(base_model, **{**kw, **cpu_engine_args({**(defaults or {}), **(engine_args or {})})})
+
+
+def _cpu_factory(defaults: dict[str, Any] | None, **kw: Any) -> Callable[..., Engine]:
+    """cpu_engine with these keywords and the operator's engine_args (none: cpu_engine itself)."""
+    if defaults:
+        kw["defaults"] = defaults
+    return partial(cpu_engine, **kw) if kw else cpu_engine
+
+
+def _cpu_only(engine_args: dict[str, Any] | None, why: str) -> dict[str, Any]:
+    """The operator's engine_args the CPU engine takes; the rest (meant for vLLM) dropped with a warning."""
+    args = dict(engine_args or {})
+    dropped = sorted(k for k in args if k not in CPU_ARGS)
+    if dropped:
+        log.warning("engine auto runs the CPU engine (%s): it ignores engine_args %s", why, ", ".join(dropped))
+    return {k: v for k, v in args.items() if k in CPU_ARGS}
 
 
 def engine_factory(kind: str, *, workdir: Path, engine_args: dict[str, Any] | None = None,
@@ -176,13 +225,14 @@ def engine_factory(kind: str, *, workdir: Path, engine_args: dict[str, Any] | No
     check_engine_args(engine_args or {}, from_client=False)
 
     if kind == "cpu":
-        return cpu_engine
+        cpu_engine_args(engine_args or {})  # what it cannot take is refused now, before the server binds
+        return _cpu_factory(engine_args)
     if kind == "auto":
         import torch
 
         if not torch.cuda.is_available():
             log.info("engine auto: cpu, because torch sees no CUDA device")
-            return cpu_engine
+            return _cpu_factory(_cpu_only(engine_args, "no CUDA device"))
         from artcloud.server.engines.vllm_sampler import vllm_python as default_python
 
         python = vllm_python or default_python()
@@ -192,7 +242,7 @@ def engine_factory(kind: str, *, workdir: Path, engine_args: dict[str, Any] | No
         gpus = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
         if problem is not None:
             log.warning("engine auto: the CPU engine's torch code on %s in bfloat16, because %s", gpus, problem)
-            return partial(cpu_engine, dtype="bfloat16", device="cuda")
+            return _cpu_factory(_cpu_only(engine_args, problem), dtype="bfloat16", device="cuda")
         log.info("engine auto: vllm + unsloth on %s (CUDA present; vLLM imports under %s; unsloth installed)", gpus, python)
         kind = "vllm"
     trainer = {"vllm": "auto", "vllm+unsloth": "unsloth", "vllm+peft": "peft"}[kind]

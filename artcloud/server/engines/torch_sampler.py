@@ -23,8 +23,11 @@ from artcloud.types import LoraConfig
 class TorchSampler(Sampler):
     shares_trainer_weights = True
 
-    def __init__(self, trainer: PeftTrainer):
+    def __init__(self, trainer: PeftTrainer, seed: int | None = None):
         self.trainer = trainer
+        # engine_args seed: rows without a seed of their own draw from this generator, not from torch's global
+        # one (which training draws from too), so a fresh server samples the same for the same requests.
+        self.generator = torch.Generator(device=trainer.device).manual_seed(seed) if seed is not None else None
         self.tokenizer = trainer.tokenizer
         self.max_context = trainer.max_context
         model = trainer.model
@@ -109,7 +112,8 @@ class TorchSampler(Sampler):
 
         for _ in range(max(max_tokens)):
             logp = torch.log_softmax(logits.float() / lp_temps[alive], dim=-1)  # (A, V) at each row's T
-            chosen = self._sample(logits, temps[alive], top_p[alive], greedy[alive], row_req, alive, generators)
+            chosen = self._sample(logits, temps[alive], top_p[alive], greedy[alive], row_req, alive, generators,
+                                  self.generator)
             chosen_lp = logp.gather(1, chosen.unsqueeze(1)).squeeze(1)
             top = torch.topk(logp, want_top, dim=-1) if want_top else None
             is_eos = torch.isin(chosen, eos)
@@ -165,7 +169,7 @@ class TorchSampler(Sampler):
         return results
 
     @staticmethod
-    def _sample(logits, temps, top_p, greedy, row_req, alive, generators) -> torch.Tensor:
+    def _sample(logits, temps, top_p, greedy, row_req, alive, generators, default=None) -> torch.Tensor:
         probs = torch.softmax(logits.float() / temps, dim=-1)
         if bool((top_p < 1.0).any()):
             sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -180,7 +184,7 @@ class TorchSampler(Sampler):
         for a, b in enumerate(alive):
             (seeded.setdefault(row_req[b], []) if row_req[b] in generators else free).append(a)
         if free:
-            chosen[free] = torch.multinomial(probs[free], 1).squeeze(1)
+            chosen[free] = torch.multinomial(probs[free], 1, generator=default).squeeze(1)
         for u, rows in seeded.items():
             chosen[rows] = torch.multinomial(probs[rows], 1, generator=generators[u]).squeeze(1)
         if bool(greedy.any()):
