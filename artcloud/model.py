@@ -13,7 +13,9 @@ import logging
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Iterable, Iterator, Mapping, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from artcloud.errors import ArtcloudError, InvalidArgument, NotInArtcloud, NotSupported, WrongState, WrongType
 from artcloud.types import LoraConfig, TrainConfig, TrajectoryGroup
@@ -64,7 +66,14 @@ class TrainResult:
         return iter((self.step, self.metrics, self.checkpoint_path))
 
 
-class Model:
+# The user's own config type: `Model[MyConfig]` types and validates `config` as one; a bare `Model` takes any object.
+ModelConfig = TypeVar("ModelConfig")
+
+# What binds a model object to a server: a copy never shares it (it registers on its own).
+_BOUND = ("_backend", "_external_client", "_wandb", "_pending")
+
+
+class Model(BaseModel, Generic[ModelConfig]):
     """A model to sample from: served by a backend (for inference only, no `train`), or a prompted model
     at any OpenAI-compatible endpoint, as ART allows (a baseline to compare against):
 
@@ -72,39 +81,77 @@ class Model:
                        inference_api_key=os.environ["OPENAI_API_KEY"])
 
     With `base_model`, `register(backend)` serves it as an adapter that is never trained, so it answers
-    exactly as its base model does, under its own name. `config` is the user's own object (any pydantic
-    model or other object), kept as `model.config` and never sent to a server.
+    exactly as its base model does, under its own name. Without, `register` gives it a history on the server
+    (as ART's backend keeps one), which `log` adds to. `config` is the user's own object, kept as
+    `model.config` and never sent to a server.
+
+    As in ART, a pydantic model generic in its config: `Model[MyConfig]` types (and validates) `config`,
+    `model_copy(deep=True)` makes a variant to change (a copy is not registered: register it too), and
+    `model_dump()` gives the fields. The inference key and the backend are no fields: never in a dump or a repr.
     """
 
-    trainable = False
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+    trainable: ClassVar[bool] = False
 
-    def __init__(self, *, name: str, project: str, base_model: str | None = None, config: Any = None,
+    name: str
+    project: str
+    config: ModelConfig | None = None
+    base_model: str | None = None
+    # The name a plain OpenAI client asks for (a served model's: its own name, the newest step).
+    inference_model_name: str | None = None
+    # vLLM settings for base_model on a GPU server (max_model_len, gpu_memory_utilization, load_in_4bit...),
+    # used when the server first loads it; the backend's engine_args are the defaults under them. The CPU
+    # engine takes those it can honour (server/engines/choose.py).
+    engine_args: dict[str, Any] | None = None
+    entity: str | None = None
+    id: str | None = None
+    report_metrics: list[str] | None = None  # ["wandb"]; None: W&B if WANDB_API_KEY
+    step: int = 0  # the newest step this object knows of
+
+    # A prompted model's endpoint (ART's fields; properties here, since a served model's are the backend's).
+    _inference_base_url: str | None = PrivateAttr(None)
+    _inference_api_key: str | None = PrivateAttr(None)
+    _backend: Any = PrivateAttr(None)  # RemoteBackend
+    _external_client: Any = PrivateAttr(None)
+    _wandb: Any = PrivateAttr(None)  # report.WandbReporter
+
+    def __init__(self, *, name: str, project: str, base_model: str | None = None, config: ModelConfig | None = None,
                  inference_model_name: str | None = None, inference_base_url: str | None = None,
                  inference_api_key: str | None = None, engine_args: dict[str, Any] | None = None,
-                 entity: str | None = None, id: str | None = None, report_metrics: list[str] | None = None):
+                 entity: str | None = None, id: str | None = None, report_metrics: list[str] | None = None,
+                 **fields: Any):
         from artcloud import report
 
-        self.report_metrics = report.check_reporting(report_metrics)  # ["wandb"]; None: W&B if WANDB_API_KEY
-        self._wandb: report.WandbReporter | None = None
-        self.name = name
-        self.project = project
-        self.base_model = base_model
-        self.config = config
-        self.entity, self.id = entity, id
-        # Where a plain OpenAI client reaches this model. A served model's are the backend's loopback endpoint
-        # and its own key (see artcloud.backends.forwarder), started when first read: most scripts never do.
-        self.inference_model_name = inference_model_name
+        # Checked here, not by a validator: pydantic would wrap artcloud's one-line error in a ValidationError.
+        report_metrics = report.check_reporting(report_metrics)
+        # `fields`: the rest of a dump (pydantic's model_validate calls this __init__); unknown names are refused.
+        super().__init__(name=name, project=project, base_model=base_model, config=config,
+                         inference_model_name=inference_model_name, engine_args=engine_args, entity=entity, id=id,
+                         report_metrics=report_metrics, **fields)
         self._inference_base_url = inference_base_url
         self._inference_api_key = inference_api_key
-        # vLLM settings for base_model on a GPU server (max_model_len, gpu_memory_utilization, load_in_4bit...),
-        # used when the server first loads it; the backend's engine_args are the defaults under them.
-        self.engine_args = dict(engine_args) if engine_args else None
-        self._backend: RemoteBackend | None = None
-        self._external_client: Any = None
-        self.step = 0
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r}, project={self.project!r}, base_model={self.base_model!r}, step={self.step})"
+    @field_validator("engine_args")
+    @classmethod
+    def _no_empty_engine_args(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return value or None
+
+    def __copy__(self) -> "Model":
+        copy = super().__copy__()
+        for name in _BOUND:
+            if name in copy.__pydantic_private__:
+                copy.__pydantic_private__[name] = None
+        return copy
+
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> "Model":
+        # deepcopy returns what its memo holds for an object already seen: None for these, so the copy is
+        # unbound (and a backend's sockets, locks and SSL contexts are never copied).
+        memo = {} if memo is None else memo
+        for name in _BOUND:
+            value = (self.__pydantic_private__ or {}).get(name)
+            if value is not None:
+                memo[id(value)] = None
+        return super().__deepcopy__(memo)
 
     @property
     def backend(self) -> "RemoteBackend":
@@ -133,6 +180,7 @@ class Model:
     @inference_base_url.setter
     def inference_base_url(self, value: str | None) -> None:
         self._inference_base_url = value
+        self._external_client = None  # made again for the new endpoint
 
     @property
     def inference_api_key(self) -> str | None:
@@ -143,14 +191,15 @@ class Model:
     @inference_api_key.setter
     def inference_api_key(self, value: str | None) -> None:
         self._inference_api_key = value
+        self._external_client = None
 
     async def register(self, backend: "RemoteBackend") -> None:
-        """Serve this model on `backend` (with `base_model`); a prompted model (no `base_model`) is only
-        bound to it."""
+        """Serve this model on `backend` (with `base_model`). A prompted model (no `base_model`) gets a
+        history there, for `log`, as ART's backend keeps one; it is still sampled at its own endpoint."""
+        lora = self._lora().model_dump() if self.base_model is not None else {}
+        info = await backend.register(self.name, self.project, self.base_model, lora, engine_args=self.engine_args)
+        self.step = info["step"]
         if self.base_model is not None:
-            info = await backend.register(self.name, self.project, self.base_model, self._lora().model_dump(),
-                                          engine_args=self.engine_args)
-            self.step = info["step"]
             self.inference_model_name = self.name  # the bare name is always the newest step
         self._backend = backend
 
@@ -217,7 +266,7 @@ class Model:
             self._wandb.report(record, batch)
 
 
-class TrainableModel(Model):
+class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
     """A LoRA adapter on `base_model` that `train` updates with GRPO, one step per call.
 
     `lora` is the adapter's shape (fixed at registration). `config` is the user's own object, as in ART:
@@ -225,13 +274,22 @@ class TrainableModel(Model):
     DeprecationWarning.)
     """
 
-    trainable = True
+    trainable: ClassVar[bool] = True
 
-    def __init__(self, *, name: str, project: str, base_model: str, config: Any = None,
+    base_model: str
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+    _annealer: LinearTemperatureAnnealer | None = PrivateAttr(None)
+    _pending: asyncio.Task | None = PrivateAttr(None)
+
+    def __init__(self, *, name: str, project: str, base_model: str, config: ModelConfig | None = None,
                  lora: LoraConfig | None = None, engine_args: dict[str, Any] | None = None,
-                 entity: str | None = None, id: str | None = None, report_metrics: list[str] | None = None):
-        super().__init__(name=name, project=project, base_model=base_model, config=config,
-                         engine_args=engine_args, entity=entity, id=id, report_metrics=report_metrics)
+                 entity: str | None = None, id: str | None = None, report_metrics: list[str] | None = None,
+                 _internal_config: Any = None, **fields: Any):
+        if _internal_config is not None:
+            raise NotSupported("TrainableModel(_internal_config=...) is OpenPipe ART's (art.dev.InternalModelConfig): "
+                               "pass engine_args={...} instead (its engine_args, e.g. max_model_len, and Unsloth's "
+                               "load_in_4bit, max_seq_length)", field="_internal_config")
         if isinstance(config, LoraConfig):
             if lora is not None:
                 raise InvalidArgument("TrainableModel got a LoraConfig both as config= and lora=: pass it as lora= only",
@@ -239,11 +297,10 @@ class TrainableModel(Model):
             warnings.warn("TrainableModel(config=LoraConfig(...)) is deprecated: pass lora=LoraConfig(...); "
                           "config= is your own object, as in ART", DeprecationWarning, stacklevel=2)
             lora = config
-        if lora is not None and not isinstance(lora, LoraConfig):
+        if lora is not None and not isinstance(lora, (LoraConfig, Mapping)):  # a dict: a dump's, validated
             raise WrongType(f"lora must be an artcloud.LoraConfig, not {type(lora).__name__}", field="lora")
-        self.lora = lora or LoraConfig()
-        self._annealer: LinearTemperatureAnnealer | None = None
-        self._pending: asyncio.Task | None = None
+        super().__init__(name=name, project=project, base_model=base_model, config=config, engine_args=engine_args,
+                         entity=entity, id=id, report_metrics=report_metrics, lora=lora or LoraConfig(), **fields)
 
     def _lora(self) -> LoraConfig:
         return self.lora

@@ -41,9 +41,10 @@ class RegisterRequest(BaseModel):
 
     name: str = Field(min_length=1, max_length=128, pattern=NAME_PATTERN)
     project: str = Field(min_length=1, max_length=128, pattern=NAME_PATTERN)
-    base_model: str = Field(
+    base_model: str | None = Field(
         min_length=1, max_length=256, pattern=BASE_MODEL_PATTERN,
-        description="A Hugging Face hub id (ORG/NAME), artcloud/tiny-random, or an absolute path to a local model folder",
+        description="A Hugging Face hub id (ORG/NAME), artcloud/tiny-random, or an absolute path to a local model "
+                    "folder; null: a prompted model (ART's art.Model served elsewhere), registered for its history only",
     )
     lora: LoraConfig = Field(default_factory=LoraConfig)
     engine_args: dict[str, str | int | float | bool] | None = Field(
@@ -57,6 +58,14 @@ class RegisterRequest(BaseModel):
                     "torn that server's machine down (a preempted spot machine dies without releasing it). Should "
                     "the old server live on, its next renewal finds the claim taken and it stops writing.",
     )
+
+    @field_validator("lora", "engine_args")
+    @classmethod
+    def _served_only(cls, value: Any, info: Any) -> Any:
+        # A prompted model is sampled elsewhere: an adapter or engine settings here would be silently unused.
+        if "base_model" in info.data and info.data["base_model"] is None and value not in (None, LoraConfig()):
+            raise InvalidArgument("a prompted model (base_model null) is served elsewhere: it has no LoRA or engine here")
+        return value
 
 
 class TemperatureRequest(BaseModel):

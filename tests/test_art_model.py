@@ -1,6 +1,8 @@
-"""OpenPipe ART's model and backend surface on artcloud: `config=` as the user's own object, the plain-client
-endpoint (`inference_base_url` / `inference_api_key`, a loopback forwarder) against the real tiny-random server,
-`delete_checkpoints`, `backend.train`, ART's training options, LocalBackend(in_process=), LiteLLM judge ids."""
+"""OpenPipe ART's model and backend surface on artcloud: `config=` as the user's own object, models as pydantic
+models generic in their config (`Model[MyConfig]`, `model_copy`, `model_dump`), a prompted model's history on the
+server, the plain-client endpoint (`inference_base_url` / `inference_api_key`, a loopback forwarder) against the
+real tiny-random server, `delete_checkpoints`, `backend.train`, ART's training options, LocalBackend(in_process=),
+LiteLLM judge ids."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 import socket
 import ssl
 import threading
+import uuid
 import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -17,13 +20,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from test_ruler import FAST, answer, group  # the `judge` fixture (tests/conftest.py) serves their answers
+from test_s3_server import s3_env
 
 import artcloud
 from artcloud.backends.forwarder import LoopbackForwarder
 from artcloud.backends.remote import RemoteBackend
-from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported, WrongType
+from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported, WrongState, WrongType
 from artcloud.model import apply_art_options
 
 TINY = "artcloud/tiny-random"
@@ -62,8 +66,9 @@ def test_config_is_the_users_object_and_lora_has_its_own_keyword(tmp_path):
     assert old.lora.rank == 2
     with pytest.raises(InvalidArgument, match="as lora= only"):
         artcloud.TrainableModel(name="m", project="p", base_model=TINY, config=artcloud.LoraConfig(), lora=artcloud.LoraConfig())
-    with pytest.raises(WrongType, match="lora must be an artcloud.LoraConfig, not dict"):
-        artcloud.TrainableModel(name="m", project="p", base_model=TINY, lora={"rank": 4})
+    with pytest.raises(WrongType, match="lora must be an artcloud.LoraConfig, not list"):
+        artcloud.TrainableModel(name="m", project="p", base_model=TINY, lora=[("rank", 4)])
+    assert artcloud.TrainableModel(name="m", project="p", base_model=TINY, lora={"rank": 4}).lora.rank == 4  # a dump's
 
     assert model.get_inference_name() == "m" and model.get_inference_name(3) == "m@3"
     assert model.inference_base_url is None and model.trainable and not artcloud.Model.trainable
@@ -76,6 +81,36 @@ def test_config_is_the_users_object_and_lora_has_its_own_keyword(tmp_path):
     assert baseline.get_inference_name() == "openai/gpt-4.1"
     with pytest.raises(ArtcloudError, match="inference_base_url="):
         artcloud.Model(name="x", project="p").openai_client()
+
+
+def test_models_are_pydantic_models_generic_in_their_config_as_in_art():
+    def rollout(model: artcloud.Model[RunConfig]) -> int:  # ART's annotation
+        return model.config.groups_per_step
+
+    agent = artcloud.TrainableModel[RunConfig](name="agent-1", project="p", base_model=TINY, config={"groups_per_step": 4})
+    assert isinstance(agent.config, RunConfig) and rollout(agent) == 4  # validated as the type it names
+    assert isinstance(agent, artcloud.TrainableModel) and isinstance(agent, artcloud.Model) and agent.trainable
+    with pytest.raises(ValidationError) as e:
+        artcloud.Model[RunConfig](name="m", project="p", config={"groups_per_step": "many"})
+    assert e.value.errors()[0]["loc"] == ("config", "groups_per_step")
+    anything = object()  # unparametrized, config is any object of the user's, as before
+    assert artcloud.Model(name="m", project="p", config=anything).config is anything
+
+    # ART's way to make variants: a deep copy, then change the copy.
+    variant = agent.model_copy(deep=True)
+    variant.name, variant.config.difficulty = "agent-2", "hard"
+    assert (agent.name, agent.config.difficulty, variant.config.groups_per_step) == ("agent-1", "easy", 4)
+    assert variant.lora == agent.lora and variant.lora is not agent.lora and type(variant) is type(agent)
+    renamed = agent.model_copy(update={"name": "agent-3"})
+    assert (renamed.name, renamed.config) == ("agent-3", agent.config)
+
+    dump = agent.model_dump()
+    assert {k: dump[k] for k in ("name", "project", "base_model", "step")} == {
+        "name": "agent-1", "project": "p", "base_model": TINY, "step": 0}
+    assert dump["config"] == {"groups_per_step": 4, "difficulty": "easy"} and dump["lora"] == agent.lora.model_dump()
+    assert artcloud.TrainableModel[RunConfig].model_validate(dump).model_dump() == dump  # and back
+    with pytest.raises(NotSupported, match=r"pass engine_args=\{\.\.\.\} instead"):
+        artcloud.TrainableModel(name="m", project="p", base_model=TINY, _internal_config={"engine_args": {"max_model_len": 8}})
 
 
 def test_art_training_options_are_honoured_or_refused_in_one_line():
@@ -104,6 +139,116 @@ def test_local_backend_takes_arts_arguments(tmp_path):
         warnings.simplefilter("error")
         with artcloud.LocalBackend(in_process=False, path=tmp_path / "art") as same:  # ART's sync `with`
             assert same.path == tmp_path / "art" and not same.running
+
+
+# ------------------------------------------------------------------------------------- a prompted model's history
+
+
+def test_a_prompted_model_logs_to_a_history_of_its_own_on_the_server(tiny_server):
+    """ART's `art.Model` at an endpoint elsewhere (a baseline): register gives it a history on the server, as
+    ART's backend keeps one, and `log` records its metrics there. Its key and the backend stay out of dumps."""
+    secret = "sk-prompted-" + uuid.uuid4().hex
+
+    async def main() -> None:
+        backend = backend_for(tiny_server)
+        baseline = artcloud.Model[RunConfig](name="gpt-baseline", project="art", config=RunConfig(),
+                                             inference_base_url="http://127.0.0.1:9/v1", inference_api_key=secret,
+                                             inference_model_name="openai/gpt-4.1")
+        await baseline.register(backend)
+        assert baseline.backend is backend and baseline.step == 0
+        assert (baseline.inference_base_url, baseline.inference_api_key) == ("http://127.0.0.1:9/v1", secret)
+        turns = [*MESSAGES, {"role": "assistant", "content": "Water is wet."}]
+        trajectories = [artcloud.Trajectory(messages_and_choices=turns, reward=r) for r in (0.2, 0.6)]
+        val = await baseline.log(trajectories, split="val")  # ART's call
+        later = await baseline.log(trajectories[:1], split="val", step=3)  # at a trained model's step, to compare
+        assert (val["step"], val["split"], val["reward_mean"], later["step"]) == (0, "val", pytest.approx(0.4), 3)
+        info = await backend.model_info("gpt-baseline")
+        assert info["prompted"] and info["base_model"] is None and info["history"] == [val, later]
+        on_disk = (tiny_server.path / "art" / "gpt-baseline" / "history.jsonl").read_text().splitlines()
+        assert [json.loads(line) for line in on_disk] == [val, later]
+
+        # Neither its key nor the server's token is in its repr or its dump.
+        for text in (repr(baseline), str(baseline), baseline.model_dump_json(), str(baseline.model_dump())):
+            assert secret not in text and tiny_server.token not in text
+        # A copy is unbound; registered again (a new object, as after a restart), it finds the same history.
+        again = baseline.model_copy(deep=True)
+        for copy in (again, baseline.model_copy()):
+            with pytest.raises(WrongState, match="not registered"):
+                copy.backend
+        assert baseline.backend is backend and again.inference_api_key == secret  # its endpoint is copied
+        await again.register(backend)
+        assert (await again.log(metrics={"accuracy": 0.5}))["step"] == 0
+        assert len((await backend.model_info("gpt-baseline"))["history"]) == 3
+
+        # It is served elsewhere: nothing here samples or trains it, and the answers say why.
+        with pytest.raises(ArtcloudError) as e:
+            await artcloud.TrainableModel(name="gpt-baseline", project="art", base_model=TINY).register(backend)
+        assert (e.value.status, e.value.code) == (409, "model_conflict")
+        with pytest.raises(ArtcloudError) as e:
+            await artcloud.Model(name="with-args", project="art", engine_args={"max_model_len": 64}).register(backend)
+        assert (e.value.status, e.value.field) == (400, "engine_args")
+        await backend.close()
+
+    asyncio.run(main())
+    with tiny_server.client() as c:
+        r = c.post("/v1/chat/completions", json={"model": "gpt-baseline", "messages": MESSAGES})
+        assert r.status_code == 404 and "prompted model" in r.json()["error"]["message"], r.text
+        r = c.put("/artcloud/models/gpt-baseline/temperature", json={"temperature": 0.5})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "prompted_model", r.text
+        r = c.post("/artcloud/models", json={"name": "p2", "project": "art", "base_model": None, "lora": {"rank": 4}})
+        assert r.status_code == 400 and r.json()["error"]["field"] == "lora", r.text
+
+
+def test_prompted_models_count_apart_from_the_served_ones(tmp_path):
+    """--max-models bounds each kind: baselines (a history each) never take a LoRA's place."""
+    from fastapi.testclient import TestClient
+
+    from artcloud.server.app import create_app
+    from artcloud.server.limits import Limits
+    from artcloud.server.state import Registry
+
+    token = "t" * 32
+    registry = Registry(tmp_path / "d", engine="cpu", limits=Limits(max_models=1))
+    with TestClient(create_app(registry, token), headers={"Authorization": f"Bearer {token}"}) as c:
+        def register(name, base_model):
+            return c.post("/artcloud/models", json={"name": name, "project": "p", "base_model": base_model})
+
+        assert register("baseline", None).status_code == 200
+        assert register("agent", TINY).status_code == 200, "a prompted model took the only LoRA's place"
+        for name, base_model, kind in (("baseline-2", None, "prompted models"), ("agent-2", TINY, "models")):
+            r = register(name, base_model)
+            assert r.status_code == 409 and f"already holds 1 {kind}, its limit" in r.json()["error"]["message"], r.text
+
+
+def test_a_prompted_models_history_reaches_s3_and_a_fresh_server(seaweed, start_server, tmp_path):
+    bucket = f"prompted-{uuid.uuid4().hex[:10]}"
+    seaweed.client().create_bucket(Bucket=bucket)
+    uri, env = f"s3://{bucket}/team", s3_env(seaweed)
+
+    def on_s3() -> list[dict]:
+        live = seaweed.client().get_object(Bucket=bucket, Key="team/art/baseline/history.jsonl")["Body"].read()
+        return [json.loads(line) for line in live.decode().splitlines()]
+
+    async def on(server, *rewards: float, shut_down: bool = False) -> dict:
+        backend = backend_for(server)
+        baseline = artcloud.Model(name="baseline", project="art", inference_base_url="http://127.0.0.1:9/v1")
+        await baseline.register(backend)
+        for r in rewards:
+            await baseline.log(metrics={"reward_mean": r})
+        info = await backend.model_info("baseline")
+        if shut_down:  # as backend.down() does before the machine goes: S3 has the history once it answers
+            await backend.shutdown()
+            assert on_s3() == info["history"]
+        await backend.close()
+        return info
+
+    a = start_server(tmp_path / "a", "--s3", uri, env=env)
+    before = asyncio.run(on(a, 0.1, 0.2, shut_down=True))["history"]
+    a.stop()
+    assert on_s3() == before and len(before) == 2
+    b = start_server(tmp_path / "b", "--s3", uri, env=env)  # a fresh machine: its history comes from S3
+    after = asyncio.run(on(b, 0.3))["history"]
+    assert after[:2] == before and after[2]["reward_mean"] == 0.3
 
 
 # ------------------------------------------------------------------------------------- the plain-client endpoint

@@ -497,7 +497,7 @@ class RemoteBackend:
 
     # ------------------------------------------------------------------------------------- models
 
-    async def register(self, name: str, project: str, base_model: str, lora: dict[str, Any],
+    async def register(self, name: str, project: str, base_model: str | None, lora: dict[str, Any],
                        engine_args: dict[str, Any] | None = None, *, take_over: bool = False) -> dict[str, Any]:
         if not self._version_checked:
             await self.health()

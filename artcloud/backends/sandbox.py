@@ -233,7 +233,7 @@ class SandboxBackend(RemoteBackend):
             raise cause
         raise self.error(message, code=code) from cause
 
-    async def register(self, name: str, project: str, base_model: str, lora: dict[str, Any],
+    async def register(self, name: str, project: str, base_model: str | None, lora: dict[str, Any],
                        engine_args: dict[str, Any] | None = None, *, take_over: bool = False) -> dict[str, Any]:
         """A register that starts the sandbox (no `async with backend` before it) has the server load the base
         model while it comes up (artcloud serve --preload), instead of after: the wait is one."""

@@ -7,7 +7,8 @@
     POST /v1/chat/completions                      OpenAI-compatible; + prompt_token_ids, choices[].token_ids;
                                                    stream=true: Server-Sent Events (server/chat_stream.py)
     POST /artcloud/heartbeat                       a client's sign of life (the lease)
-    POST /artcloud/models                          register (idempotent; resumes from the latest checkpoint)
+    POST /artcloud/models                          register (idempotent; resumes from the latest checkpoint);
+                                                   base_model null: a prompted model, for its history only
     GET  /artcloud/models/{name}                   step, temperature, checkpoints, history
     PUT  /artcloud/models/{name}/temperature       default sampling temperature (a request's own wins)
     POST /artcloud/models/{name}/checkpoints/prune delete all checkpoints but the latest and the best by a metric
@@ -206,15 +207,16 @@ def create_app(registry: Registry, token: str) -> FastAPI:
 
     # ------------------------------------------------------------------------------------- models
 
-    @app.post("/artcloud/models", operation_id="register_model", response_model=schemas.Registered,
+    @app.post("/artcloud/models", operation_id="register_model",
+              response_model=schemas.Registered | schemas.PromptedRegistered,
               responses={200: {"links": _MODEL_LINKS}, **errors(400, 409, 503)})
     async def register(spec: RegisterRequest) -> dict[str, Any]:
         return await registry.register(spec)
 
-    @app.get("/artcloud/models/{name}", operation_id="get_model_info", response_model=schemas.ModelInfo,
-             responses=errors(400, 404, 503))
+    @app.get("/artcloud/models/{name}", operation_id="get_model_info",
+             response_model=schemas.ModelInfo | schemas.PromptedInfo, responses=errors(400, 404, 503))
     async def model_info(name: str = ModelName) -> dict[str, Any]:
-        return registry.get(name).info()
+        return registry.with_history(name).info()
 
     @app.put("/artcloud/models/{name}/temperature", operation_id="set_temperature", response_model=schemas.Temperature,
              responses=errors(400, 404, 503))
@@ -232,9 +234,10 @@ def create_app(registry: Registry, token: str) -> FastAPI:
               responses=errors(400, 404, 409, 503))
     async def log_metrics(body: history.LogRequest, name: str = ModelName) -> dict[str, Any]:
         """Record a split's metrics (model.log's aggregates of its trajectories, and the user's own) for a step,
-        by default the model's current one. The record joins the history that GET /artcloud/models/{name}
-        answers and the history.jsonl and reward.svg beside the checkpoints (server/history.py)."""
-        return await registry.get(name).trainer.log(body)
+        by default the model's current one (a prompted model's: 0; its records may name any step). The record
+        joins the history that GET /artcloud/models/{name} answers and the history.jsonl and reward.svg beside the
+        checkpoints (server/history.py)."""
+        return await registry.log(name, body)
 
     # ------------------------------------------------------------------------------------- training
 

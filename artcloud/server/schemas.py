@@ -144,6 +144,22 @@ class Registered(ModelInfo):
     resumed: bool = Field(description="true when the model came back from a checkpoint (on disk or S3)")
 
 
+class PromptedInfo(_Open):
+    """A prompted model (registered with base_model null): served at its own endpoint, with a history here."""
+
+    name: str
+    project: str
+    base_model: None
+    prompted: Literal[True]
+    step: int = Field(description="always 0: a prompted model has no steps (its records may name any)")
+    s3: S3Status | None
+    history: list[dict[str, Any]]
+
+
+class PromptedRegistered(PromptedInfo):
+    resumed: bool = Field(description="true when its history came back (from this disk or S3)")
+
+
 class Temperature(_Open):
     name: str
     temperature: float

@@ -19,6 +19,7 @@ from artcloud.server.errors import ApiError
 
 if TYPE_CHECKING:
     from artcloud.server.models import ServedModel
+    from artcloud.server.prompted import PromptedModel
 
 log = logging.getLogger("artcloud.server")
 
@@ -26,8 +27,10 @@ EXIT_DELAY_S = 0.2  # after the shutdown answer is sent, before uvicorn is asked
 
 
 class Shutdown:
-    def __init__(self, models: Callable[[], Iterable[ServedModel]]):
+    def __init__(self, models: Callable[[], Iterable[ServedModel]],
+                 prompted: Callable[[], Iterable[PromptedModel]] = lambda: ()):
         self._models = models
+        self._prompted = prompted
         self.stopping = False
         # The process is about to exit (the lease, --max-duration, a signal, a shutdown request): event
         # streams end now instead of holding uvicorn's graceful wait open. Set from any thread.
@@ -58,6 +61,8 @@ class Shutdown:
             if error is not None:
                 entry["error"] = error
             out.append(entry)
+        for prompted in self._prompted():  # their histories too: the machine may go as soon as this answers
+            await prompted.flush()
         return out
 
     def drain(self) -> None:

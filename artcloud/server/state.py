@@ -25,10 +25,12 @@ from artcloud.server.engines.base import Completion, GenerationRequest, SamplerU
 from artcloud.server.engines.choose import engine_factory
 from artcloud.server.engines.engine import Engine
 from artcloud.server.errors import ApiError
+from artcloud.server.history import LogRequest
 from artcloud.server.lease import Lease
 from artcloud.server.limits import Limits
 from artcloud.server.models import EngineHost, ServedModel
-from artcloud.server.pusher import CLAIM_TIMEOUT_S
+from artcloud.server.prompted import PromptedModel
+from artcloud.server.pusher import CLAIM_TIMEOUT_S, Pusher
 from artcloud.server.shutdown import Shutdown
 from artcloud.server.startup import Startup
 from artcloud.server.training import Retention, Trainer
@@ -68,13 +70,14 @@ class Registry:
         self.weights = BaseWeights(store.config) if store is not None else None
         self.hosts: dict[str, EngineHost] = {}
         self.models: dict[str, ServedModel] = {}
+        self.prompted: dict[str, PromptedModel] = {}  # served elsewhere: their histories only (prompted.py)
         self.ready = False
         self.startup = startup or Startup()  # what /health says the server is doing while it comes up
         if self.weights is not None:  # a pull from S3 says "fetching weights N/M GB" on /health
             self.weights.progress = self.startup.progress
         self.preload = preload  # a base model to load before saying ready (artcloud serve --preload)
         self.lease = lease or Lease()
-        self.shutdown = Shutdown(lambda: self.models.values())
+        self.shutdown = Shutdown(lambda: self.models.values(), lambda: self.prompted.values())
         self._register_lock = asyncio.Lock()
         self._slots = itertools.count(1)
 
@@ -153,7 +156,7 @@ class Registry:
         fails (a bad LoRA, a model locked by another server) leaves nothing that a restart would retry."""
         take_over, spec = spec.take_over, spec.model_copy(update={"take_over": False})  # not part of the model's spec
         async with self._register_lock:
-            current = self.models.get(spec.name)
+            current = self.models.get(spec.name) or self.prompted.get(spec.name)
             if current is not None:
                 if current.spec != spec:
                     raise ApiError(
@@ -164,8 +167,11 @@ class Registry:
                         "name",
                     )
                 return {**current.info(), "resumed": True}
-            if len(self.models) >= self.limits.max_models:
-                raise ApiError(409, "too_many_models", f"this server already holds {len(self.models)} models, its limit "
+            # Prompted models (a history each, no adapter) count apart: many baselines never crowd out a LoRA.
+            kind = "prompted " if spec.base_model is None else ""
+            held = len(self.prompted if kind else self.models)
+            if held >= self.limits.max_models:
+                raise ApiError(409, "too_many_models", f"this server already holds {held} {kind}models, its limit "
                                "(artcloud serve --max-models): train on one of them, or start another server", "name")
             folder = self.root / spec.project / spec.name
             spec_path = folder / "model.json"
@@ -179,6 +185,8 @@ class Registry:
                         f"and lora {saved.lora.model_dump()}; register it the same way, or pick another name",
                         field,
                     )
+            if spec.base_model is None:
+                return await self._register_prompted(spec, folder, take_over)
             host = await self._host(spec.base_model, spec.engine_args)
             folder.mkdir(parents=True, exist_ok=True)
             model = ServedModel(spec, folder, host, slot=f"adapter{next(self._slots)}")
@@ -196,6 +204,23 @@ class Registry:
             log.info("%s %s at step %d", "resumed" if resumed else "registered", spec.name, model.step)
             return {**model.info(), "resumed": resumed}
 
+    async def _register_prompted(self, spec: RegisterRequest, folder: Path, take_over: bool) -> dict[str, Any]:
+        """A model served elsewhere, for its history alone (prompted.py). Under `_register_lock`."""
+        pusher = (Pusher(self.store, spec.project, spec.name, self.instance, claim_timeout_s=self.claim_timeout_s)
+                  if self.store is not None else None)
+        model = PromptedModel(spec, folder, pusher)
+        try:
+            resumed = await model.resume(take_over=take_over)
+        except BaseException:
+            if pusher is not None:
+                pusher.close()
+            raise
+        folder.mkdir(parents=True, exist_ok=True)
+        checkpoints.write_json_atomic(folder / "model.json", spec.model_dump(mode="json"))
+        self.prompted[spec.name] = model
+        log.info("registered prompted model %s (its history only)", spec.name)
+        return {**model.info(), "resumed": resumed}
+
     def _check_ready(self) -> None:
         if not self.ready:
             raise ApiError(503, "not_ready", "the server is still loading its models; retry in a few seconds (GET /health says ready)")
@@ -203,9 +228,23 @@ class Registry:
     def get(self, name: str) -> ServedModel:
         self._check_ready()
         model = self.models.get(name)
+        if model is None and name in self.prompted:
+            raise ApiError(400, "prompted_model", f"{name} is a prompted model (registered without base_model): it is "
+                           "served at its own endpoint and only keeps a history here (model.log); give it a base_model "
+                           "to serve or train it here", "name")
         if model is None:
-            raise ApiError(404, "model_not_found", f"no model named {name!r} is registered here; registered: {sorted(self.models)}", "name")
+            raise ApiError(404, "model_not_found", f"no model named {name!r} is registered here; registered: "
+                           f"{sorted([*self.models, *self.prompted])}", "name")
         return model
+
+    def with_history(self, name: str) -> ServedModel | PromptedModel:
+        """A model whose history GET /artcloud/models/NAME answers and model.log adds to: trained or prompted."""
+        self._check_ready()
+        return self.prompted.get(name) or self.get(name)
+
+    async def log(self, name: str, req: LogRequest) -> dict[str, Any]:
+        model = self.with_history(name)
+        return await (model.log(req) if isinstance(model, PromptedModel) else model.trainer.log(req))
 
     def resolve(self, requested: str) -> Target:
         """`NAME`, `NAME@STEP` or a loaded base model's id."""
@@ -223,6 +262,9 @@ class Registry:
         if host is not None:
             return Target(host, (requested, None, None), None)
         served = sorted(self.models) + sorted(self.hosts)
+        if requested in self.prompted:
+            raise ApiError(404, "model_not_found", f"{requested} is a prompted model: it is served at its own "
+                           f"inference_base_url, not here; served here: {served}", "model")
         raise ApiError(404, "model_not_found", f"no model {requested!r} is served here; served: {served}", "model")
 
     def find_job(self, job_id: str):
@@ -281,6 +323,8 @@ class Registry:
 
         for model in self.models.values():
             await model.trainer.close()
+        for prompted in self.prompted.values():
+            await prompted.close()
         for host in list(self.hosts.values()):
             if host.batcher is not None:
                 await host.batcher.stop()

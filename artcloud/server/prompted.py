@@ -1,0 +1,98 @@
+"""Prompted models: ART's `art.Model` (an OpenAI-compatible endpoint elsewhere, a baseline to compare
+against), registered here for its history alone.
+
+Nothing is loaded or served for it: it has no adapter, no checkpoints and no steps of its own. What it has
+is what ART's backend keeps for it: `model.log`'s records, in the same history as a trained model's
+(history.py: GET /artcloud/models/{name}, history.jsonl and reward.svg in its folder, and with S3
+PREFIX/PROJECT/NAME/history.jsonl, pushed after every record under the model's single-writer claim).
+A record may name any step: a baseline is logged at the steps of the model it is compared with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from artcloud.protocol import RegisterRequest
+from artcloud.server import history
+from artcloud.server.errors import ApiError
+from artcloud.server.pusher import Pusher
+from artcloud.storage.s3 import StorageError
+
+log = logging.getLogger("artcloud.server")
+
+
+class PromptedModel:
+    def __init__(self, spec: RegisterRequest, folder: Path, pusher: Pusher | None = None):
+        self.spec = spec
+        self.name = spec.name
+        self.folder = folder
+        self.pusher = pusher
+        self.history: list[dict[str, Any]] = []
+        self._lock = asyncio.Lock()  # one writer of the folder's history files at a time
+
+    async def resume(self, take_over: bool = False) -> bool:
+        """Take the S3 claim (with S3), then the history this folder or S3 kept: S3's where it continues this
+        folder's (a fresh machine has none here). True if there was one."""
+        remote = None
+        if self.pusher is not None:
+            try:
+                await self.pusher.claim(take_over=take_over)
+            except StorageError as e:
+                raise ApiError(409, "model_locked", str(e), "name") from e
+            text = await self.pusher.read_history(history.MAX_HISTORY_BYTES)
+            if text is not None:
+                remote = await asyncio.to_thread(history.parse_jsonl, text, f"{self.pusher.store.config.uri} history")
+        local = await asyncio.to_thread(history.read_jsonl, self.folder / history.HISTORY_FILE)
+        records = local or []
+        if remote is not None and remote[:len(records)] == records:
+            records = remote
+        self.history = records
+        return local is not None or remote is not None
+
+    async def log(self, req: history.LogRequest) -> dict[str, Any]:
+        reserved = history.reserved_metric(req)
+        if reserved is not None:
+            raise ApiError(400, "invalid_request", f"metrics.{reserved}: '{reserved}' is a field of every history record, "
+                           "not a metric name: rename it", f"metrics.{reserved}")
+        if len(self.history) >= history.MAX_RECORDS:
+            raise ApiError(409, "history_full", f"{self.name} already has {len(self.history)} history records, the "
+                           "most a model keeps: log less often, or fewer splits", "name")
+        record = history.log_record(req, 0 if req.step is None else req.step)  # ART logs a prompted model at step 0
+        self.history.append(record)
+        async with self._lock:
+            try:
+                await asyncio.to_thread(history.write_live, self.folder, list(self.history))
+            except OSError as e:  # a full disk: the record stays in memory (and goes to S3)
+                log.warning("could not write the history files of %s: %s", self.name, e)
+        if self.pusher is not None:
+            self.pusher.schedule_history(history.to_jsonl(self.history))
+        return record
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "project": self.spec.project, "base_model": None, "prompted": True, "step": 0,
+                "s3": self.pusher.status() if self.pusher is not None else None, "history": self.history}
+
+    async def flush(self) -> bool:
+        """Push what S3 does not have yet (shutdown's final push); False if that failed (it is logged)."""
+        if self.pusher is None:
+            return True
+        try:
+            await self.pusher.flush()
+        except Exception as e:
+            log.error("final push of %s's history failed: %s", self.name, e)
+            return False
+        return True
+
+    async def close(self) -> None:
+        """The final push, then the claim goes."""
+        if self.pusher is None:
+            return
+        if await self.flush():
+            try:
+                await self.pusher.release()
+            except Exception as e:
+                log.warning("could not release the S3 claim on %s: %s", self.name, e)
+        self.pusher.close()
