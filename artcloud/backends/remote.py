@@ -449,10 +449,10 @@ class RemoteBackend:
     def note_trained(self, name: str, step: int, body: dict[str, Any], s3: Any) -> None:
         """model.train's step `step` of `name` is committed: keep its request until the server says S3 holds it
         (`s3`: the server's S3 status at the step's end; None: no S3, so no replacement could resume anyway)."""
-        pushed = s3.get("pushed_step") if isinstance(s3, dict) else None
         if not isinstance(s3, dict):
             self._unpushed.pop(name, None)
             return
+        pushed = s3.get("pushed_step")
         on_s3 = pushed if isinstance(pushed, int) else -1
         kept = [(s, b) for s, b in self._unpushed.get(name, []) if s > on_s3 and s != step]  # (a replayed step anew)
         if step > on_s3:

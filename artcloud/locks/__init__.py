@@ -66,7 +66,7 @@ def available(folder: Path = HERE) -> list[str]:
 
 
 def python_request(extras: str | Iterable[str]) -> str:
-    """The Python versions the lock of `extras` serves, as uv takes them (e.g. '>=3.11,<3.14'). Extras without a
+    """The Python versions the lock of `extras` serves, as uv takes them (e.g. '>=3.11,<3.13'). Extras without a
     lock of their own get the strictest range (gpu's): their install resolves anew (ARTCLOUD_LOCK=0), vLLM and all."""
     return PYTHONS.get(lock_name(extras), PYTHONS["gpu"])
 
