@@ -1,4 +1,6 @@
-"""Durations as people write them on a command line: "90s", "15m", "8h", "1d", or a bare number of minutes."""
+"""Durations, one rule everywhere: a string with its unit ("90s", "15m", "8h", "1d"), a `timedelta`, or a number
+of seconds (Python's convention, as `asyncio.sleep` and `httpx.Timeout`). Never minutes: a string without a unit
+is refused, since it read as minutes before 0.2."""
 
 from __future__ import annotations
 
@@ -12,19 +14,27 @@ _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
 
 
 def parse_duration(value: str | int | float | _dt.timedelta, *, what: str = "duration") -> float:
-    """Seconds. A bare number means minutes (SkyPilot's and Modal's unit for idle timers)."""
+    """Seconds, from "90s"/"15m"/"8h"/"1d", a timedelta, or a number of seconds."""
     if isinstance(value, _dt.timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value) * 60.0
+        seconds = float(value)
     else:
         match = _PATTERN.match(str(value))
         if match is None:
-            raise InvalidArgument(f"{what} {value!r} is not a duration: write e.g. 90s, 15m, 8h or 1d")
-        seconds = float(match.group(1)) * _UNITS[(match.group(2) or "m").lower()]
+            raise InvalidArgument(f"{what} {value!r} is not a duration: write e.g. 90s, 15m, 8h or 1d", field=_field(what))
+        if not match.group(2):
+            number = match.group(1)
+            raise InvalidArgument(f"{what} {value!r} needs a unit: write {number}m for minutes or {number}s for seconds",
+                                  field=_field(what))
+        seconds = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if seconds <= 0:
-        raise InvalidArgument(f"{what} must be positive, not {value!r}")
+        raise InvalidArgument(f"{what} must be positive, not {value!r}", field=_field(what))
     return seconds
+
+
+def _field(what: str) -> str:
+    return what.lstrip("-").replace("-", "_")
 
 
 def format_duration(seconds: float) -> str:

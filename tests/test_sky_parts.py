@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import stat
 import time
 import zipfile
@@ -16,16 +17,36 @@ from artcloud.backends.wheel import build_wheel
 from artcloud.durations import format_duration, parse_duration
 
 
-@pytest.mark.parametrize("text,seconds", [("90s", 90), ("15m", 900), ("8h", 28800), ("1d", 86400), ("15", 900),
-                                          (" 2.5h ", 9000), (10, 600), ("1H", 3600)])
+@pytest.mark.parametrize("text,seconds", [("90s", 90), ("15m", 900), ("8h", 28800), ("1d", 86400), (" 2.5h ", 9000),
+                                          ("1H", 3600), (600, 600), (2.5, 2.5), (datetime.timedelta(minutes=2), 120)])
 def test_durations(text, seconds):
+    """A number is seconds, as in Python (asyncio.sleep, httpx.Timeout): 600 is ten minutes, never ten hours."""
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("bad", ["soon", "", "-5m", "0", "5 minutes", "1w"])
+@pytest.mark.parametrize("bad", ["soon", "", "-5m", "0s", 0, "5 minutes", "1w"])
 def test_bad_durations_say_how_to_write_one(bad):
-    with pytest.raises(ValueError, match=r"write e\.g\. 90s, 15m, 8h or 1d|must be positive"):
+    with pytest.raises(ValueError, match=r"write e\.g\. 90s, 15m, 8h or 1d|must be positive") as caught:
         parse_duration(bad, what="--lease")
+    assert caught.value.field == "lease"
+
+
+@pytest.mark.parametrize("bare", ["15", "600", " 2.5 "])
+def test_a_string_without_a_unit_is_refused_not_read_as_minutes(bare):
+    """It meant minutes before 0.2: refused with the two ways to write it, rather than read as seconds silently."""
+    number = bare.strip()
+    with pytest.raises(ValueError, match=rf"--lease '{bare}' needs a unit: write {number}m for minutes or {number}s"):
+        parse_duration(bare, what="--lease")
+
+
+def test_every_backend_reads_a_number_as_seconds(tmp_path):
+    """One rule in one constructor: LocalBackend(lease=5, startup_timeout=5) was a 300 s lease and a 5 s timeout."""
+    from artcloud.backends.local import LocalBackend
+
+    local = LocalBackend(tmp_path, lease=45, max_duration=3600, startup_timeout=5)
+    assert (local.lease_s, local.max_duration_s, local.startup_timeout_s) == (45, 3600, 5)
+    sky = SkyBackend(lease=45, max_duration=3600, startup_timeout=120, state_dir=tmp_path / "st", api=object())
+    assert (sky.lease_s, sky.max_duration_s, sky.startup_timeout_s) == (45, 3600, 120)
 
 
 def test_format_duration():
@@ -180,3 +201,12 @@ def test_the_preemption_hook_goes_only_where_skypilot_can_run_it():
     assert hooks()[0]["events"] == ["preemption"]  # unpinned: the optimizer may pick Kubernetes
     assert hooks(cloud="kubernetes")[0]["events"] == ["preemption"]
     assert hooks(cloud="aws") is None and hooks(cloud="gcp", region="us-central1") is None
+
+
+def test_every_backend_heartbeats_three_times_per_lease(tmp_path):
+    """A 30 s lease under a live client must not end: LocalBackend beat every 60 s whatever its lease."""
+    from artcloud.backends.local import LocalBackend
+
+    assert LocalBackend(tmp_path, lease="30s").heartbeat_every_s == 10
+    assert LocalBackend(tmp_path).heartbeat_every_s == 60  # no lease: the server never ends for want of one
+    assert SkyBackend(lease="30s", state_dir=tmp_path / "st", api=object()).heartbeat_every_s == 10

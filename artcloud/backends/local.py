@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from artcloud.backends.remote import ArtcloudError, ServerGone, engine_args_env
-from artcloud.backends.sandbox import SandboxBackend
+from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
 from artcloud.errors import InvalidArgument
 from artcloud.tls import make_launch_secrets
 
@@ -59,7 +59,7 @@ class LocalBackend(SandboxBackend):
         *,
         port: int | None = None,
         host: str = "127.0.0.1",
-        startup_timeout: float = 600.0,
+        startup_timeout: str | float = "10m",
         log_level: str = "warning",
         engine: str = "cpu",
         engine_args: dict[str, Any] | None = None,
@@ -79,7 +79,7 @@ class LocalBackend(SandboxBackend):
         self.path = Path(path) if path is not None else DEFAULT_PATH
         self.port = port
         self.host = host
-        self.startup_timeout = self.startup_timeout_s = startup_timeout
+        self.startup_timeout_s = parse_duration(startup_timeout, what="startup_timeout")
         self._offset = 0  # where this start's lines begin in the (appended) log
         self.log_level = log_level
         self.engine, self.s3 = engine, s3
@@ -87,6 +87,7 @@ class LocalBackend(SandboxBackend):
         self.lease_s = parse_duration(lease, what="lease") if lease is not None else None
         self.max_duration_s = parse_duration(max_duration, what="max_duration") if max_duration is not None else None
         self._secrets = make_launch_secrets()
+        kwargs.setdefault("heartbeat_every_s", heartbeat_every(self.lease_s))
         super().__init__("https://localhost", token=self._secrets.token, ca_cert=self._secrets.ca_cert, **kwargs)
         self._proc: subprocess.Popen | None = None
         self.log_file = self.path / "server.log"

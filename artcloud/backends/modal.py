@@ -38,7 +38,7 @@ from artcloud._version import __version__
 from artcloud.backends.deps import require
 from artcloud.backends.launch import check_s3, user_secrets
 from artcloud.backends.remote import ArtcloudError, ServerGone, engine_args_env
-from artcloud.backends.sandbox import SandboxBackend
+from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
 from artcloud.backends.state import SandboxRecord, StateDir, check_name
 from artcloud.durations import format_duration, parse_duration
 from artcloud.errors import InvalidArgument
@@ -207,7 +207,7 @@ class ModalBackend(SandboxBackend):
         self.sandbox_id: str | None = None
         self._sandbox: Any = None
         self._tunnel: str | None = None  # the tunnel's URL, once Modal gives it
-        kwargs.setdefault("heartbeat_every_s", min(60.0, self.lease_s / 3))
+        kwargs.setdefault("heartbeat_every_s", heartbeat_every(self.lease_s))
         super().__init__("https://pending.invalid", token="", ca_cert=tunnel_ca, **kwargs)
 
     def __repr__(self) -> str:

@@ -50,6 +50,11 @@ log = logging.getLogger("artcloud.client")  # what the client says about its san
 ATTACH_TIMEOUT_S = 300.0  # an attached server was ready once: it should answer within this
 
 
+def heartbeat_every(lease_s: float | None) -> float:
+    """How often a client heartbeats a server with this lease: three beats per lease, at most a minute apart."""
+    return 60.0 if lease_s is None else min(60.0, lease_s / 3)
+
+
 class SandboxBackend(RemoteBackend):
     """A RemoteBackend that owns the machine its server runs on. See the module docstring."""
 

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from artcloud.backends.launch import check_s3, user_secrets
 from artcloud.backends.remote import ArtcloudError, ServerGone, engine_args_env
-from artcloud.backends.sandbox import SandboxBackend
+from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
 from artcloud.backends.sky_api import ClusterInfo, GPUOffer, Launched, SkyAPI, sky_api
 from artcloud.backends.sky_task import SECRET_NAMES, SERVER_PORT, ServerTask, build_task, describe
 from artcloud.backends.state import SandboxRecord, StateDir, check_name
@@ -235,7 +235,7 @@ class SkyBackend(SandboxBackend):
         if use_spot and not s3:
             log.warning("use_spot=True without s3=: a preempted machine takes its checkpoints with it, and training "
                         "cannot resume elsewhere; give s3='s3://BUCKET/PREFIX'")
-        kwargs.setdefault("heartbeat_every_s", min(60.0, self.lease_s / 3))
+        kwargs.setdefault("heartbeat_every_s", heartbeat_every(self.lease_s))
         # The launch CA signs one certificate and its key is thrown away: the CA alone identifies the
         # server, whatever address the cloud gives it, so host names are not checked.
         kwargs.setdefault("check_hostname", False)
