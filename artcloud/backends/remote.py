@@ -82,6 +82,34 @@ def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, ArtcloudError) and exc.status is not None and exc.status >= 500
 
 
+def _answer(response: httpx.Response) -> dict[str, Any]:
+    """A 2xx answer's JSON object. Anything else (a proxy's HTML, a captive portal, a truncated body) is an
+    ArtcloudError that says what answered, never a bare JSONDecodeError."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        kind = response.headers.get("content-type", "no content type")
+        raise ArtcloudError(f"{response.status_code} from {response.request.method} {response.request.url.path} is not an "
+                            f"artcloud answer ({kind}: {response.text[:80]!r}): something between here and the server "
+                            "(a proxy, a captive portal) answered in its place", code="not_artcloud",
+                            status=response.status_code)
+    return body
+
+
+def _event(line: str) -> dict[str, Any]:
+    """One line of a job's event stream: a JSON object with an int `seq` and a str `type`, or an ArtcloudError."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        event = None
+    if not (isinstance(event, dict) and isinstance(event.get("seq"), int) and isinstance(event.get("type"), str)):
+        raise ArtcloudError(f"the event stream sent {line[:80]!r}, which is not an artcloud event: something between "
+                            "here and the server answered in its place", code="not_artcloud")
+    return event
+
+
 def _raise_for(response: httpx.Response) -> None:
     if response.status_code < 400:
         return
@@ -260,7 +288,7 @@ class RemoteBackend:
                     response = await self._client().request(method, path, json=json_body, params=params, headers=headers,
                                                             **({"timeout": httpx.Timeout(timeout, connect=30.0)} if timeout else {}))
                     _raise_for(response)
-                    return response.json()
+                    return _answer(response)
         except httpx.TransportError as e:
             raise ServerGone(f"the artcloud server at {self.base_url} does not answer ({type(e).__name__}: {e})",
                              code="server_unreachable") from e
@@ -349,7 +377,7 @@ class RemoteBackend:
             response = await self._client().post("/artcloud/shutdown", json={"wait_for_training_s": wait_for_training_s},
                                                   timeout=httpx.Timeout(timeout, connect=30.0))
             _raise_for(response)
-            return response.json()
+            return _answer(response)
 
         try:
             answer = await asyncio.wait_for(post(), timeout)
@@ -492,7 +520,7 @@ class RemoteBackend:
             await asyncio.sleep(self.heartbeat_every_s)
             try:
                 await self._call("POST", "/artcloud/heartbeat", retry=False)
-            except ArtcloudError as e:
+            except Exception as e:  # noqa: BLE001 - any failure: the next beat tries again, the lease needs it
                 log.warning("heartbeat to %s failed: %s", self.base_url, e)
 
     # ------------------------------------------------------------------------------------- models
@@ -621,7 +649,7 @@ class RemoteBackend:
                     async for line in response.aiter_lines():
                         if not line.strip():
                             continue  # keep-alive
-                        event = json.loads(line)
+                        event = _event(line)
                         if event["seq"] != len(events) + 1:
                             continue  # never count an event twice
                         events.append(event)
