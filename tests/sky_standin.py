@@ -54,6 +54,10 @@ Environment:
                                with an ingress, as on kind: an http:// URL with a path, no TCP), "vast" (only
                                port 8080 is forwarded; any other port is announced but nothing answers there)
     ARTCLOUD_STANDIN_FAULT     RecordingSky only: launch_fails, setup_fails, no_health, job_fails, down_fails (comma-separated)
+    ARTCLOUD_STANDIN_HOLD_LAUNCH  RecordingSky only: a file; while it exists, a launch that was called (and recorded)
+                               waits before the cluster's record is made: SkyPilot's optimizer (execution.py:533-565)
+                               and its first region tried, before which `sky status` does not know the cluster (its
+                               record is first written in _retry_zones, cloud_vm_ray_backend.py:1251)
 
 No `import sky` here: the real package validates the task in the contract tests.
 """
@@ -88,6 +92,7 @@ ENV_NO_CAPACITY = "ARTCLOUD_STANDIN_NO_CAPACITY"
 ENV_MARKER = "ARTCLOUD_STANDIN_CLUSTER"  # set on every process of a cluster: ROOT/clusters/NAME
 ENV_STATUS_REFRESH = "ARTCLOUD_STANDIN_STATUS_REFRESH_S"
 ENV_HOLD_AUTOSTOP = "ARTCLOUD_STANDIN_HOLD_AUTOSTOP"
+ENV_HOLD_LAUNCH = "ARTCLOUD_STANDIN_HOLD_LAUNCH"
 CACHE_S = 2.0  # CLUSTER_STATUS_CACHE_DURATION_SECONDS (backend_utils.py:147): an AUTO refresh skips a fresher record
 SERVES = ("UP", "AUTOSTOPPING")  # the statuses job_status, logs and endpoints answer for
 
@@ -965,6 +970,9 @@ class RecordingSky(LocalSky):
     def launch(self, task, *, secrets, cluster_name, idle_minutes, retry_until_up=False):
         self._record("launch", task=task, secrets=secrets, cluster_name=cluster_name, idle_minutes=idle_minutes,
                      retry_until_up=retry_until_up)
+        hold = os.environ.get(ENV_HOLD_LAUNCH)
+        while hold and os.path.exists(hold):  # a test holds the launch before the cluster exists
+            time.sleep(0.05)
         if "launch_fails" in self.faults():
             acc = _accelerator((task or {}).get("resources") or {})
             what = f"{acc[0]}:{acc[1]}" if acc else "the requested resources"

@@ -112,11 +112,10 @@ class LocalBackend(SandboxBackend):
 
     # ------------------------------------------------------------------------------------- lifecycle
 
-    async def start(self) -> None:
-        if self.running:
-            return
-        self._owns = False  # a child that exited is not ours to attach to: start a new one
-        await super().start()
+    def _up(self) -> bool:
+        if not self.running:
+            self._owns = False  # a child that exited is not ours to attach to: start a new one
+        return self.running
 
     # ------------------------------------------------------------------------------------- SandboxBackend's hooks
 
@@ -161,7 +160,8 @@ class LocalBackend(SandboxBackend):
                              code="startup_timeout")
 
     async def _destroy(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self._stop_now)
+        # After a final push was answered the server exits by itself: give it that time before a SIGTERM.
+        await asyncio.get_running_loop().run_in_executor(None, self._stop_now, 30.0, 30.0 if self._shut_down else 0.0)
 
     def _died_message(self, text: str) -> str:
         lines = [line for line in text.splitlines() if line.strip()]
@@ -181,15 +181,6 @@ class LocalBackend(SandboxBackend):
             code="server_exited",
         )
 
-    async def register(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        if not self.running:  # not started, or its child exited: this register starts one (and preloads)
-            self._owns = False
-        return await super().register(*args, **kwargs)
-
-    async def down(self) -> None:
-        await self.close()
-        await asyncio.get_running_loop().run_in_executor(None, self._stop_now)
-
     async def gone(self) -> bool:
         return not self.running
 
@@ -207,11 +198,18 @@ class LocalBackend(SandboxBackend):
         self._http = None  # bound to the loop that ran it; the server it talks to goes now
         self._stop_now()
 
-    def _stop_now(self, timeout: float = 30.0) -> None:
+    def _stop_now(self, timeout: float = 30.0, exiting_for: float = 0.0) -> None:
+        """End the child: SIGTERM (its graceful exit: final push, S3 claims released), SIGKILL `timeout` later.
+        `exiting_for`: it was asked to exit already; wait that long for it first."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
         atexit.unregister(self._stop_now)
+        if exiting_for:
+            try:
+                proc.wait(exiting_for)
+            except subprocess.TimeoutExpired:
+                pass
         if proc.poll() is None:
             proc.terminate()
             try:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any
 
@@ -42,7 +43,7 @@ from artcloud.backends.remote import (
     check_version,
     push_verdicts,
 )
-from artcloud.backends.state import SandboxRecord, StateDir
+from artcloud.backends.state import SandboxRecord, StateDir, launcher, launching_now
 from artcloud.durations import format_duration
 
 log = logging.getLogger("artcloud.client")  # what the client says about its sandbox
@@ -73,6 +74,7 @@ class SandboxBackend(RemoteBackend):
     _launch_began: float | None = None  # when this backend asked the provider for the machine (monotonic)
 
     _owns = False  # this object started it or attached to it: down() may destroy it
+    _start_lock: tuple[Any, asyncio.Lock] | None = None  # (its loop, the lock start() holds): one launch however many callers
     _record: SandboxRecord | None = None
     # A lost machine (a preempted spot VM) is replaced by a new one, at most this many times per backend;
     # the models resume from S3. SkyBackend(use_spot=True, s3=...) turns it on.
@@ -87,10 +89,25 @@ class SandboxBackend(RemoteBackend):
     # ------------------------------------------------------------------------------------- start
 
     async def start(self) -> None:
-        if self._owns:
-            return
+        """Attach or launch, once: concurrent calls (two models registering at once) wait for the first's start
+        instead of launching a second machine."""
+        loop = asyncio.get_running_loop()
+        if self._start_lock is None or self._start_lock[0] is not loop:  # a lock serves the loop it was made in
+            self._start_lock = (loop, asyncio.Lock())
+        async with self._start_lock[1]:
+            if not self._up():
+                await self._start()
+
+    def _up(self) -> bool:
+        """This object holds a started (or attached) sandbox."""
+        return self._owns
+
+    async def _start(self) -> None:
         self._shut_down = False
         record = self.state.load(self.sandbox_name) if self.state is not None else None
+        if record is not None and launching_now(record) and record.launcher.get("pid") != os.getpid():
+            raise self.error(f"{self.sandbox_name} is being launched by process {record.launcher['pid']} of this machine: "
+                             "wait for that launch, or choose another name", code="name_taken", field="name")
         if await self._existing(record):
             await self._attach(record)
         else:
@@ -151,6 +168,7 @@ class SandboxBackend(RemoteBackend):
         """Called by _provision just before the provider is asked: from here on the sandbox is ours to
         tear down, and the registry knows its name and credentials."""
         if self.state is not None and record is not None:
+            record.launcher = launcher()  # `artcloud status` meanwhile sees a launch in progress, not a dead sandbox
             self.state.save(record, ca_cert=ca_cert, token=token)
         self._record, self._owns = record, True
 
@@ -242,7 +260,7 @@ class SandboxBackend(RemoteBackend):
                        engine_args: dict[str, Any] | None = None, *, take_over: bool = False) -> dict[str, Any]:
         """A register that starts the sandbox (no `async with backend` before it) has the server load the base
         model while it comes up (artcloud serve --preload), instead of after: the wait is one."""
-        if not self._owns:
+        if not self._up():
             self.preload = None if engine_args else base_model  # engine_args are the register's to apply
             await self.start()
         return await super().register(name, project, base_model, lora, engine_args, take_over=take_over)

@@ -9,10 +9,13 @@ without credentials, so that downing a name twice is not an error; `artcloud sta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import socket
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,6 +57,7 @@ class SandboxRecord:
     idle_minutes: int | None = None
     s3: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # provider-specific (e.g. a Modal sandbox id)
+    launcher: dict[str, Any] | None = None  # {"host", "pid"} of the process launching it (see launching_now)
 
     def age_s(self, now: float | None = None) -> float:
         end = self.ended_at or now or time.time()
@@ -65,8 +69,33 @@ class SandboxRecord:
         return self.price_per_hour * self.age_s(now) / 3600.0
 
 
+def launcher() -> dict[str, Any]:
+    """This process, as a record's `launcher`."""
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def launching_now(record: SandboxRecord) -> bool:
+    """Whether a process of this machine is launching `record` right now. Until its launch is done the provider
+    may not know the sandbox yet (the registry is written first): that is a launch in progress, not a sandbox that
+    went away. A launcher that died mid-launch leaves a record that is not."""
+    who = record.launcher
+    if record.state != "launching" or not isinstance(who, dict) or who.get("host") != socket.gethostname():
+        return False
+    pid = who.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    return True
+
+
 class StateDir:
-    """The registry. Safe to share between processes: every write is a rename of a whole file."""
+    """The registry. Safe to share between processes: every write is a rename of a whole file from a temporary
+    file of its own, and a read-modify-write (mark_down) holds the sandbox's lock file."""
 
     def __init__(self, root: Path | None = None):
         self.root = Path(root) if root is not None else state_root()
@@ -108,13 +137,33 @@ class StateDir:
     def mark_down(self, name: str) -> None:
         """Keep the record (so a second `artcloud down NAME` knows the name and succeeds) but drop its
         credentials: the sandbox is gone."""
-        record = self.load(name)
-        if record is None:
+        with self._locked(name):
+            record = self.load(name)
+            if record is None:
+                return
+            for secret in ("token", "ca.pem"):
+                (self._dir(name) / secret).unlink(missing_ok=True)
+            record.state, record.ended_at = "down", record.ended_at or time.time()
+            self.save(record)
+
+    @contextlib.contextmanager
+    def _locked(self, name: str):
+        """An exclusive lock on one sandbox's record, between processes (flock; none where there is no fcntl)."""
+        folder = self._dir(name)
+        if not folder.is_dir():
+            yield
             return
-        for secret in ("token", "ca.pem"):
-            (self._dir(name) / secret).unlink(missing_ok=True)
-        record.state, record.ended_at = "down", record.ended_at or time.time()
-        self.save(record)
+        try:
+            import fcntl
+        except ImportError:  # Windows: renames stay atomic, the read-modify-write is not locked
+            yield
+            return
+        with open(folder / ".lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
     def live(self) -> list[SandboxRecord]:
         return [r for r in self.all() if r.state != "down"]
@@ -131,11 +180,15 @@ class StateDir:
 
 
 def _write(path: Path, text: str, mode: int) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    """Replace `path` whole: a temporary file of this write's own (two writers never share one), then a rename."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -250,7 +250,7 @@ def status(
     Sandboxes that went away by themselves (lease, autodown) are marked down here as they are found gone.
     """
     from artcloud.backends.providers import sandboxes
-    from artcloud.backends.state import StateDir
+    from artcloud.backends.state import StateDir, launching_now
     from artcloud.durations import format_duration
 
     state = StateDir()
@@ -267,7 +267,9 @@ def status(
             else:
                 rows.append((record, f"unknown ({type(e).__name__})"))
             continue
-        if live is None:
+        if live is None and launching_now(record):  # the registry is written before the provider hears of it
+            rows.append((record, "LAUNCHING"))
+        elif live is None:
             state.mark_down(record.name)
             gone.append(record.name)
         else:
