@@ -39,6 +39,8 @@ def test_two_models_registering_at_once_launch_one_machine_and_status_meanwhile_
             rows = [json.loads(line) for line in status.stdout.splitlines()]
             assert [(r["name"], r["status"]) for r in rows] == [("racing", "LAUNCHING")]
             assert StateDir().load("racing").state == "launching" and StateDir().credentials("racing") is not None
+            # The launch's token and CA wait for its URL: the endpoint changes whole, once the server is ready.
+            assert (backend.endpoint.url, backend.endpoint.token) == ("https://pending.invalid", "")
             hold.unlink()
             await asyncio.wait_for(both, 300)
             assert launches() == 1

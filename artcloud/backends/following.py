@@ -37,18 +37,18 @@ def _transport_class(hx: ModuleType) -> type:
         def __init__(self, backend: "RemoteBackend", hx: ModuleType, limits: Any):
             self.backend, self.hx, self.limits = backend, hx, limits
             self._inner: Any = None
-            self._inner_for: tuple[int, str] | None = None  # (generation, base_url) the inner transport trusts
+            self._inner_for: Any = None  # the backend's Endpoint the inner transport was made for
             self._retired: list[Any] = []  # earlier servers' transports, closed with this one
 
         def _transport(self) -> Any:
-            key = (self.backend.generation, self.backend.base_url)
-            if self._inner is None or self._inner_for != key:
+            ep = self.backend.endpoint  # one value: URL, token and CA of the same server
+            if self._inner is None or self._inner_for != ep:
                 old, self._inner = self._inner, self.hx.AsyncHTTPTransport(
-                    verify=client_ssl_context(self.backend.ca_cert, check_hostname=self.backend.check_hostname),
+                    verify=client_ssl_context(ep.ca, check_hostname=ep.check_hostname),
                     **({"limits": self.limits} if self.limits is not None else {}))
-                self._inner_for = key
-                self._base = self.hx.URL(self.backend.base_url)
-                self._auth = f"Bearer {self.backend._token}"
+                self._inner_for = ep
+                self._base = self.hx.URL(ep.url)
+                self._auth = f"Bearer {ep.token}"
                 if old is not None:
                     self._retired.append(old)
             return self._inner

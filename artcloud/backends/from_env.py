@@ -111,9 +111,10 @@ def make_backend(
 
 def write_connection(path: Path, backend: RemoteBackend, *, replacing: bool, failed: bool = False) -> None:
     """The runner's side: where the script's server is now (atomically, 0600: it holds the token)."""
-    ca = backend.ca_cert if isinstance(backend.ca_cert, str) and "BEGIN CERTIFICATE" in backend.ca_cert else None
-    data = {"generation": backend.generation, "url": backend.base_url, "token": backend._token, "ca_pem": ca,
-            "check_hostname": backend.check_hostname, "replacing": replacing, "failed": failed}
+    ep = backend.endpoint
+    ca = ep.ca if isinstance(ep.ca, str) and "BEGIN CERTIFICATE" in ep.ca else None
+    data = {"generation": ep.generation, "url": ep.url, "token": ep.token, "ca_pem": ca,
+            "check_hostname": ep.check_hostname, "replacing": replacing, "failed": failed}
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -166,8 +167,8 @@ class RunnerBackend(RemoteBackend):
                 return None
             await asyncio.sleep(1.0)
         await self._close_http()
-        self.base_url, self._token = found["url"], found["token"]
-        self.ca_cert, self.check_hostname = found.get("ca_pem"), bool(found.get("check_hostname", True))
+        self._publish(found["url"], token=found["token"], ca=found.get("ca_pem"),
+                      check_hostname=bool(found.get("check_hostname", True)))
         self._version_checked = False
         self._runner_generation = found["generation"]
         log.warning("the runner replaced the server: now at %s", self.base_url)

@@ -231,7 +231,7 @@ class ModalBackend(SandboxBackend):
         return False
 
     async def _adopt(self, record: SandboxRecord, creds: tuple[str, str]) -> None:
-        self._token = creds[1]  # the CA stays the tunnel's: Modal's edge ends TLS
+        self._stage(token=creds[1])  # the CA stays the tunnel's: Modal's edge ends TLS
         self.sandbox_id, self._tunnel = self._sandbox.object_id, None
 
     def _launch_secrets(self, token: str) -> dict[str, str]:
@@ -281,7 +281,7 @@ class ModalBackend(SandboxBackend):
             app = await modal.App.lookup.aio(self.app_name, create_if_missing=True)
         except Exception as e:
             raise ModalError(_modal_hint(e), code="modal_unavailable") from e
-        self._token = token
+        self._stage(token=token)
         record = SandboxRecord(name=self.name, provider=PROVIDER, gpu=self.gpu, max_duration_s=self.timeout_s,
                                s3=self.s3, extra={"app": self.app_name})
         if job is not None:

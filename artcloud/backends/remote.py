@@ -14,7 +14,7 @@ import json
 import logging
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -122,6 +122,21 @@ def _raise_for(response: httpx.Response) -> None:
 
 
 @dataclass(frozen=True)
+class Endpoint:
+    """Where the server is and how it is trusted, as one value: a replacement publishes a new Endpoint whole,
+    so a reader on another thread (the loopback forwarder, the OpenAI transport) never sees a new token with an
+    old URL. `generation` counts the replacements."""
+
+    url: str
+    token: str = field(repr=False)
+    ca: str | Path | None = field(default=None, repr=False)  # PEM, a file, or None: the public CAs
+    # False only for a launch CA: it signed this one server certificate and its key is gone, so the CA alone
+    # identifies the server, whatever address the provider gave it.
+    check_hostname: bool = True
+    generation: int = 0
+
+
+@dataclass(frozen=True)
 class PushVerdict:
     """What a shutdown answer says about one model's final push to S3 (see `push_verdicts`)."""
 
@@ -221,9 +236,8 @@ class RemoteBackend:
     ):
         if not base_url.startswith("https://"):
             raise InvalidArgument(f"artcloud servers speak HTTPS only: use https://..., not {base_url!r}")
-        self.base_url = base_url.rstrip("/")
-        self._token = token
-        self.ca_cert = ca_cert
+        self.endpoint = Endpoint(base_url.rstrip("/"), token, ca_cert, check_hostname)
+        self._staged: dict[str, Any] = {}  # a launch's token and CA, published with its URL once the server is ready
         self.timeout = timeout
         self.retries = retries
         self.heartbeat_every_s = heartbeat_every_s
@@ -231,16 +245,12 @@ class RemoteBackend:
         # for longer means the server or the path to it is gone (a half-open connection never errors).
         self.event_read_timeout_s = event_read_timeout_s
         self.health_probe_timeout_s = health_probe_timeout_s
-        # False only for a launch CA: it signed this one server certificate and its key is gone, so the
-        # CA alone identifies the server, whatever address the provider gave it.
-        self.check_hostname = check_hostname
         self._http: httpx.AsyncClient | None = None
         self._heartbeat: asyncio.Task | None = None
         self._version_checked = False
         self._shut_down = False  # the server was asked to push its last checkpoint and exit
         # Replacing a lost server (a preempted spot machine): each replacement bumps the generation, so
         # requests that failed on the old server know to go again; what was registered is registered again.
-        self._generation = 0
         self._replacing: asyncio.Lock | None = None
         self._registrations: dict[str, dict[str, Any]] = {}
         # Per model: the steps committed on the server that S3 does not hold yet, with the train request that
@@ -257,6 +267,27 @@ class RemoteBackend:
     def __repr__(self) -> str:  # never the token
         return f"{type(self).__name__}({self.base_url!r})"
 
+    # The endpoint's parts, read-only: it changes only whole (_publish).
+    base_url = property(lambda self: self.endpoint.url, doc="The server's https:// URL.")
+    ca_cert = property(lambda self: self.endpoint.ca, doc="The CA this client trusts for the server.")
+    check_hostname = property(lambda self: self.endpoint.check_hostname)
+    _token = property(lambda self: self.endpoint.token)
+
+    @property
+    def generation(self) -> int:
+        """How many times the server was replaced; read it before a request, pass it to `recover`."""
+        return self.endpoint.generation
+
+    def _stage(self, *, token: str | None = None, ca: str | Path | None = None) -> None:
+        """A launch's (or an attach's) credentials, kept aside until its server is ready (_publish)."""
+        self._staged.update({k: v for k, v in (("token", token), ("ca", ca)) if v is not None})
+
+    def _publish(self, url: str | None = None, **changes: Any) -> None:
+        """The one way the endpoint changes: a new value, whole, with what was staged."""
+        changes = {**self._staged, **changes, **({"url": url.rstrip("/")} if url else {})}
+        self._staged = {}
+        self.endpoint = replace(self.endpoint, **changes)
+
     def __call__(self) -> "RemoteBackend":
         """ART's `model.backend()` is a method, artcloud's `model.backend` a property: calling it gives the same."""
         return self
@@ -265,10 +296,11 @@ class RemoteBackend:
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
+            ep = self.endpoint
             self._http = httpx.AsyncClient(
-                base_url=self.base_url,
-                verify=client_ssl_context(self.ca_cert, check_hostname=self.check_hostname),
-                headers={"Authorization": f"Bearer {self._token}", "User-Agent": f"artcloud/{__version__}"},
+                base_url=ep.url,
+                verify=client_ssl_context(ep.ca, check_hostname=ep.check_hostname),
+                headers={"Authorization": f"Bearer {ep.token}", "User-Agent": f"artcloud/{__version__}"},
                 timeout=httpx.Timeout(self.timeout, connect=30.0),
             )
         return self._http
@@ -418,18 +450,13 @@ class RemoteBackend:
 
     # ------------------------------------------------------------------------------------- replacing a lost server
 
-    @property
-    def generation(self) -> int:
-        """How many times the server was replaced; read it before a request, pass it to `recover`."""
-        return self._generation
-
     async def recover(self, cause: BaseException, generation: int) -> bool:
         """After `cause` (a ServerGone): True when the server has been replaced, by this call or by another
         since `generation`, and every model registered through this backend registered again on the new one
         (each resumes from its last committed checkpoint on S3); False when this backend cannot replace its
         server, and the error stands."""
         async with self._replacing_lock():
-            if self._generation != generation:
+            if self.generation != generation:
                 return True
             return await self._replace_and_register(cause)
 
@@ -437,10 +464,10 @@ class RemoteBackend:
         """A request failed at the transport: True if it should go again, because the server was replaced
         (since `generation`, or now, when it turns out to be lost). The liveness check waits for a
         replacement in flight: checked meanwhile, the new machine (still starting) would look dead."""
-        if self._generation != generation:
+        if self.generation != generation:
             return True
         async with self._replacing_lock():
-            if self._generation != generation:
+            if self.generation != generation:
                 return True
             try:
                 await self._check_alive()
@@ -471,7 +498,7 @@ class RemoteBackend:
             except ServerGone as gone:
                 cause = gone
                 continue
-            self._generation += 1
+            self._publish(generation=self.generation + 1)
             return True
 
     def note_trained(self, name: str, step: int, body: dict[str, Any], s3: Any) -> None:
@@ -573,10 +600,11 @@ class RemoteBackend:
 
     def _forward_target(self) -> tuple[str, Any, str]:
         """The server as it is now (read per forwarded request, from the forwarder's thread)."""
-        key = (self.ca_cert, self.check_hostname)
+        ep = self.endpoint
+        key = (ep.ca, ep.check_hostname)
         if self._forward_ssl is None or self._forward_ssl[0] != key:
-            self._forward_ssl = (key, client_ssl_context(self.ca_cert, check_hostname=self.check_hostname))
-        return self.base_url, self._forward_ssl[1], self._token
+            self._forward_ssl = (key, client_ssl_context(ep.ca, check_hostname=ep.check_hostname))
+        return ep.url, self._forward_ssl[1], ep.token
 
     def openai_client(self, **kwargs: Any):
         """An `openai.AsyncOpenAI` bound to this backend's server: the launch's CA alone is trusted. It follows

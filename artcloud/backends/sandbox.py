@@ -156,6 +156,7 @@ class SandboxBackend(RemoteBackend):
         try:
             if job is not None:  # a detached job is launched once its install is done and it runs
                 await self._job_started(deadline=deadline)
+                self._publish()  # its token (no URL: a job serves none)
             else:
                 await self._wait_ready(record, deadline=deadline)
         except BaseException as e:
@@ -208,16 +209,16 @@ class SandboxBackend(RemoteBackend):
                         if probe is not None:
                             await probe.aclose()
                         probe = httpx.AsyncClient(base_url=url, timeout=10.0, verify=client_ssl_context(
-                            self.ca_cert, check_hostname=self.check_hostname))
+                            self._staged.get("ca", self.ca_cert), check_hostname=self.check_hostname))
                     body = await _health_of(probe)  # one try: this loop is the retry, and asks _check_alive between
                     if body is not None:
                         check_version(body)
                         self._first_answer(body)
                         bar.show(body)
                         if body.get("ready"):
-                            if url != self.base_url:
-                                await self._close_http()  # the HTTP client is bound to the old URL
-                                self.base_url = url
+                            if url != self.base_url or self._staged:
+                                await self._close_http()  # the HTTP client is bound to the old endpoint
+                                self._publish(url)
                             self._version_checked = True
                             self._note_phases(body)
                             self._launch_began = None
@@ -339,7 +340,7 @@ class SandboxBackend(RemoteBackend):
         return False
 
     async def _adopt(self, record: SandboxRecord, creds: tuple[str, str]) -> None:
-        self.ca_cert, self._token = creds
+        self._stage(ca=creds[0], token=creds[1])
 
     async def _provision(self, job: Any) -> None:
         raise NotImplementedError

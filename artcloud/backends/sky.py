@@ -268,7 +268,7 @@ class SkyBackend(SandboxBackend):
         return True
 
     async def _adopt(self, record: SandboxRecord, creds: tuple[str, str]) -> None:
-        self.ca_cert, self._token = creds
+        self._stage(ca=creds[0], token=creds[1])
         self.price_per_hour, self.resources = record.price_per_hour, record.extra.get("resources")
 
     def _launch_secrets(self) -> dict[str, str]:
@@ -366,7 +366,7 @@ class SkyBackend(SandboxBackend):
         tls = make_launch_secrets()
         launch_secrets = {"ARTCLOUD_TOKEN": tls.token, "ARTCLOUD_TLS_CERT": tls.server_cert,
                           "ARTCLOUD_TLS_KEY": tls.server_key, **user_secrets}
-        self.ca_cert, self._token = tls.ca_cert, tls.token
+        self._stage(ca=tls.ca_cert, token=tls.token)  # published with the URL once the server is ready
         record = SandboxRecord(
             name=name, provider=PROVIDER, gpu=self.gpu, cloud=self.cloud, price_per_hour=self.price_per_hour,
             max_duration_s=self.max_duration_s, idle_minutes=self.idle_minutes, s3=self.s3,
