@@ -208,7 +208,9 @@ class LoopbackForwarder:
         client = self._clients.get(key)
         if client is None:
             for old in self._clients.values():  # an earlier server's pool: a replaced server is not coming back
-                asyncio.get_running_loop().create_task(old.aclose())
+                closing = asyncio.get_running_loop().create_task(old.aclose())
+                self._tasks.add(closing)  # a reference until done, or the loop may drop it mid-close
+                closing.add_done_callback(self._tasks.discard)
             self._clients = {key: (client := httpx.AsyncClient(verify=ssl_context, timeout=UPSTREAM_TIMEOUT))}
         return client
 
