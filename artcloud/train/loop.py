@@ -5,7 +5,7 @@ steps, each over a minibatch of whole trajectory groups. A minibatch is cut into
 logits fit in memory (packing.micro_batches); their gradients accumulate, each loss divided by the
 minibatch's token count, so the update does not depend on how the samples were cut.
 
-What differs between trainers (torch + peft on the CPU, Unsloth on a GPU) comes in as a `Trainer`: the
+What differs between trainers (torch + peft on the CPU, Unsloth on a GPU) comes in as a `TrainablePolicy`: the
 LoRA parameters and their optimizer, how to compute logprobs with and without the adapter, and where
 tensors live. The GRPO math (artcloud.train.grpo), batching and metrics are the same for all.
 
@@ -56,8 +56,8 @@ class NonFiniteError(ArtcloudError):
 
 
 @dataclass
-class Trainer:
-    """What the loop needs from a trainer."""
+class TrainablePolicy:
+    """The policy being trained, as the loop needs it from a trainer."""
 
     params: list[torch.nn.Parameter]  # the LoRA parameters of the adapter being trained
     optimizer: torch.optim.Optimizer  # over `params`, learning rate and weight decay already set
@@ -85,17 +85,17 @@ def minibatches(samples: Sequence[Any], gradient_steps: int) -> list[list[Any]]:
 
 
 def train_step(
-    trainer: Trainer, samples: Sequence[Any], config: TrainConfig, on_step: StepCallback
+    policy: TrainablePolicy, samples: Sequence[Any], config: TrainConfig, on_step: StepCallback
 ) -> list[dict[str, Any]]:
     """Run the optimizer steps of one training step over `samples` (engines.base.TrainSample);
     `on_step(metrics)` after each. Returns the metrics of every gradient step."""
-    opt = trainer.optimizer
+    opt = policy.optimizer
     eps_high = config.clip_epsilon_high if config.clip_epsilon_high is not None else config.clip_epsilon
     max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
     batches = minibatches(samples, config.gradient_steps)
 
     all_metrics = []
-    trainer.set_training(True)
+    policy.set_training(True)
     try:
         for i, minibatch in enumerate(batches):
             step = i + 1
@@ -103,13 +103,13 @@ def train_step(
             tokens = float(sum(len(s.completion_ids) for s in minibatch))
             opt.zero_grad(set_to_none=True)
             loss_sum = clip_sum = ratio_sum = kl_sum = 0.0
-            for micro in packing.micro_batches(minibatch, trainer.vocab_size):
-                batch = packing.pack(micro, trainer.pad_id).to(trainer.device)
-                new_lp = trainer.policy_logprobs(batch)  # (B, C)
+            for micro in packing.micro_batches(minibatch, policy.vocab_size):
+                batch = packing.pack(micro, policy.pad_id).to(policy.device)
+                new_lp = policy.policy_logprobs(batch)  # (B, C)
                 ref_lp = None
                 if config.kl_coef > 0:
                     with torch.no_grad():
-                        ref_lp = trainer.reference_logprobs(batch)  # (B, C)
+                        ref_lp = policy.reference_logprobs(batch)  # (B, C)
                 out = grpo.policy_loss(
                     new_lp, batch.old_logprobs, batch.advantages, batch.completion_mask,
                     kind=config.loss, eps_low=config.clip_epsilon, eps_high=eps_high,
@@ -124,13 +124,13 @@ def train_step(
                 clip_sum += out.clip_fraction * share
                 ratio_sum += out.mean_ratio * share
                 kl_sum += (out.kl or 0.0) * share
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainer.params, max_norm))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.params, max_norm))
             if not math.isfinite(grad_norm):
                 raise NonFiniteError("grad_norm", step, grad_norm)
             opt.step()
             # Finite gradients can still step into inf (a huge weight decay, Adam on an overflowing
             # moment): the adapter is now broken, and the caller must reload it.
-            if not all(bool(torch.isfinite(p).all()) for p in trainer.params):
+            if not all(bool(torch.isfinite(p).all()) for p in policy.params):
                 raise NonFiniteError("parameters", step)
             metrics = {
                 "gradient_step": step,
@@ -148,6 +148,6 @@ def train_step(
             all_metrics.append(metrics)
             on_step(metrics)
     finally:
-        trainer.set_training(False)
+        policy.set_training(False)
         opt.zero_grad(set_to_none=True)
     return all_metrics

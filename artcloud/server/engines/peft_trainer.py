@@ -122,9 +122,9 @@ class PeftTrainer(Trainer):
     def train_step(
         self, slot: str, samples: list[TrainSample], config: TrainConfig, on_step: StepCallback
     ) -> list[dict[str, Any]]:
-        return loop.train_step(self._trainer(slot, config), samples, config, on_step)
+        return loop.train_step(self._policy(slot, config), samples, config, on_step)
 
-    def _trainer(self, slot: str, config: TrainConfig) -> loop.Trainer:
+    def _policy(self, slot: str, config: TrainConfig) -> loop.TrainablePolicy:
         model = self.activate(slot)
         peft = self.peft
         shared = None if self.packs_prompts else False
@@ -133,7 +133,7 @@ class PeftTrainer(Trainer):
             with torch.no_grad(), peft.disable_adapter():
                 return packing.completion_logprobs(peft, batch, shared=shared)
 
-        return loop.Trainer(
+        return loop.TrainablePolicy(
             params=[p for _, p in self._params(slot)],
             optimizer=self._optimizer(slot, config),
             policy_logprobs=lambda batch: packing.completion_logprobs(model, batch, shared=shared),
