@@ -4,8 +4,9 @@
   gathered into the next call.
 - concurrent (vLLM): each gathered batch is handed over at once, so a request that comes while another
   batch runs starts right away (vLLM's continuous batching takes it in).
+- stop() answers every request it leaves waiting (503 shutting_down).
 - the Engine's gate, on the real CPU engine called from several threads: a training step never overlaps
-  a generation, in either order.
+  a generation, in either order; and a waiting step holds new generations back (barriers, no timing).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 
 import pytest
 from conftest import TINY
+from helpers import wait_for
 
 from artcloud.server.batching import Batcher
 from artcloud.server.engines.base import GenerationRequest, SamplingParams
@@ -95,3 +97,87 @@ def test_the_engine_gate_keeps_training_and_generation_apart(tmp_path):
     for ts, te in spans["train"]:
         for gs, ge in spans["gen"]:
             assert ge <= ts or gs >= te, ("a generation overlapped a training step", (gs, ge), (ts, te))
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_stop_answers_every_request_it_leaves_waiting(concurrent):
+    """D14: a request in flight (its engine call cancelled) or still queued gets 503 shutting_down, not a
+    future nobody ever resolves."""
+    from artcloud.server.errors import ApiError
+
+    async def main():
+        running = asyncio.Event()
+
+        async def run(key, requests):
+            running.set()
+            await asyncio.Event().wait()  # an engine call that never ends by itself
+
+        batcher = Batcher(run, concurrent=concurrent)
+        in_flight = asyncio.create_task(batcher.submit("k", _request()))
+        await running.wait()
+        queued = asyncio.create_task(batcher.submit("other", _request()))
+        await asyncio.sleep(0)
+        await batcher.stop()
+        for task in (in_flight, queued):
+            with pytest.raises(ApiError) as e:
+                await asyncio.wait_for(task, 5)
+            assert e.value.status == 503 and e.value.code == "shutting_down"
+
+    asyncio.run(main())
+
+
+class _HeldSampler:
+    """A sampler whose generations wait on `release` (set per call); it records what started."""
+
+    max_context = 64
+    shares_trainer_weights = True
+    concurrent = True
+    can_sleep = False
+
+    def __init__(self, log: list[str]):
+        self.log, self.started, self.release = log, threading.Semaphore(0), {}
+
+    def generate(self, slot, requests):
+        self.log.append(f"generate {slot}")
+        self.started.release()
+        assert self.release[slot].wait(30)
+        return [[] for _ in requests]
+
+    def status(self):
+        return {"kind": "held", "state": "ready"}
+
+
+class _Trainer:
+    base_model, tokenizer, vocab_size, max_context = "m", None, 8, 64
+
+    def __init__(self, log: list[str]):
+        self.log = log
+
+    def train_step(self, slot, samples, config, on_step):
+        self.log.append(f"train {slot}")
+        return []
+
+
+def test_a_waiting_training_step_holds_new_generations_back():
+    """D8: a train_step waiting for a generation in flight blocks new generations (another model's traffic on
+    the same base model), so steady sampling cannot starve training."""
+    from artcloud.server.engines.engine import Engine
+
+    log: list[str] = []
+    sampler = _HeldSampler(log)
+    engine = Engine(sampler, _Trainer(log))  # duck-typed halves: only the gate is under test
+    sampler.release = {"old": threading.Event(), "new": threading.Event()}
+    sampler.release["new"].set()
+    old = threading.Thread(target=engine.generate, args=("old", [_request()]))
+    old.start()
+    assert sampler.started.acquire(timeout=30)  # a generation in flight
+    train = threading.Thread(target=engine.train_step, args=("a", [], None, lambda m: None))
+    train.start()
+    wait_for("the step to wait for the generation in flight", lambda: engine._training_waits == 1, 30, every=0.01)
+    new = threading.Thread(target=engine.generate, args=("new", [_request()]))
+    new.start()
+    assert not sampler.started.acquire(timeout=0.2)  # the new generation does not start meanwhile
+    sampler.release["old"].set()
+    for t in (old, train, new):
+        t.join(30)
+    assert log == ["generate old", "train a", "generate new"]

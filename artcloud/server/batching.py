@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from artcloud.server.engines.base import Completion, GenerationRequest
+from artcloud.server.errors import ApiError
 
 log = logging.getLogger("artcloud.server")
 
@@ -95,7 +96,8 @@ class Batcher:
         self.last_batch_s = 1.0  # until measured, assume a slow engine
         self.queue: asyncio.Queue[Pending] = asyncio.Queue()
         self._task: asyncio.Task | None = None
-        self.batches = 0  # engine calls made (for /health and tests)
+        self._waiting: set[asyncio.Future] = set()  # every submitted request's answer not yet given
+        self.batches = 0  # engine calls made (GET /artcloud/status)
 
     def _window(self) -> tuple[float, float]:
         """(gap: stop after this long without a new request, max_wait: stop after this long in all)."""
@@ -108,6 +110,7 @@ class Batcher:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="artcloud-batcher")
 
     async def stop(self) -> None:
+        """Cancel every engine call, and answer every request still waiting (queued, gathered or in flight)."""
         for task in list(self._inflight):
             task.cancel()
         if self._task is not None:
@@ -117,10 +120,15 @@ class Batcher:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        for future in list(self._waiting):
+            if not future.done():
+                future.set_exception(ApiError(503, "shutting_down", "the server stopped generating: it is shutting down"))
 
     async def submit(self, key: Any, request: GenerationRequest) -> tuple[list[Completion], str]:
         self.start()
         item = Pending(key, request)
+        self._waiting.add(item.future)
+        item.future.add_done_callback(self._waiting.discard)
         await self.queue.put(item)
         return await item.future
 

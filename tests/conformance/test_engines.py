@@ -94,6 +94,13 @@ def engine_eos(engine) -> set[int]:
     return {engine.tokenizer.eos_token_id, engine.tokenizer.convert_tokens_to_ids("<|im_end|>")}
 
 
+def trainer_logprobs(engine, slot, samples: list[TrainSample]) -> list[list[float]]:
+    """The trainer's logprobs of each sample's completion (what the GRPO loop computes), on the trainer's turn
+    as a training step would be (on one shared GPU the trainer's weights come back first)."""
+    with engine._trainer_work():
+        return engine.trainer.logprobs(slot, samples)
+
+
 def assert_logprobs_close(got: list[list[float]], want: list[list[float]]) -> None:
     diffs = [abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)]
     assert diffs and all(len(g) == len(w) for g, w in zip(got, want))
@@ -149,7 +156,7 @@ def test_sampled_logprobs_equal_the_trainers_recomputation(engine, tmp_path, tem
     publish(engine, "lp", tmp_path / "1")
     fresh = samples_from(engine, "lp", prompt(engine, "Name three colours."), n=4, temperature=temperature, seed=11)
     got = [s.old_logprobs for s in fresh]
-    want = engine.trainer_logprobs("lp", fresh)
+    want = trainer_logprobs(engine, "lp", fresh)
     assert_logprobs_close(got, want)
 
 
@@ -235,7 +242,7 @@ def test_save_then_load_is_exact(engine, tmp_path):
     for k in oa["state"]:
         for name in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(oa["state"][k][name], ob["state"][k][name])
-    assert engine.trainer_logprobs("sv", samples) == engine.trainer_logprobs("sv2", samples)
+    assert trainer_logprobs(engine, "sv", samples) == trainer_logprobs(engine, "sv2", samples)
     engine.delete_adapter("sv2")
 
 
@@ -257,16 +264,16 @@ def test_a_checkpoint_resumes_across_engines(engine, tmp_path):
 
     cpu = CPUEngine(SMOLLM2)  # float32 on the CPU, whatever this pair runs on
     cpu.load_adapter("x", LORA, tmp_path / "1", optimizer=True)
-    mine = engine.trainer_logprobs("x", samples)
-    theirs = cpu.trainer_logprobs("x", samples)
+    mine = trainer_logprobs(engine, "x", samples)
+    theirs = trainer_logprobs(cpu, "x", samples)
     assert_logprobs_close(theirs, mine)
     # Both take the same next step from the same optimizer state.
     cpu.train_step("x", samples, TrainConfig(learning_rate=5e-3), lambda m: None)
     (tmp_path / "cpu2").mkdir()
     cpu.save_adapter("x", tmp_path / "cpu2", optimizer=True)
     engine.load_adapter("x", LORA, tmp_path / "cpu2", optimizer=True)  # and the sampler serves it
-    assert_logprobs_close(engine.trainer_logprobs("x", samples), cpu.trainer_logprobs("x", samples))
+    assert_logprobs_close(trainer_logprobs(engine, "x", samples), trainer_logprobs(cpu, "x", samples))
     served = engine.generate("x", [GenerationRequest(ids, 2, SamplingParams(max_tokens=8, seed=5))])[0]
     again = [TrainSample(ids, c.token_ids, c.logprobs, 0.0, 0) for c in served]
-    assert_logprobs_close([s.old_logprobs for s in again], cpu.trainer_logprobs("x", again))
+    assert_logprobs_close([s.old_logprobs for s in again], trainer_logprobs(cpu, "x", again))
     cpu.close()

@@ -1,5 +1,5 @@
 """The CPU engine: the torch sampler and the peft trainer on one model in memory (torch + transformers +
-peft). Also correct, if slow, on one GPU; vLLM + Unsloth is the GPU engine (gpu.py)."""
+peft). Also correct, if slow, on one GPU; vLLM + Unsloth is the GPU engine (choose.build_vllm_engine)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ its own accelerators (dedicated mode) or on a CPU, nothing is switched.
 Every method runs on the host's single engine thread (server/models.py), except `generate` on a
 sampler that batches by itself (vLLM: `concurrent`), which the server calls from several threads at once
 so that new requests join vLLM's running batch. A gate keeps generations and trainer work apart: a
-training step waits for generations in flight, and generations wait for the step.
+training step waits for generations in flight, and generations wait for the step. A waiting step holds new
+generations back, so steady traffic (to other models on this base) never starves training.
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ class Engine:
         self.colocated = colocated and sampler.can_sleep
         self.description = description or f"{type(sampler).__name__} + {type(trainer).__name__}"
         self.turn = "sampler"  # who holds the accelerator now (matters only when colocated)
-        self.switches = 0  # turn changes so far (for /artcloud/status and the conformance suite)
+        self.switches = 0  # turn changes so far (GET /artcloud/status)
         self._gate = threading.Condition()
         self._generating = 0  # generations in flight
         self._training = False
+        self._training_waits = 0  # trainer work waiting for generations in flight to end
 
     @property
     def concurrent(self) -> bool:
@@ -58,7 +60,7 @@ class Engine:
     @contextmanager
     def _sampling(self):
         with self._gate:
-            while self._training:
+            while self._training or self._training_waits:
                 self._gate.wait()
             if self._generating == 0:
                 self._sampler_turn()
@@ -73,8 +75,10 @@ class Engine:
     @contextmanager
     def _trainer_work(self):
         with self._gate:
+            self._training_waits += 1
             while self._generating:
                 self._gate.wait()
+            self._training_waits -= 1
             self._training = True
             self._trainer_turn()
         try:
@@ -160,12 +164,6 @@ class Engine:
     ) -> list[dict[str, Any]]:
         with self._trainer_work():
             return self.trainer.train_step(slot, samples, config, on_step)
-
-    def trainer_logprobs(self, slot: str | None, samples: list[TrainSample]) -> list[list[float]]:
-        """The trainer's logprobs of each sample's completion (what the GRPO loop computes): the
-        conformance suite compares them with the sampler's."""
-        with self._trainer_work():
-            return self.trainer.logprobs(slot, samples)
 
     def save_adapter(self, slot: str, folder: Path, *, optimizer: bool) -> list[str]:
         return self.trainer.save_adapter(slot, folder, optimizer=optimizer)
