@@ -449,3 +449,19 @@ def test_delete_adapter(engine):
     assert "tmp" not in engine.trainer.peft.peft_config
     out = engine.generate("gen", [_req(_prompt(engine, "Hi"), 1, max_tokens=3)])
     assert len(out[0][0].token_ids) >= 1
+
+
+def test_the_vllm_child_gets_the_servers_environment_without_its_secrets():
+    """D13: vLLM runs as our child; it needs the machine's settings (PATH, HOME, CUDA, the hub, torch), never the
+    server's token, TLS key, S3 or cloud credentials, or a secret the user passed to the sandbox."""
+    from artcloud.server.engines.vllm_sampler import child_env
+
+    kept = {"PATH": "/usr/bin", "HOME": "/root", "CUDA_VISIBLE_DEVICES": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HOME": "/hf", "HF_TOKEN": "hf_x", "HF_HUB_OFFLINE": "1", "TORCH_CUDA_ARCH_LIST": "9.0",
+            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TOKENIZERS_PARALLELISM": "false", "LANG": "C.UTF-8"}
+    dropped = {"ARTCLOUD_TOKEN": "t" * 32, "ARTCLOUD_TLS_KEY": "-----BEGIN PRIVATE KEY-----", "ARTCLOUD_TLS_CERT": "c",
+               "ARTCLOUD_S3": "s3://b/p", "ARTCLOUD_S3_ACCESS_KEY_ID": "a", "ARTCLOUD_S3_SECRET_ACCESS_KEY": "s",
+               "ARTCLOUD_S3_ENDPOINT_URL": "http://s3", "AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "s",
+               "AWS_SESSION_TOKEN": "t", "WANDB_API_KEY": "w", "OPENAI_API_KEY": "o", "GITHUB_TOKEN": "g",
+               "DB_PASSWORD": "p", "GOOGLE_APPLICATION_CREDENTIALS": "/key.json"}
+    assert child_env({**kept, **dropped}) == kept

@@ -37,7 +37,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from artcloud.errors import ArtcloudError, InvalidArgument
 from artcloud.server.engines.base import (
@@ -115,6 +115,18 @@ def _group_is_vllm(pgid: int) -> bool:
     return False
 
 
+def child_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The server's environment less its secrets, for vLLM: none of artcloud's (the token, the TLS key, S3), no
+    AWS credentials, nothing named like a secret but the hub's token (vLLM may fetch a tokenizer)."""
+    def secret(name: str) -> bool:
+        upper = name.upper()
+        words = upper.split("_")
+        return upper.startswith(("ARTCLOUD_", "AWS_")) or not upper.startswith(("HF_", "HUGGING_FACE_")) and (
+            words[-1] == "KEY" or not {"TOKEN", "SECRET", "PASSWORD", "CREDENTIALS"}.isdisjoint(words))
+
+    return {k: v for k, v in env.items() if not secret(k)}
+
+
 def _die_with_parent() -> None:  # runs in the child before exec (Linux): no vLLM outlives the server
     try:
         import ctypes
@@ -173,7 +185,7 @@ class VLLMSampler(Sampler):
         if self.state == "closed":
             raise EngineError("the vLLM sampler is closed")
         port = _free_port()
-        env = {**os.environ, **self.cfg.env, "VLLM_API_KEY": self.key, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+        env = {**child_env(os.environ), **self.cfg.env, "VLLM_API_KEY": self.key, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
                "VLLM_SERVER_DEV_MODE": "1" if self.can_sleep else "0", "VLLM_NO_USAGE_STATS": "1",
                "DO_NOT_TRACK": "1"}
         argv = self.cfg.argv(port)
