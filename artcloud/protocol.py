@@ -237,3 +237,11 @@ class Event(BaseModel):
     job_id: str
     time: float
     data: dict[str, Any] = Field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------- shutdown
+
+FINAL_PUSH_DEADLINE_S = 600.0
+"""The longest the server's final pushes take, all models together (they run at once): POST /artcloud/shutdown
+answers within it (after any wait_for_training_s), and so does the lifespan exit's push. A client waiting for
+that answer derives its own wait from this (plus a margin for the answer to travel), never less."""

@@ -205,7 +205,7 @@ def test_prompted_models_count_apart_from_the_served_ones(tmp_path):
 
     from artcloud.server.app import create_app
     from artcloud.server.limits import Limits
-    from artcloud.server.state import Registry
+    from artcloud.server.registry import Registry
 
     token = "t" * 32
     registry = Registry(tmp_path / "d", engine="cpu", limits=Limits(max_models=1))

@@ -54,7 +54,7 @@ def test_the_cpu_engine_takes_the_engine_args_it_honours_and_names_the_rest(tmp_
     from fastapi.testclient import TestClient
 
     from artcloud.server.app import create_app
-    from artcloud.server.state import Registry
+    from artcloud.server.registry import Registry
 
     token = "t" * 32
     long_prompt = [{"role": "user", "content": "word " * 20}]

@@ -4,6 +4,7 @@ found through the clouds' own endpoint overrides."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -31,16 +32,22 @@ def aws(monkeypatch):
     server.shutdown()
 
 
-def test_aws_notice_is_seen_once_and_only_after_it_is_posted(aws):
-    cloud = preemption.find_cloud()
-    assert cloud is not None and cloud.name == "AWS" and cloud.notice() is None
-    seen: list[str] = []
-    thread = preemption.watch(seen.append, every_s=0.05)
-    time.sleep(0.3)
-    assert seen == []
-    aws["preemption"] = {"at": time.time(), "ends_at": time.time() + 120}
-    thread.join(timeout=5)
-    assert len(seen) == 1 and seen[0].startswith('AWS spot instance-action {"action": "terminate"')
+def test_aws_notice_is_seen_only_after_it_is_posted(aws):
+    async def main() -> list[str | None]:
+        watch = preemption.Watch(every_s=0.05)
+        await watch.start()
+        assert watch.cloud is not None and watch.cloud.name == "AWS"
+        seen = [await watch.notice() for _ in range(3)]  # the first asks (no notice), the next two are within every_s
+        await asyncio.sleep(0.06)
+        seen.append(await watch.notice())  # asked: no notice yet
+        aws["preemption"] = {"at": time.time(), "ends_at": time.time() + 120}
+        while seen[-1] is None:
+            await asyncio.sleep(0.01)
+            seen.append(await watch.notice())
+        return seen
+
+    seen = asyncio.run(main())
+    assert not any(seen[:-1]) and seen[-1].startswith('AWS spot instance-action {"action": "terminate"')
 
 
 def test_gcp_notice_through_its_metadata_server(monkeypatch):

@@ -50,12 +50,14 @@ def test_a_vanished_followers_event_stream_does_not_hold_the_lease(start_server)
     through = dict(base_url=f"https://localhost:{proxy.port}", verify=s.ssl_context(),
                    headers={"Authorization": f"Bearer {s.token}"}, timeout=10)
     stop = threading.Event()
+    beats: list[float] = []
 
     def heartbeat() -> None:  # the client's sign of life, through the same network
         with httpx.Client(**through) as hc:
             while not stop.is_set():
                 try:
                     hc.post("/artcloud/heartbeat")
+                    beats.append(time.monotonic())
                 except httpx.TransportError:
                     pass
                 stop.wait(0.5)
@@ -93,7 +95,8 @@ def test_a_vanished_followers_event_stream_does_not_hold_the_lease(start_server)
 
     threading.Thread(target=follow, daemon=True).start()
     wait_for("the stream to open", lambda: any(e["type"] == "queued" for e in seen), 60)
-    time.sleep(2 * lease_s)  # heartbeats hold the server meanwhile
+    opened = time.monotonic()
+    wait_for("two heartbeats through the network", lambda: sum(t > opened for t in beats) >= 2, 30)
     assert s.proc.poll() is None, s.tail()
 
     cut = time.monotonic()
@@ -149,7 +152,7 @@ def test_a_non_finite_update_is_skipped_never_committed_and_the_adapter_rolls_ba
 
     from artcloud.server.app import create_app
     from artcloud.server.engines.cpu import CPUEngine
-    from artcloud.server.state import Registry
+    from artcloud.server.registry import Registry
 
     class FlakyMemory(CPUEngine):  # the real engine; once, a LoRA weight goes NaN just before a step
         poisoned = False
@@ -191,7 +194,7 @@ def test_a_step_the_sampler_cannot_serve_is_not_kept(tmp_path, one_torch_thread)
 
     from artcloud.server.app import create_app
     from artcloud.server.engines.cpu import CPUEngine
-    from artcloud.server.state import Registry
+    from artcloud.server.registry import Registry
 
     class RefusingSampler(CPUEngine):  # the real engine; the publish of step 1 fails once
         refused = False
@@ -241,7 +244,13 @@ def test_the_claim_is_renewed_while_idle_and_a_lost_claim_stops_training_and_pus
     a = start_server(tmp_path / "a", "--s3", uri, "--s3-claim-timeout", "6s", env=env)
     with a.client() as c:
         assert c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY}).status_code == 200
-    time.sleep(9)  # longer than the claim timeout, and no step (so no push) in between
+    registered = time.time()
+
+    def renewed_after_the_timeout() -> bool:  # no step (so no push) in between: only the idle renewal does it
+        owner = json.loads(seaweed.client().get_object(Bucket=bucket, Key=f"runs/p/agent/{OWNER}")["Body"].read())
+        return owner["renewed_at"] > registered + 6
+
+    wait_for("a renewal later than the claim timeout", renewed_after_the_timeout, 30, every=0.5)
     b = start_server(tmp_path / "b", "--s3", uri, "--s3-claim-timeout", "6s", env=env)
     with b.client() as c:
         r = c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY})

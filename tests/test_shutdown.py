@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 
 import pytest
-from helpers import rollout_groups, train
+from helpers import rollout_groups, train, wait_for
 from test_s3_server import s3_env
 
 from artcloud.backends.remote import RemoteBackend, ServerGone
@@ -97,12 +98,13 @@ def test_shutdown_waits_for_training_then_refuses_new_jobs(tmp_path, one_torch_t
     from fastapi.testclient import TestClient
 
     from artcloud.server.app import create_app
-    from artcloud.server.state import Registry
+    from artcloud.server.registry import Registry
 
     token = "t" * 32
     registry = Registry(tmp_path / "data", engine="cpu")
     exits: list[float] = []
-    registry.shutdown.request_exit = lambda: exits.append(time.monotonic())
+    end = registry.lifecycle.end
+    registry.lifecycle.end = lambda why: (exits.append(time.monotonic()), end(why))
     with TestClient(create_app(registry, token), headers={"Authorization": f"Bearer {token}"}) as c:
         assert c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY}).status_code == 200
         groups = rollout_groups(c, "agent", ["x", "y"], n=4)
@@ -130,11 +132,8 @@ def test_shutdown_waits_for_training_then_refuses_new_jobs(tmp_path, one_torch_t
         # Inference still works until the process leaves; the exit was asked for after the answers.
         assert c.post("/v1/chat/completions", json={"model": "agent", "messages": [{"role": "user", "content": "hi"}],
                                                     "max_tokens": 2}).status_code == 200
-        deadline = time.monotonic() + 5
-        while len(exits) < 2:
-            assert time.monotonic() < deadline, exits
-            time.sleep(0.05)
-        assert exits[0] > answered
+        wait_for("both exits asked for", lambda: len(exits) == 2, 5, every=0.05)
+        assert exits[0] > answered and registry.lifecycle.draining
 
 
 def test_a_step_in_flight_at_shutdown_is_dropped_not_committed(tmp_path, one_torch_thread):
@@ -144,12 +143,15 @@ def test_a_step_in_flight_at_shutdown_is_dropped_not_committed(tmp_path, one_tor
 
     from artcloud.server.app import create_app
     from artcloud.server.engines.cpu import CPUEngine
-    from artcloud.server.state import Registry
+    from artcloud.server.registry import Registry
     from artcloud.storage import checkpoints
 
-    class SlowTrainer(CPUEngine):  # the real engine; its step takes 2 s more, so shutdown lands mid-step
+    in_step, go_on = threading.Event(), threading.Event()
+
+    class SlowTrainer(CPUEngine):  # the real engine; its step waits for the shutdown's answer
         def train_step(self, *args, **kwargs):
-            time.sleep(2.0)
+            in_step.set()
+            assert go_on.wait(30)
             return super().train_step(*args, **kwargs)
 
     token = "t" * 32
@@ -159,19 +161,16 @@ def test_a_step_in_flight_at_shutdown_is_dropped_not_committed(tmp_path, one_tor
         r = c.post("/artcloud/models/agent/train", json={"groups": rollout_groups(c, "agent", ["x", "y"], n=4)})
         assert r.status_code == 202, r.text
         job_id = r.json()["job_id"]
-        deadline = time.monotonic() + 30
-        while c.get(f"/artcloud/jobs/{job_id}").json()["status"] != "running":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        assert in_step.wait(30)
 
         r = c.post("/artcloud/shutdown", json={"wait_for_training_s": 0})
+        go_on.set()
         assert r.status_code == 200, r.text
         (model,) = r.json()["models"]
         assert model["step"] == 0 and model["training"] is True
 
-        while c.get(f"/artcloud/jobs/{job_id}").json()["status"] == "running":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for("the step to end", lambda: c.get(f"/artcloud/jobs/{job_id}").json()["status"] != "running", 30,
+                 every=0.05)
         events = [e for e in c.get(f"/artcloud/jobs/{job_id}/events", params={"follow": False}).text.splitlines() if e]
         last = json.loads(events[-1])
         assert last["type"] == "error" and last["data"]["code"] == "shutting_down", last

@@ -82,7 +82,7 @@ def test_health_says_loading_while_the_preload_loads(tmp_path):
     """The registry's restore preloads the base model: until the engine is up, /health says not ready and
     loading_engine (then fetching_weights while a download reports bytes); then ready, with the durations."""
     from artcloud.server.engines.choose import engine_factory
-    from artcloud.server.state import Registry
+    from artcloud.server.registry import Registry
 
     real = engine_factory("cpu", workdir=tmp_path / ".engines")
     entered, fetch, load = threading.Event(), threading.Event(), threading.Event()

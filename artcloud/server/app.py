@@ -49,9 +49,9 @@ from artcloud.server.engines.base import GenerationRequest, SamplingParams
 from artcloud.server.errors import ApiError, field_path
 from artcloud.server.jobs import Job, request_hash
 from artcloud.server.middleware import BodyLimit, TokenAuth
+from artcloud.server.registry import Registry
 from artcloud.server.samples import build_samples
 from artcloud.server.schemas import errors
-from artcloud.server.state import Registry
 
 log = logging.getLogger("artcloud.server")
 
@@ -88,9 +88,10 @@ class NDJSONResponse(StreamingResponse):
 def create_app(registry: Registry, token: str) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        restore = asyncio.create_task(registry.restore())
+        tasks = [asyncio.create_task(registry.restore()), asyncio.create_task(registry.lifecycle.run())]
         yield
-        restore.cancel()
+        for task in tasks:
+            task.cancel()
         await registry.close()
 
     app = FastAPI(
@@ -203,7 +204,7 @@ def create_app(registry: Registry, token: str) -> FastAPI:
     @app.post("/artcloud/heartbeat", operation_id="heartbeat", response_model=schemas.Heartbeat)
     async def heartbeat() -> dict[str, Any]:
         """A client's sign of life (any authenticated request counts too): the server's lease."""
-        return {"ok": True, "version": __version__, "last_request_at": registry.lease.last_request_at}
+        return {"ok": True, "version": __version__, "last_request_at": time.time()}  # this request renewed it
 
     # ------------------------------------------------------------------------------------- models
 
@@ -228,7 +229,7 @@ def create_app(registry: Registry, token: str) -> FastAPI:
     @app.post("/artcloud/models/{name}/checkpoints/prune", operation_id="prune_checkpoints",
               response_model=schemas.Pruned, responses=errors(400, 404, 503))
     async def prune_checkpoints(body: PruneRequest, name: str = ModelName) -> dict[str, Any]:
-        return await registry.get(name).trainer.prune(body.best_metric)
+        return await registry.trainer(name).prune(body.best_metric)
 
     @app.post("/artcloud/models/{name}/log", operation_id="log_metrics", response_model=history.HistoryRecord,
               responses=errors(400, 404, 409, 503))
@@ -249,24 +250,23 @@ def create_app(registry: Registry, token: str) -> FastAPI:
         req: TrainRequest, name: str = ModelName,
         idempotency_key: str | None = Header(None, alias="Idempotency-Key", min_length=1, max_length=200),
     ) -> JSONResponse:
-        model = registry.get(name)
-        trainer = model.trainer
+        trainer = registry.trainer(name)
         key = req.idempotency_key or idempotency_key
         body_hash = request_hash(req.model_dump(mode="json", exclude={"idempotency_key"}))
         if key:
             existing = trainer.jobs.find_by_key(key)
             if existing is not None and existing.status != "failed":
                 return _job_response(_check_same(existing, body_hash), 200)
-        registry.shutdown.check_open()  # a retried POST above still gets its job; nothing new starts
+        registry.lifecycle.check_open()  # a retried POST above still gets its job; nothing new starts
         trainer.check_can_train()
-        engine = model.engine
+        engine = trainer.model.engine
         samples, stats = await asyncio.to_thread(build_samples, engine.tokenizer, engine.vocab_size, req)
         async with trainer.submit_lock:  # a concurrent retry with the same key must not start a second job
             if key:
                 existing = trainer.jobs.find_by_key(key)
                 if existing is not None and existing.status != "failed":
                     return _job_response(_check_same(existing, body_hash), 200)
-            registry.shutdown.check_open()  # shutdown may have begun while the samples were built
+            registry.lifecycle.check_open()  # shutdown may have begun while the samples were built
             trainer.check_can_train()
             job = trainer.jobs.create(idempotency_key=key, body_hash=body_hash)
             trainer.submit(job, samples, stats, req.config)
@@ -291,7 +291,7 @@ def create_app(registry: Registry, token: str) -> FastAPI:
             raise ApiError(400, "invalid_cursor", f"job {job_id} has {len(job.events)} events; after={after} is past its end", "after")
 
         async def lines():
-            async for event in job.follow(after, follow=follow, stop=lambda: registry.shutdown.draining):
+            async for event in job.follow(after, follow=follow, stop=lambda: registry.lifecycle.draining):
                 yield "\n" if event is None else event.model_dump_json() + "\n"
 
         return NDJSONResponse(lines())
@@ -306,8 +306,8 @@ def create_app(registry: Registry, token: str) -> FastAPI:
         the process to exit (the lifespan exit releases the S3 claims). Calling it again is harmless."""
         wait = body.wait_for_training_s if body is not None else 0.0
         log.warning("shutdown requested (waiting up to %.0f s for training): pushing checkpoints, then exiting", wait)
-        models = await registry.shutdown.run(wait)
-        return JSONResponse({"ok": True, "models": models}, background=BackgroundTask(registry.shutdown.exit_soon))
+        models = await registry.lifecycle.shutdown(wait)
+        return JSONResponse({"ok": True, "models": models}, background=BackgroundTask(registry.lifecycle.exit_soon))
 
     return app
 

@@ -1,8 +1,8 @@
-"""The server's lease: teardown layers 2 and 4 (design.md section 5).
+"""The server's lease: teardown layers 2 and 4 (README, "Teardown").
 
 With `--lease`, no authenticated request or heartbeat for that long ends the server; with
-`--max-duration`, it ends that long after start, clients or not. Either way it takes uvicorn's graceful
-path, whose lifespan exit pushes the final checkpoints to S3. A GPU whose client has gone away must
+`--max-duration`, it ends that long after start, clients or not (lifecycle.py ends it; both are timed on
+time.monotonic(), so a clock step on a fresh VM moves neither). A GPU whose client has gone away must
 not keep running, so what holds the lease is narrow:
 
 - an authenticated request renews it when it starts and when it ends, and holds it while it runs
@@ -15,20 +15,11 @@ not keep running, so what holds the lease is narrow:
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from artcloud.durations import format_duration
-
-log = logging.getLogger("artcloud.server")
-
-# After the lease or --max-duration ends the server, the graceful path (final pushes) gets this long;
-# then the process leaves anyway. A hung shutdown must not keep a GPU running.
-FORCE_EXIT_AFTER_S = 1800.0
 
 # Requests that only watch: they renew the lease when they start but never hold it while they run.
 STREAMING_SUFFIX = "/events"
@@ -41,12 +32,12 @@ class Lease:
                  started_at: float | None = None):
         self.lease_s = lease_s
         self.max_duration_s = max_duration_s
-        self.started_at = started_at if started_at is not None else time.time()
-        self.last_request_at = time.time()
+        self.started_at = started_at if started_at is not None else time.monotonic()
+        self.last_request_at = time.monotonic()
         self.in_flight = 0  # authenticated requests running now that hold the lease
 
     def touch(self) -> None:
-        self.last_request_at = time.time()
+        self.last_request_at = time.monotonic()
 
     @contextmanager
     def request(self, path: str) -> Iterator[None]:
@@ -67,7 +58,7 @@ class Lease:
 
     def ended(self, now: float | None = None) -> str | None:
         """Why the server must stop now (a line for the log), or None."""
-        now = time.time() if now is None else now
+        now = time.monotonic() if now is None else now
         if self.max_duration_s is not None and now - self.started_at > self.max_duration_s:
             return f"reached --max-duration {format_duration(self.max_duration_s)}"
         if self.lease_s is not None and self.in_flight == 0 and now - self.last_request_at > self.lease_s:
@@ -75,7 +66,7 @@ class Lease:
         return None
 
     def info(self) -> dict[str, Any]:
-        now = time.time()
+        now = time.monotonic()
         return {"lease_s": self.lease_s, "idle_s": round(now - self.last_request_at, 1), "in_flight": self.in_flight,
                 "max_duration_s": self.max_duration_s, "uptime_s": round(now - self.started_at, 1)}
 
@@ -88,35 +79,3 @@ class Lease:
             parts.append(f"at most {format_duration(self.max_duration_s)}" if parts
                          else f"exits after {format_duration(self.max_duration_s)}, clients or not")
         return "; ".join(parts)
-
-    def watch(self, server: Any, is_ready: Callable[[], bool], every_s: float = 0.5,
-              force_after_s: float = FORCE_EXIT_AFTER_S) -> threading.Thread:
-        """A thread that asks uvicorn (`server.should_exit`) to shut down gracefully once the lease or
-        --max-duration ends, and exits the process outright if that takes longer than `force_after_s`."""
-
-        def run() -> None:
-            if self._wait_for_end(server, is_ready, every_s):
-                time.sleep(force_after_s)
-                log.error("the server did not shut down %s after its lease ended: exiting now", format_duration(force_after_s))
-                logging.shutdown()
-                os._exit(1)
-
-        thread = threading.Thread(target=run, name="artcloud-lease-watch", daemon=True)
-        thread.start()
-        return thread
-
-    def _wait_for_end(self, server: Any, is_ready: Callable[[], bool], every_s: float) -> bool:
-        renewed_at_ready = False
-        while not server.should_exit:
-            if not renewed_at_ready and is_ready():
-                # Loading the models an earlier server left may take minutes: the lease starts again when
-                # clients can use the server. It still counts while loading, so a stuck load ends too.
-                self.last_request_at = max(self.last_request_at, time.time())
-                renewed_at_ready = True
-            reason = self.ended()
-            if reason is not None:
-                log.warning("%s: pushing checkpoints and shutting down", reason)
-                server.should_exit = True
-                return True
-            time.sleep(every_s)
-        return False

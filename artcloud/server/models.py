@@ -3,7 +3,7 @@
 An engine runs on its own single worker thread, so generation, training and checkpoint writes for a
 base model never overlap; the asyncio side only queues work and answers HTTP. A model's RWLock makes
 inference wait while its adapter updates, then NAME@STEP+1 is what `NAME` means. How a model trains,
-commits and keeps its checkpoints is training.py.
+commits and keeps its checkpoints is training.py (its ModelTrainer holds the ServedModel; never the reverse).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from artcloud.server.errors import ApiError
 from artcloud.storage import checkpoints
 
 if TYPE_CHECKING:
-    from artcloud.server.training import Trainer
     from artcloud.server.weights import BaseWeights
 
 log = logging.getLogger("artcloud.server")
@@ -108,7 +107,7 @@ class EngineHost:
 
 class ServedModel:
     """A registered model: a LoRA adapter on a host's engine, at a step, servable as NAME@STEP.
-    Its `trainer` (training.py) moves it from step to step."""
+    A ModelTrainer (training.py) moves it from step to step."""
 
     def __init__(self, spec: RegisterRequest, folder: Path, host: EngineHost, slot: str):
         self.spec = spec
@@ -121,7 +120,6 @@ class ServedModel:
         self.history: list[dict[str, Any]] = []
         self.lock = RWLock()
         self._old: OrderedDict[int, str] = OrderedDict()
-        self.trainer: Trainer  # set by the registry right after
 
     @property
     def engine(self) -> Engine:
@@ -169,6 +167,5 @@ class ServedModel:
             "temperature": self.temperature,
             "training": self.lock.writing,
             "checkpoints": checkpoints.committed_steps(self.folder),
-            "s3": self.trainer.s3_status(),
             "history": self.history,
         }

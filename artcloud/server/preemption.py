@@ -1,10 +1,11 @@
 """Watch the cloud's preemption notice on a spot machine, and push the last checkpoint when it comes.
 
 A spot VM is reclaimed with a short warning: AWS posts `spot/instance-action` two minutes ahead, GCP sets
-`instance/preempted` about 30 s ahead, Azure schedules a `Preempt` event. The server polls its cloud's metadata
-service (the one that answers) every few seconds; on a notice it logs one line and takes the same way out as a
-signal or the lease: stop taking work, push the newest committed checkpoint of every model to S3, exit. The
-client relaunches on a new machine, which resumes from that checkpoint.
+`instance/preempted` about 30 s ahead, Azure schedules a `Preempt` event. The server's lifecycle task
+(lifecycle.py) polls its cloud's metadata service (the one that answers) every few seconds, each request on a
+worker thread; on a notice it takes the same way out as a signal or the lease: stop taking work, push the
+newest committed checkpoint of every model to S3, exit. The client relaunches on a new machine, which resumes
+from that checkpoint.
 
 SkyPilot's own `preemption` lifecycle hook (which it runs on Kubernetes) reaches the server by SIGTERM: see
 sky/artcloud-server.yaml. Endpoints follow the clouds' own conventions for overriding them:
@@ -13,13 +14,13 @@ AWS_EC2_METADATA_SERVICE_ENDPOINT (botocore) and GCE_METADATA_HOST (google-auth)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
-import threading
+import time
 import urllib.error
 import urllib.request
-from typing import Callable
 
 log = logging.getLogger("artcloud.server")
 
@@ -94,34 +95,35 @@ def find_cloud() -> AWS | GCP | Azure | None:
     return None
 
 
-def watch(on_notice: Callable[[str], None], *, every_s: float = POLL_S) -> threading.Thread | None:
-    """Poll the cloud's notice in a daemon thread; call `on_notice(what)` once when it comes. Returns the
-    thread, or None (after one log line) when no metadata service answers."""
-    cloud = find_cloud()
-    if cloud is None:
-        log.warning("preemption watch: no cloud metadata service answers here; SkyPilot's preemption hook (SIGTERM) "
-                    "is the only notice this server gets")
-        return None
-    stop = threading.Event()
+class Watch:
+    """The cloud's notice, asked for at most every `every_s` by the lifecycle task; each request runs on a
+    worker thread (urllib blocks, the server's loop must not)."""
 
-    def run() -> None:
-        failures = 0
-        while not stop.wait(every_s):
-            try:
-                what = cloud.notice()
-                failures = 0
-            except (OSError, ValueError) as e:
-                failures += 1
-                if failures in (3, 100):
-                    log.warning("preemption watch: %s metadata does not answer (%s)", cloud.name, e)
-                continue
-            if what:
-                log.warning("preemption notice (%s): pushing the last checkpoints and exiting", what)
-                on_notice(what)
-                return
+    def __init__(self, every_s: float = POLL_S):
+        self.every_s = every_s
+        self.cloud: AWS | GCP | Azure | None = None
+        self._failures = 0
+        self._next = 0.0
 
-    thread = threading.Thread(target=run, name="artcloud-preemption-watch", daemon=True)
-    thread.stop = stop  # type: ignore[attr-defined]
-    thread.start()
-    log.info("preemption watch: polling %s's notice every %.0f s", cloud.name, every_s)
-    return thread
+    async def start(self) -> None:
+        self.cloud = await asyncio.to_thread(find_cloud)
+        if self.cloud is None:
+            log.warning("preemption watch: no cloud metadata service answers here; SkyPilot's preemption hook (SIGTERM) "
+                        "is the only notice this server gets")
+        else:
+            log.info("preemption watch: polling %s's notice every %.0f s", self.cloud.name, self.every_s)
+
+    async def notice(self) -> str | None:
+        """The notice (a line for the log) once it has come, else None."""
+        if self.cloud is None or time.monotonic() < self._next:
+            return None
+        self._next = time.monotonic() + self.every_s
+        try:
+            what = await asyncio.to_thread(self.cloud.notice)
+        except (OSError, ValueError) as e:
+            self._failures += 1
+            if self._failures in (3, 100):
+                log.warning("preemption watch: %s metadata does not answer (%s)", self.cloud.name, e)
+            return None
+        self._failures = 0
+        return what

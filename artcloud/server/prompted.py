@@ -75,22 +75,22 @@ class PromptedModel:
         return {"name": self.name, "project": self.spec.project, "base_model": None, "prompted": True, "step": 0,
                 "s3": self.pusher.status() if self.pusher is not None else None, "history": self.history}
 
-    async def flush(self) -> bool:
-        """Push what S3 does not have yet (shutdown's final push); False if that failed (it is logged)."""
+    async def final_push(self) -> str | None:
+        """Push what S3 does not have yet (shutdown's final push); None when done, else why not (it is logged)."""
         if self.pusher is None:
-            return True
+            return None
         try:
             await self.pusher.flush()
         except Exception as e:
             log.error("final push of %s's history failed: %s", self.name, e)
-            return False
-        return True
+            return f"{type(e).__name__}: {e}"
+        return None
 
     async def close(self) -> None:
         """The final push, then the claim goes."""
         if self.pusher is None:
             return
-        if await self.flush():
+        if await self.final_push() is None:
             try:
                 await self.pusher.release()
             except Exception as e:

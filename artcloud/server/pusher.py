@@ -26,13 +26,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from artcloud.errors import TimedOut
+from artcloud.protocol import FINAL_PUSH_DEADLINE_S
 from artcloud.storage.s3 import CheckpointStore, ClaimLost, StorageError
 
 log = logging.getLogger("artcloud.server")
 
-# The longest a final push may take per model before the server gives up on it (and what a client
-# waiting for a shutdown must allow; artcloud.backends.remote.FINAL_PUSH_TIMEOUT_S is the same bound).
-FLUSH_TIMEOUT_S = 600.0
 CLAIM_TIMEOUT_S = 900.0  # a claim not renewed for this long may be taken over by another server
 RETRY_MAX_S = 60.0
 
@@ -197,7 +195,7 @@ class Pusher:
         return (self._wanted is not None or self._history is not None
                 or (self._task is not None and not self._task.done()))
 
-    async def flush(self, timeout: float = FLUSH_TIMEOUT_S, attempts: int = 3) -> None:
+    async def flush(self, timeout: float = FINAL_PUSH_DEADLINE_S, attempts: int = 3) -> None:
         """Wait until the newest committed step is on S3 (the final push before the server exits).
         Gives up after `attempts` more failed tries, or `timeout` seconds, raising the last error."""
         if self.lost is not None:

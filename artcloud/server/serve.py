@@ -1,8 +1,8 @@
 """Run the server: check the path and port, set up TLS and the token, hand over to uvicorn.
 
-Teardown layers 2 and 4 (`--lease`, `--max-duration`; see lease.py) and a launcher's POST
-/artcloud/shutdown take uvicorn's graceful path, whose lifespan exit pushes the final checkpoints to
-S3, and the process exits with status 0.
+What ends it (the lease, --max-duration, the parent's death, a preemption notice, POST /artcloud/shutdown,
+a signal) is lifecycle.py's: uvicorn's graceful path, whose lifespan exit pushes the final checkpoints to
+S3. The process then exits with status 0, or 1 if that exit failed (uvicorn's startup failure: 3).
 
 Every failure a user can cause (a taken port, an unwritable path, a missing certificate) raises
 ServeError with one line that says what to do; the CLI prints it and exits with status 2.
@@ -18,13 +18,10 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 from artcloud._version import __version__
-from artcloud.durations import format_duration
 from artcloud.errors import ArtcloudError
-from artcloud.server.lease import FORCE_EXIT_AFTER_S
 from artcloud.tls import LaunchSecrets, make_launch_secrets
 
 log = logging.getLogger("artcloud.server")
@@ -222,16 +219,15 @@ def run(
     preload: str | None = None,
     announce=print,
 ) -> None:
-    started = time.time()  # --max-duration counts from here: loading a model is paid-for time too
-    began = time.monotonic()  # the "starting" phase too
+    began = time.monotonic()  # --max-duration counts from here (loading a model is paid-for time too), /health's phases too
     import uvicorn
 
     from artcloud.server.app import create_app
     from artcloud.server.lease import Lease
     from artcloud.server.limits import Limits
     from artcloud.server.pusher import CLAIM_TIMEOUT_S
+    from artcloud.server.registry import Registry
     from artcloud.server.startup import ENV_INSTALL_RECORD, Startup, read_install_record
-    from artcloud.server.state import Registry
     from artcloud.server.tls_only import server_context, wrap_uvicorn_protocol
     from artcloud.server.training import Retention
 
@@ -250,7 +246,7 @@ def run(
     else:
         tls = tls_setup(path, host, tls_cert, tls_key, token, token_file)
     # Before binding: an unknown --engine fails here, with nothing printed and nothing listening.
-    lease = Lease(lease_s, max_duration_s, started_at=started)
+    lease = Lease(lease_s, max_duration_s, started_at=began)
     registry = Registry(path, engine=engine, store=store, retention=Retention(keep_last=keep_last, metric=keep_best),
                         limits=limits, lease=lease, claim_timeout_s=claim_timeout_s or CLAIM_TIMEOUT_S,
                         engine_args=engine_args, vllm_python=vllm_python, preload=preload or None,
@@ -290,77 +286,27 @@ def run(
     config.load()
     if context is not None:
         wrap_uvicorn_protocol(config, context, hint=url)
-    server = _draining_server(config, registry.shutdown.drain)
-    registry.shutdown.request_exit = partial(_request_exit, server)  # POST /artcloud/shutdown, once it has answered
-    if parent_pid is not None:
-        _exit_with_parent(server, parent_pid)
-    if lease_s is not None or max_duration_s is not None:
-        lease.touch()  # the lease starts when we serve, not when we began
-        lease.watch(server, is_ready=lambda: registry.ready)
+    server = uvicorn.Server(config)
+    lifecycle = registry.lifecycle
+    lifecycle.server, lifecycle.parent_pid = server, parent_pid
     if watch_preemption:  # a spot machine: its cloud's notice takes the same way out as the lease
-        from artcloud.server.preemption import watch
+        from artcloud.server.preemption import Watch
 
-        watch(lambda what: setattr(server, "should_exit", True))
-    server.run(sockets=[sock])
-    # An engine thread may still be inside a training step that will never be committed; the interpreter
-    # would wait for it at exit (minutes, on a big model). Leave now: nothing on disk is half-written.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _draining_server(config, on_exit):
-    """A uvicorn.Server that tells the app the moment it starts to exit, however that was asked for (the
-    lease, --max-duration, a signal, the parent's death, a shutdown request), so open event streams end
-    at once instead of holding uvicorn's graceful wait."""
-    import uvicorn
-
-    class DrainingServer(uvicorn.Server):
-        @property
-        def should_exit(self) -> bool:
-            return self._should_exit
-
-        @should_exit.setter
-        def should_exit(self, value: bool) -> None:
-            self._should_exit = value
-            if value:
-                on_exit()
-
-    return DrainingServer(config)
-
-
-def _request_exit(server, force_after_s: float = FORCE_EXIT_AFTER_S) -> None:
-    """uvicorn's graceful path: stop listening, finish open requests, then the lifespan exit (final
-    pushes, S3 claims released); `run` then exits with status 0. A hung exit ends anyway, with status 1."""
-    import threading
-
-    if server.should_exit:
-        return  # a second shutdown request, or the lease got there first
-    log.warning("shutting down at a client's request (POST /artcloud/shutdown)")
-    server.should_exit = True
-
-    def force() -> None:
-        time.sleep(force_after_s)
-        log.error("the server did not shut down %s after it was asked to: exiting now", format_duration(force_after_s))
+        lifecycle.preemption = Watch()
+    status = 1
+    try:
+        server.run(sockets=[sock])
+        status = 1 if server.lifespan.should_exit else 0  # uvicorn: "Application shutdown failed"
+    except SystemExit as e:  # uvicorn: the lifespan startup failed
+        status = e.code if isinstance(e.code, int) else 1
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn raises it again once it has shut down
+        status = 130
+    except BaseException:
+        log.exception("the server failed")
+    finally:
+        # An engine thread may still be inside a training step that will never be committed; the interpreter
+        # would wait for it at exit (minutes, on a big model). Leave now: nothing on disk is half-written.
         logging.shutdown()
-        os._exit(1)
-
-    threading.Thread(target=force, name="artcloud-shutdown-watch", daemon=True).start()
-
-
-def _exit_with_parent(server, parent_pid: int, every_s: float = 0.5) -> None:
-    """Shut down (gracefully) once the process that started us is gone, however it died: a local
-    server must never outlive its client. Polling works on every OS; LocalBackend also asks Linux
-    for PR_SET_PDEATHSIG."""
-    import threading
-
-    def watch() -> None:
-        while not server.should_exit:
-            if os.getppid() != parent_pid:
-                log.warning("parent process %d is gone: shutting down", parent_pid)
-                server.should_exit = True
-                return
-            time.sleep(every_s)
-
-    threading.Thread(target=watch, name="artcloud-parent-watch", daemon=True).start()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)

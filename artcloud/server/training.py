@@ -55,7 +55,9 @@ class Abandoned(ArtcloudError):
         self.step = step
 
 
-class Trainer:
+class ModelTrainer:
+    """Moves one ServedModel from step to step (see the module docstring), and says where it is (`info`)."""
+
     def __init__(self, model: ServedModel, *, store: CheckpointStore | None = None, owner: str = "",
                  retention: Retention | None = None, limits: Limits | None = None,
                  claim_timeout_s: float = CLAIM_TIMEOUT_S):
@@ -74,6 +76,7 @@ class Trainer:
         self.frozen = False
         self._history_lock = asyncio.Lock()  # one writer of the model folder's history files at a time
         self._deleting = asyncio.Lock()  # retention (_retain) and prune (delete_checkpoints): one at a time
+        self._tasks: set[asyncio.Task] = set()  # retention runs a push started (the loop holds tasks weakly)
 
     @property
     def name(self) -> str:
@@ -333,7 +336,9 @@ class Trainer:
                 "kept": [s for s in steps if s not in doomed], "deleted": doomed, "note": note}
 
     def _pushed(self, step: int) -> None:
-        asyncio.get_running_loop().create_task(self._retain(), name=f"retain-{self.name}")
+        task = asyncio.get_running_loop().create_task(self._retain(), name=f"retain-{self.name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------------------------------- state
 
@@ -344,6 +349,10 @@ class Trainer:
 
     def s3_status(self) -> dict[str, Any] | None:
         return self.pusher.status() if self.pusher is not None else None
+
+    def info(self) -> dict[str, Any]:
+        """GET /artcloud/models/NAME: the model's state and its S3 pushes."""
+        return {**self.model.info(), "s3": self.s3_status()}
 
     async def freeze(self) -> None:
         async with self.commit_lock:  # a commit under way ends first; none starts after

@@ -3,7 +3,7 @@
 The Registry registers models (within the server's limits), routes chat requests to an engine and an
 adapter, and reports its state. The pieces it wires together each live in their own module: the
 engines and adapters (models.py), how a model trains, commits and keeps checkpoints (training.py),
-the lease (lease.py), and the shutdown (shutdown.py).
+the lease (lease.py), and how the server ends (lifecycle.py).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from artcloud.server.engines.engine import Engine
 from artcloud.server.errors import ApiError
 from artcloud.server.history import LogRequest
 from artcloud.server.lease import Lease
+from artcloud.server.lifecycle import Lifecycle
 from artcloud.server.limits import Limits
 from artcloud.server.models import EngineHost, ServedModel
 from artcloud.server.prompted import PromptedModel
 from artcloud.server.pusher import CLAIM_TIMEOUT_S, Pusher
-from artcloud.server.shutdown import Shutdown
 from artcloud.server.startup import Startup
-from artcloud.server.training import Retention, Trainer
+from artcloud.server.training import ModelTrainer, Retention
 from artcloud.server.weights import BaseWeights
 from artcloud.storage import checkpoints
 from artcloud.storage.s3 import CheckpointStore
@@ -70,6 +70,7 @@ class Registry:
         self.weights = BaseWeights(store.config) if store is not None else None
         self.hosts: dict[str, EngineHost] = {}
         self.models: dict[str, ServedModel] = {}
+        self.trainers: dict[str, ModelTrainer] = {}  # by model name, as `models`
         self.prompted: dict[str, PromptedModel] = {}  # served elsewhere: their histories only (prompted.py)
         self.ready = False
         self.startup = startup or Startup()  # what /health says the server is doing while it comes up
@@ -77,7 +78,7 @@ class Registry:
             self.weights.progress = self.startup.progress
         self.preload = preload  # a base model to load before saying ready (artcloud serve --preload)
         self.lease = lease or Lease()
-        self.shutdown = Shutdown(lambda: self.models.values(), lambda: self.prompted.values())
+        self.lifecycle = Lifecycle(lambda: self.trainers.values(), lambda: self.prompted.values(), self.lease)
         self._register_lock = asyncio.Lock()
         self._slots = itertools.count(1)
 
@@ -150,6 +151,9 @@ class Registry:
         finally:
             self.ready = True
             self.startup.mark_ready()
+            # Loading the models an earlier server left may take minutes: the lease starts again when clients
+            # can use the server. It still counts while loading, so a stuck load ends too.
+            self.lease.touch()
 
     async def register(self, spec: RegisterRequest) -> dict[str, Any]:
         """Register (or find again) a model. Its spec is saved only once it works, so a register that
@@ -166,7 +170,7 @@ class Registry:
                         "settings; register it with the same settings, or pick another name",
                         "name",
                     )
-                return {**current.info(), "resumed": True}
+                return {**(self.trainers.get(spec.name) or current).info(), "resumed": True}
             # Prompted models (a history each, no adapter) count apart: many baselines never crowd out a LoRA.
             kind = "prompted " if spec.base_model is None else ""
             held = len(self.prompted if kind else self.models)
@@ -190,19 +194,19 @@ class Registry:
             host = await self._host(spec.base_model, spec.engine_args)
             folder.mkdir(parents=True, exist_ok=True)
             model = ServedModel(spec, folder, host, slot=f"adapter{next(self._slots)}")
-            model.trainer = Trainer(model, store=self.store, owner=self.instance, retention=self.retention,
-                                    limits=self.limits, claim_timeout_s=self.claim_timeout_s)
+            trainer = ModelTrainer(model, store=self.store, owner=self.instance, retention=self.retention,
+                                   limits=self.limits, claim_timeout_s=self.claim_timeout_s)
             try:
-                resumed = await model.trainer.resume(take_over=take_over)
+                resumed = await trainer.resume(take_over=take_over)
             except BaseException:
-                await model.trainer.abandon()
+                await trainer.abandon()
                 if not self._models_on(host):
                     await self._unload(host)
                 raise
             checkpoints.write_json_atomic(spec_path, spec.model_dump(mode="json"))
-            self.models[spec.name] = model
+            self.models[spec.name], self.trainers[spec.name] = model, trainer
             log.info("%s %s at step %d", "resumed" if resumed else "registered", spec.name, model.step)
-            return {**model.info(), "resumed": resumed}
+            return {**trainer.info(), "resumed": resumed}
 
     async def _register_prompted(self, spec: RegisterRequest, folder: Path, take_over: bool) -> dict[str, Any]:
         """A model served elsewhere, for its history alone (prompted.py). Under `_register_lock`."""
@@ -237,14 +241,16 @@ class Registry:
                            f"{sorted([*self.models, *self.prompted])}", "name")
         return model
 
-    def with_history(self, name: str) -> ServedModel | PromptedModel:
+    def trainer(self, name: str) -> ModelTrainer:
+        return self.trainers[self.get(name).name]
+
+    def with_history(self, name: str) -> ModelTrainer | PromptedModel:
         """A model whose history GET /artcloud/models/NAME answers and model.log adds to: trained or prompted."""
         self._check_ready()
-        return self.prompted.get(name) or self.get(name)
+        return self.prompted.get(name) or self.trainer(name)
 
     async def log(self, name: str, req: LogRequest) -> dict[str, Any]:
-        model = self.with_history(name)
-        return await (model.log(req) if isinstance(model, PromptedModel) else model.trainer.log(req))
+        return await self.with_history(name).log(req)
 
     def resolve(self, requested: str) -> Target:
         """`NAME`, `NAME@STEP` or a loaded base model's id."""
@@ -268,8 +274,8 @@ class Registry:
         raise ApiError(404, "model_not_found", f"no model {requested!r} is served here; served: {served}", "model")
 
     def find_job(self, job_id: str):
-        for model in self.models.values():
-            job = model.trainer.jobs.jobs.get(job_id)
+        for trainer in self.trainers.values():
+            job = trainer.jobs.jobs.get(job_id)
             if job is not None:
                 return job
         raise ApiError(404, "job_not_found", f"no job {job_id!r} on this server", "job_id")
@@ -298,7 +304,7 @@ class Registry:
             "ready": self.ready,
             "models": [
                 {"name": m.name, "project": m.spec.project, "base_model": m.spec.base_model, "step": m.step,
-                 "training": m.lock.writing, "s3": m.trainer.s3_status()}
+                 "training": m.lock.writing, "s3": self.trainers[m.name].s3_status()}
                 for m in self.models.values()
             ],
             "engines": [{"base_model": h.base_model, "kind": self.engine_kind, "batches": h.batcher.batches if h.batcher else 0,
@@ -321,10 +327,7 @@ class Registry:
     async def close(self) -> None:
         from artcloud.server.jobs import SYNCER
 
-        for model in self.models.values():
-            await model.trainer.close()
-        for prompted in self.prompted.values():
-            await prompted.close()
+        await self.lifecycle.push_all(close=True)  # every model at once, within FINAL_PUSH_DEADLINE_S
         for host in list(self.hosts.values()):
             if host.batcher is not None:
                 await host.batcher.stop()
