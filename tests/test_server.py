@@ -333,3 +333,43 @@ def test_the_schema_states_the_bounds_the_server_checks(tiny_server):
     text, strings, _ = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["stop"]["anyOf"]
     assert text["minLength"] == 1 and strings["maxItems"] == 8 and strings["items"]["minLength"] == 1
     assert schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]["maxLength"] == 300
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_decoding_a_completions_logprobs_leaves_the_event_loop_free(tmp_path, monkeypatch, one_torch_thread, stream):
+    """D7: every sampled token and alternative is decoded for its logprobs; that runs on a worker thread, so
+    /health (and heartbeats) are answered meanwhile. In-process: the decode waits until /health has answered."""
+    from artcloud.server import chat as server_chat
+    from artcloud.server.app import create_app
+    from artcloud.server.registry import Registry
+
+    decoding, answered = threading.Event(), threading.Event()
+    real = server_chat.logprobs_content
+
+    def held(*args, **kwargs):
+        decoding.set()
+        assert answered.wait(30), "/health was not answered while the logprobs were decoded"
+        return real(*args, **kwargs)
+
+    async def main() -> tuple[int, int, str]:
+        registry = Registry(tmp_path / "data", engine="cpu")
+        await registry.restore()  # what the lifespan does first: ready
+        transport = httpx.ASGITransport(app=create_app(registry, "t" * 32))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60,
+                                     headers={"Authorization": "Bearer " + "t" * 32}) as c:
+            r = await c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY})
+            assert r.status_code == 200, r.text
+            monkeypatch.setattr(server_chat, "logprobs_content", held)
+            body = {"model": "agent", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                    "logprobs": True, "top_logprobs": 2, "stream": stream}
+            request = asyncio.create_task(c.post("/v1/chat/completions", json=body))
+            assert await asyncio.to_thread(decoding.wait, 60)
+            health = await asyncio.wait_for(c.get("/health"), 10)
+            answered.set()
+            r = await request
+            await registry.close()
+            return health.status_code, r.status_code, r.text
+
+    health, status, text = asyncio.run(main())
+    assert health == 200 and status == 200, text
+    assert '"top_logprobs"' in text and "internal_error" not in text

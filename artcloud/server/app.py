@@ -191,15 +191,11 @@ def create_app(registry: Registry, token: str) -> FastAPI:
             )
         completions, served = await target.host.batcher.submit(target.key, GenerationRequest(prompt, req.n, params))
         registry.startup.rollout_done(time.monotonic() - began)  # kept for the first one only (GET /health)
-        return chat.completion_response(
-            served_as=served,
-            prompt_ids=prompt,
-            completions=completions,
-            tokenizer=engine.tokenizer,
-            want_logprobs=want_logprobs,
-            want_token_ids=req.return_token_ids,
-            parse_tools=bool(req.tools),
-        )
+        # On a thread, as the prompt's render: logprobs decode every sampled token and alternative one by one.
+        return await asyncio.to_thread(
+            chat.completion_response, served_as=served, prompt_ids=prompt, completions=completions,
+            tokenizer=engine.tokenizer, want_logprobs=want_logprobs, want_token_ids=req.return_token_ids,
+            parse_tools=bool(req.tools))
 
     @app.post("/artcloud/heartbeat", operation_id="heartbeat", response_model=schemas.Heartbeat)
     async def heartbeat() -> dict[str, Any]:

@@ -181,6 +181,14 @@ async def _chunks(sink: ChatStream, task: asyncio.Task, stop: Callable[[], None]
         sent_ids[i] += ids
         return choice
 
+    def token_chunks(new: dict[int, tuple[list[int], list[float], list[Any] | None]]) -> list[str]:
+        # On a worker thread (as the non-streamed answer): the text and logprobs decode token by token.
+        out = []
+        for i, (ids, lps, tops) in new.items():
+            text = texts[i].add(ids)
+            out.append(chunk([token_choice(i, ids, lps, tops, {"content": text} if text else {})]))
+        return out
+
     try:
         prompt_hash = chat.prompt_sha256(prompt_ids)
         yield chunk([{"index": i, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None,
@@ -204,14 +212,14 @@ async def _chunks(sink: ChatStream, task: asyncio.Task, stop: Callable[[], None]
                 if finished or sink.queue.empty():
                     break
                 item = sink.queue.get_nowait()
-            for i, (ids, lps, tops) in new.items():
-                text = texts[i].add(ids)
-                yield chunk([token_choice(i, ids, lps, tops, {"content": text} if text else {})])
+            for line in await asyncio.to_thread(token_chunks, new):
+                yield line
         if task.cancelled():  # the batcher stopped: the server is shutting down
             raise ApiError(503, "shutting_down", "the server stopped generating: it is shutting down")
         completions, _ = task.result()
-        for i, c in enumerate(completions):
-            yield chunk([_last_choice(i, c, texts[i], sent_ids[i], parse_tools, token_choice)])
+        last = [(i, c, texts[i], sent_ids[i], parse_tools, token_choice) for i, c in enumerate(completions)]
+        for line in await asyncio.to_thread(lambda: [chunk([_last_choice(*args)]) for args in last]):
+            yield line
         if include_usage:
             done = sum(len(c.token_ids) for c in completions)
             yield chunk([], usage={"prompt_tokens": len(prompt_ids), "completion_tokens": done,
