@@ -13,7 +13,6 @@ from artcloud.types import LoraConfig, TrainConfig, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from artcloud import utils  # OpenPipe ART's names: artcloud.utils.iterate_dataset, ...
-    from artcloud.backends.deps import MissingDependency
     from artcloud.backends.from_env import backend_from_env
     from artcloud.backends.local import LocalBackend
     from artcloud.backends.modal import ModalBackend, ModalError
@@ -22,6 +21,7 @@ if TYPE_CHECKING:
     from artcloud.errors import (
         ArtcloudError,
         InvalidArgument,
+        MissingDependency,
         NotInArtcloud,
         NotSupported,
         TimedOut,
@@ -46,8 +46,8 @@ _LAZY = {
     "ModalBackend": "artcloud.backends.modal",
     "ModalError": "artcloud.backends.modal",
     "SkyError": "artcloud.backends.sky",
-    **dict.fromkeys(["ArtcloudError", "InvalidArgument", "WrongType", "NotSupported", "NotInArtcloud", "WrongState", "TimedOut"], "artcloud.errors"),
-    "MissingDependency": "artcloud.backends.deps",
+    **dict.fromkeys(["ArtcloudError", "InvalidArgument", "WrongType", "NotSupported", "NotInArtcloud", "WrongState", "TimedOut",
+                     "MissingDependency"], "artcloud.errors"),
     "StorageError": "artcloud.storage.s3",
     "CorruptCheckpoint": "artcloud.storage.checkpoints",
     "ServerGone": "artcloud.backends.remote",

@@ -59,3 +59,16 @@ class TimedOut(ArtcloudError, TimeoutError):
     """Something artcloud waited for (a server starting, a push) did not happen in time."""
 
     code = "timeout"
+
+
+class MissingDependency(ArtcloudError):
+    """An optional package is not installed here; the message names the pip extra that brings it."""
+
+    code = "missing_dependency"
+
+
+def check_s3_url(s3: str | None, *, what: str = "s3") -> str | None:
+    """`s3` as given when it is None or looks like s3://BUCKET/PREFIX; InvalidArgument (field `what`) otherwise."""
+    if s3 is not None and not (s3.startswith("s3://") and len(s3) > 5):
+        raise InvalidArgument(f"{what} must look like s3://BUCKET/PREFIX, not {s3!r}", field=what)
+    return s3

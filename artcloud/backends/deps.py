@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import re
 
-from artcloud.errors import ArtcloudError
+from artcloud.errors import MissingDependency  # defined with the other errors; still importable from here
 
 EXTRAS = {"sky": ("SkyPilot", "sky"), "modal": ("Modal's client", "modal"), "boto3": ("boto3", "s3"),
           "wandb": ("wandb (Weights & Biases)", "wandb")}
@@ -22,12 +22,6 @@ _SKY_CLOUD_ALIASES = {"k8s": "kubernetes", "ssh": "kubernetes", "digitalocean": 
 # How `sky check` says a cloud's Python SDK is missing (clouds/aws.py:1063-1066, runpod.py:314-315, vast.py:314,
 # adaptors/*.py "Failed to import dependencies"); a missing system tool (`socat`) is no pip install.
 _SDK_MISSING = re.compile(r"pip install|Failed to import|No module named", re.IGNORECASE)
-
-
-class MissingDependency(ArtcloudError):
-    """An optional package is not installed here; the message names the pip extra that brings it."""
-
-    code = "missing_dependency"
 
 
 def installed(module: str) -> bool:
@@ -44,8 +38,7 @@ def require(module: str, purpose: str) -> None:
     """Raise MissingDependency, naming the extra to install, unless `module` (a key of EXTRAS) is installed."""
     if not installed(module):
         what, extra = EXTRAS[module]
-        raise MissingDependency(f"{purpose} needs {what}, which is not installed here: pip install 'artcloud[{extra}]'",
-                                code="missing_dependency")
+        raise MissingDependency(f"{purpose} needs {what}, which is not installed here: pip install 'artcloud[{extra}]'")
 
 
 def sky_cloud_install(cloud: str, reason: str | None = None) -> str | None:
