@@ -42,9 +42,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from artcloud.storage.s3 import S3Config
-from artcloud.storage.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedS3
-from artcloud.storage.weights import WeightsStore
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests.seaweed
+
+from artcloud.storage.s3 import S3Config  # noqa: E402
+from artcloud.storage.weights import WeightsStore  # noqa: E402
+from tests.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedS3  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench/weights"

@@ -45,8 +45,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from artcloud.backends.process import ServerProcess as Server
-from artcloud.backends.process import proc_memory
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests.server_process
+
+from tests.server_process import ServerProcess as Server  # noqa: E402
+from tests.server_process import proc_memory  # noqa: E402
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 OUT = Path(__file__).resolve().parent / "out"

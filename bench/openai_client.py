@@ -23,8 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from artcloud.backends.process import ServerProcess  # noqa: E402
 from artcloud.backends.remote import RemoteBackend  # noqa: E402
+from tests.server_process import ServerProcess  # noqa: E402
 
 
 async def rate(client, requests: int, concurrency: int, chat: bool = False) -> float:

@@ -59,7 +59,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from artcloud.backends.process import ServerProcess as Server
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests.server_process
+
+from tests.server_process import ServerProcess as Server  # noqa: E402
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TINY = "artcloud/tiny-random"
@@ -269,7 +271,7 @@ async def concurrent_runs(base_url: str, key: str, verify, model: str, texts: li
 
 def tree_memory(pid: int) -> float:
     """Peak RSS (VmHWM) of a process and all its descendants, in MiB (vLLM runs an engine-core child)."""
-    from artcloud.backends.process import proc_memory
+    from tests.server_process import proc_memory
 
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):

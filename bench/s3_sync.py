@@ -32,6 +32,7 @@ import resource
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,9 +40,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from artcloud.storage import checkpoints
-from artcloud.storage.s3 import CheckpointStore, S3Config
-from artcloud.storage.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedS3
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests.seaweed
+
+from artcloud.storage import checkpoints  # noqa: E402
+from artcloud.storage.s3 import CheckpointStore, S3Config  # noqa: E402
+from tests.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedS3  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"

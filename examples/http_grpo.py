@@ -16,16 +16,46 @@ import json
 import os
 import random
 import signal
+import socket
+import ssl
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from five_words import TOPICS, reward  # the same task as the SDK version, in examples/
+from five_words import TOPICS, reward  # noqa: E402  (the same task as the SDK version, in examples/)
 
-from artcloud.backends.process import ServerProcess
+
+def start_server(folder: Path) -> tuple[subprocess.Popen, httpx.Client]:
+    """`artcloud serve` as a child process, and a client for it once /health says ready. The server makes a CA
+    and a bearer token under FOLDER/.tls; the client trusts that CA alone and sends that token."""
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "artcloud", "serve", "--path", str(folder), "--port", str(port),
+                               "--log-level", "warning", "--parent-pid", str(os.getpid())])  # it exits with us
+    tls, url = folder / ".tls", f"https://localhost:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and server.poll() is None:
+        if (tls / "token").exists():
+            ca = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ca.load_verify_locations(tls / "ca.pem")
+            client = httpx.Client(base_url=url, verify=ca, timeout=600,
+                                  headers={"Authorization": f"Bearer {(tls / 'token').read_text().strip()}"})
+            try:
+                if client.get("/health").json().get("ready"):
+                    return server, client
+            except httpx.TransportError:  # not listening yet
+                pass
+            client.close()
+        time.sleep(0.2)
+    server.kill()
+    raise SystemExit(f"artcloud serve did not become ready (exit status {server.poll()})")
 
 
 def main() -> None:
@@ -40,17 +70,15 @@ def main() -> None:
     args = ap.parse_args()
     rng = random.Random(args.seed)
 
-    # SIGTERM unwinds like Ctrl-C, so leaving the `with` below always stops the server.
+    # SIGTERM unwinds like Ctrl-C, so the `finally` below always stops the server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    server = ServerProcess(Path(tempfile.mkdtemp(prefix="artcloud-http-grpo-")) / "data", log_level="warning")
     print("starting artcloud serve on this machine ...")
-    with server:
-        url = server.url
-        client = server.client()
+    server, client = start_server(Path(tempfile.mkdtemp(prefix="artcloud-http-grpo-")) / "data")
+    try:
         lora = {"rank": 16, "alpha": 32, "init_seed": args.seed}
         r = client.post("/artcloud/models", json={"name": "five-words", "project": "demo", "base_model": args.model, "lora": lora})
         r.raise_for_status()
-        print(f"server {url}, model five-words@{r.json()['step']} on {args.model}")
+        print(f"server {str(client.base_url).rstrip('/')}, model five-words@{r.json()['step']} on {args.model}")
 
         curve = []
         for step in range(args.steps):
@@ -78,6 +106,10 @@ def main() -> None:
             print(f"step {step + 1:2d}  mean reward {mean:.2f}  ({last['type']}, {time.time() - t0:4.1f} s)  e.g. {sample!r}")
         first, last3 = sum(curve[:3]) / 3, sum(curve[-3:]) / 3
         print(f"mean reward, first 3 steps {first:.2f} -> last 3 steps {last3:.2f} ({last3 - first:+.2f})")
+    finally:
+        client.close()
+        server.terminate()  # SIGTERM: the server stops cleanly
+        server.wait(60)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from artcloud.backends.process import ServerProcess
+from tests.server_process import ServerProcess
 
 # Never reach a hub or a cloud from a test.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -145,7 +145,7 @@ def tiny_engine_with_adapter(slot: str, scale: float):
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory):
     """One real S3 server (SeaweedFS) for the whole session."""
-    from artcloud.storage.seaweed import SeaweedS3
+    from tests.seaweed import SeaweedS3
 
     server = SeaweedS3(tmp_path_factory.mktemp("seaweed")).start()
     yield server

@@ -17,7 +17,7 @@ import pytest
 
 import artcloud
 from artcloud.backends.remote import push_verdicts
-from artcloud.storage.seaweed import SeaweedS3
+from tests.seaweed import SeaweedS3
 from tests.sky_standin import leftover_processes
 from tests.test_modal import one_step
 from tests.test_run import s3_steps

@@ -16,7 +16,7 @@ from test_cli import one_line_error, serve
 from test_s3_server import s3_env
 
 from artcloud.storage.s3 import OWNER, CheckpointStore, S3Config
-from artcloud.storage.seaweed import ACCESS_KEY, SECRET_KEY
+from tests.seaweed import ACCESS_KEY, SECRET_KEY
 
 TINY = "artcloud/tiny-random"
 

@@ -27,8 +27,8 @@ from artcloud.backends import modal as modal_backend
 from artcloud.backends.modal import ModalBackend, ModalError
 from artcloud.backends.state import StateDir
 from artcloud.backends.wheel import build_wheel, wheel_requirements
-from artcloud.storage.seaweed import ACCESS_KEY, SECRET_KEY
 from tests.modal_fake import FakeModal
+from tests.seaweed import ACCESS_KEY, SECRET_KEY
 
 TINY = "artcloud/tiny-random"
 REPO = Path(__file__).resolve().parents[1]

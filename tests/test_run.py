@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from artcloud.storage.seaweed import ACCESS_KEY, SECRET_KEY
+from tests.seaweed import ACCESS_KEY, SECRET_KEY
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "ci" / "train.py"
@@ -279,7 +279,7 @@ UNSAFE = textwrap.dedent("""
 def test_final_push_that_fails_is_exit_6_not_success(tmp_path, run_env):
     """The script succeeds, but S3 went away before its step could be pushed: the run says so (exit 6),
     tears down anyway, and the summary names the step that is on S3."""
-    from artcloud.storage.seaweed import SeaweedS3
+    from tests.seaweed import SeaweedS3
 
     env, _ = run_env
     own = SeaweedS3(tmp_path / "own-s3").start()  # stopped mid-run: no other test's S3

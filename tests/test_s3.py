@@ -14,7 +14,7 @@ from botocore.exceptions import ClientError, EndpointConnectionError, ParamValid
 
 from artcloud.storage import checkpoints
 from artcloud.storage.s3 import CheckpointStore, S3Config, StorageError
-from artcloud.storage.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedS3
+from tests.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedS3
 
 
 def store_for(server, bucket: str | None = None, **kw) -> CheckpointStore:

@@ -16,7 +16,7 @@ from faults import HTTPFaultProxy, Request
 from test_s3 import commit, store_for
 
 from artcloud.storage.s3 import OWNER, CheckpointStore, ClaimLost, S3Config, StorageError
-from artcloud.storage.seaweed import ACCESS_KEY, SECRET_KEY
+from tests.seaweed import ACCESS_KEY, SECRET_KEY
 
 
 @pytest.fixture

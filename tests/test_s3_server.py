@@ -13,7 +13,7 @@ from helpers import rollout_groups, train
 from test_cli import one_line_error, serve
 
 from artcloud.storage.s3 import CheckpointStore, S3Config
-from artcloud.storage.seaweed import ACCESS_KEY, SECRET_KEY
+from tests.seaweed import ACCESS_KEY, SECRET_KEY
 
 TINY = "artcloud/tiny-random"
 SPEC = {"name": "agent", "project": "s3", "base_model": TINY}

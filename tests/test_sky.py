@@ -20,8 +20,8 @@ import pytest
 import artcloud
 from artcloud.backends.sky import SkyBackend, SkyError
 from artcloud.backends.state import StateDir
-from artcloud.storage.seaweed import ACCESS_KEY, SECRET_KEY
 from tests.helpers import find_python, gather_groups
+from tests.seaweed import ACCESS_KEY, SECRET_KEY
 from tests.sky_standin import cluster_pids, read_calls
 
 TINY = "artcloud/tiny-random"

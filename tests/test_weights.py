@@ -19,8 +19,8 @@ import pytest
 from test_s3_server import s3_env
 
 from artcloud.storage.s3 import S3Config
-from artcloud.storage.seaweed import ACCESS_KEY, SECRET_KEY
 from artcloud.storage.weights import CorruptWeights, WeightsError, WeightsStore
+from tests.seaweed import ACCESS_KEY, SECRET_KEY
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -19,8 +19,8 @@ import time
 import httpx
 from helpers import chat, group_from, train
 
-from artcloud.backends.process import ServerProcess
 from artcloud.storage import checkpoints
+from tests.server_process import ServerProcess
 
 TINY = "artcloud/tiny-random"
 

