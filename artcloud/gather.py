@@ -9,13 +9,12 @@ every rollout still running and waits for it to end, so none goes on calling the
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import inspect
 import warnings
 from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 from artcloud.errors import ArtcloudError, InvalidArgument, WrongType
-from artcloud.types import PydanticException, Trajectory, TrajectoryGroup
+from artcloud.types import Trajectory, TrajectoryGroup, cancel_and_wait, check_trajectory, current_tally, resolve_group
 
 AfterEach = Callable[[TrajectoryGroup], "TrajectoryGroup | list[TrajectoryGroup] | None | Awaitable[Any]"]
 
@@ -40,8 +39,8 @@ def _completion_tokens(traj: Trajectory) -> int:
 
 
 class _State:
-    """One gather's counts, shown on its bar. Rollouts started inside it (`await group` within a group
-    coroutine, too) find it through a context variable and report here."""
+    """One gather's counts, shown on its bar (a types.Tally). Rollouts started inside it (`await group` within a
+    group coroutine, too) find it through types.current_tally and report here."""
 
     def __init__(self, bar: "_Bar", max_exceptions: int | float):
         self.bar = bar
@@ -82,53 +81,6 @@ class _State:
         self.errors.append(e)
         self.bar.show(self)
         return self.over_limit()
-
-
-_current: contextvars.ContextVar[_State | None] = contextvars.ContextVar("artcloud_gather", default=None)
-
-
-def _check(traj: Any) -> Trajectory:
-    if not isinstance(traj, Trajectory):
-        raise WrongType(f"a rollout returned {type(traj).__name__}, not an artcloud.Trajectory")
-    return traj
-
-
-async def resolve_group(group: TrajectoryGroup, counted: bool = False) -> TrajectoryGroup:
-    """Run a group's pending rollouts concurrently (TrajectoryGroup.resolve, `await group`).
-
-    Inside a gather, a failed rollout is left out, kept in `group.exceptions` and counted against the
-    gather's `max_exceptions`; alone, the first failure is raised. Either way, raising first cancels the
-    group's other rollouts and waits for them to end. `counted`: the gather has counted them already."""
-    pending, group._pending = group._pending, []
-    if not pending:
-        return group
-    state = _current.get()
-    if state is not None and not counted:
-        state.expect(len(pending))
-    tasks = [asyncio.ensure_future(p) for p in pending]
-
-    async def one(task: asyncio.Future) -> Trajectory | None:
-        try:
-            traj = await task
-        except Exception as e:
-            if state is None:
-                raise
-            group.exceptions.append(PydanticException.of(e))
-            if state.over_limit() or state.failed(e):
-                raise
-            return None
-        _check(traj)
-        if state is not None:
-            state.record(traj)
-        return traj
-
-    try:
-        results = await asyncio.gather(*(one(t) for t in tasks))
-    except BaseException:
-        await _cancel_and_wait(tasks)
-        raise
-    group.trajectories.extend(t for t in results if t is not None)
-    return group
 
 
 async def gather_trajectory_groups(
@@ -201,7 +153,7 @@ async def gather_trajectory_groups(
         if not isinstance(item, TrajectoryGroup) and not inspect.isawaitable(item):
             raise WrongType(f"gather_trajectory_groups got a {type(item).__name__}: pass TrajectoryGroups, or "
                             "awaitables that return one")
-    token = _current.set(state)
+    token = current_tally.set(state)
     try:
         # Every group (and, in resolve_group, every rollout) is a task of its own, started here, so that
         # whatever ends this call early can cancel the ones still running.
@@ -216,13 +168,13 @@ async def gather_trajectory_groups(
                 state.bar.total += 1  # how many trajectories it holds is known when it is done
                 tasks.append(asyncio.ensure_future(from_awaitable(item)))
     finally:
-        _current.reset(token)
+        current_tally.reset(token)
 
     with state.bar:
         try:
             finished = await asyncio.gather(*tasks)
         except BaseException as e:  # a failure, an after_each error, or our own cancellation
-            await _cancel_and_wait(tasks)
+            await cancel_and_wait(tasks)
             if isinstance(e, Exception) and state.over_limit():
                 errors = state.errors
                 raise GatherError(
@@ -262,44 +214,26 @@ async def gather_trajectories(
             if state.failed(e):
                 raise
             return e
-        out = _check(result) if isinstance(result, Trajectory) else [_check(t) for t in result]
+        out = check_trajectory(result) if isinstance(result, Trajectory) else [check_trajectory(t) for t in result]
         for traj in [out] if isinstance(out, Trajectory) else out:
             state.record(traj)
         return out
 
-    token = _current.set(state)
+    token = current_tally.set(state)
     try:
         tasks = [asyncio.ensure_future(t) for t in items]
     finally:
-        _current.reset(token)
+        current_tally.reset(token)
     with state.bar:
         try:
             return await asyncio.gather(*(one(t) for t in tasks))
         except BaseException as e:
-            await _cancel_and_wait(tasks)
+            await cancel_and_wait(tasks)
             if isinstance(e, Exception) and state.over_limit():
                 raise GatherError(f"{len(state.errors)} of {len(items)} rollouts failed (max_exceptions="
                                   f"{max_exceptions}); the first: {type(state.errors[0]).__name__}: {state.errors[0]}",
                                   state.errors) from e
             raise
-
-
-async def _cancel_and_wait(tasks: list[asyncio.Future]) -> None:
-    """Cancel every task and wait until each has ended (Python 3.10 has no TaskGroup to do it)."""
-    for task in tasks:
-        task.cancel()
-    pending = {t for t in tasks if not t.done()}
-    cancelled_again = False
-    while pending:
-        try:
-            _, pending = await asyncio.wait(pending)
-        except asyncio.CancelledError:  # cancelled while cleaning up: finish the clean-up first
-            cancelled_again = True
-    for task in tasks:
-        if not task.cancelled():
-            task.exception()  # retrieved: no "exception was never retrieved" warnings for the siblings
-    if cancelled_again:
-        raise asyncio.CancelledError
 
 
 class _Bar:

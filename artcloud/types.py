@@ -3,22 +3,26 @@
 These are plain pydantic models, shared by the laptop SDK and the server; nothing heavy is imported here.
 OpenPipe ART's names work here too (`beta`, `Trajectory.messages()`, `additional_histories`, iterating a
 group, `await TrajectoryGroup(rollouts)`), so an ART script runs with only its import changed.
+A group runs its own rollouts (resolve_group, at the end); gather.py, which runs many groups, imports this
+module and counts what they do through `current_tally`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import time
 import traceback
 import warnings
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from datetime import datetime
-from typing import Annotated, Any, AsyncIterator, Generator, Iterable, Iterator, Literal
+from typing import Annotated, Any, AsyncIterator, Generator, Iterable, Iterator, Literal, Protocol
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr
 
-from artcloud.errors import InvalidArgument, NotSupported, WrongState
+from artcloud.errors import InvalidArgument, NotSupported, WrongState, WrongType
 
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -176,7 +180,8 @@ class PydanticException(BaseModel):
                    traceback="".join(traceback.format_exception(type(e), e, e.__traceback__)))
 
 
-def _is_choice(item: Any) -> bool:
+def is_choice(item: Any) -> bool:
+    """A sampled choice (an OpenAI Choice or its dict), not a plain message."""
     return ("message" in item) if isinstance(item, dict) else hasattr(item, "message")
 
 
@@ -185,7 +190,7 @@ def get_messages(messages_and_choices: Iterable[Any]) -> list[dict[str, Any]]:
     (content and tool calls); other messages pass as they are."""
     messages = []
     for item in messages_and_choices:
-        if not _is_choice(item):
+        if not is_choice(item):
             messages.append(item if isinstance(item, dict) else item.model_dump(exclude_none=True))
             continue
         message = item["message"] if isinstance(item, dict) else item.message
@@ -305,7 +310,7 @@ class Trajectory(BaseModel):
 
     def for_logging(self) -> dict[str, Any]:
         """reward, policy versions, metrics, metadata, logs, tools and the messages, each marked `trainable` or not."""
-        messages = [{**m, "trainable": _is_choice(item)}
+        messages = [{**m, "trainable": is_choice(item)}
                     for item, m in zip(self.messages_and_choices, get_messages(self.messages_and_choices))]
         return {"reward": self.reward, "initial_policy_version": self.initial_policy_version,
                 "final_policy_version": self.final_policy_version, "metrics": self.metrics, "metadata": self.metadata,
@@ -378,11 +383,86 @@ class TrajectoryGroup(BaseModel):
     async def resolve(self) -> "TrajectoryGroup":
         """Await the pending rollouts (concurrently). Alone, the first exception ends the others and is raised;
         inside gather_trajectory_groups, failures count against its `max_exceptions`."""
-        from artcloud.gather import resolve_group
-
         return await resolve_group(self)
 
     def to_wire(self) -> dict[str, Any]:
         if self._pending:
             raise WrongState("this group still has rollouts to run: use gather_trajectory_groups or await group.resolve()")
         return {"trajectories": [t.to_wire() for t in self.trajectories]}
+
+
+class Tally(Protocol):
+    """What a gather counts (gather_trajectory_groups' state, shown on its bar): the rollouts it expects, those
+    that ended, those that failed."""
+
+    def expect(self, n: int) -> None: ...
+    def record(self, traj: Trajectory) -> None: ...
+    def failed(self, e: BaseException) -> bool: ...  # True: one failure too many (the caller raises)
+    def over_limit(self) -> bool: ...
+
+
+# The gather in progress, if any: rollouts started inside it (`await group` within a group coroutine, too)
+# report to its tally. gather.py sets it; a group awaited on its own finds None.
+current_tally: ContextVar[Tally | None] = ContextVar("artcloud_gather", default=None)
+
+
+def check_trajectory(traj: Any) -> Trajectory:
+    if not isinstance(traj, Trajectory):
+        raise WrongType(f"a rollout returned {type(traj).__name__}, not an artcloud.Trajectory")
+    return traj
+
+
+async def resolve_group(group: TrajectoryGroup, counted: bool = False) -> TrajectoryGroup:
+    """Run a group's pending rollouts concurrently (TrajectoryGroup.resolve, `await group`).
+
+    Inside a gather, a failed rollout is left out, kept in `group.exceptions` and counted against the
+    gather's `max_exceptions`; alone, the first failure is raised. Either way, raising first cancels the
+    group's other rollouts and waits for them to end. `counted`: the gather has counted them already."""
+    pending, group._pending = group._pending, []
+    if not pending:
+        return group
+    tally = current_tally.get()
+    if tally is not None and not counted:
+        tally.expect(len(pending))
+    tasks = [asyncio.ensure_future(p) for p in pending]
+
+    async def one(task: asyncio.Future) -> Trajectory | None:
+        try:
+            traj = await task
+        except Exception as e:
+            if tally is None:
+                raise
+            group.exceptions.append(PydanticException.of(e))
+            if tally.over_limit() or tally.failed(e):
+                raise
+            return None
+        check_trajectory(traj)
+        if tally is not None:
+            tally.record(traj)
+        return traj
+
+    try:
+        results = await asyncio.gather(*(one(t) for t in tasks))
+    except BaseException:
+        await cancel_and_wait(tasks)
+        raise
+    group.trajectories.extend(t for t in results if t is not None)
+    return group
+
+
+async def cancel_and_wait(tasks: list[asyncio.Future]) -> None:
+    """Cancel every task and wait until each has ended (Python 3.10 has no TaskGroup to do it)."""
+    for task in tasks:
+        task.cancel()
+    pending = {t for t in tasks if not t.done()}
+    cancelled_again = False
+    while pending:
+        try:
+            _, pending = await asyncio.wait(pending)
+        except asyncio.CancelledError:  # cancelled while cleaning up: finish the clean-up first
+            cancelled_again = True
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()  # retrieved: no "exception was never retrieved" warnings for the siblings
+    if cancelled_again:
+        raise asyncio.CancelledError

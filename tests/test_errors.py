@@ -32,7 +32,7 @@ NOT_ARTCLOUD = {
                                               "the type checker); reaching it is a bug",
     ("backends/sky_api.py", "ClusterDoesNotExist"): "SkyAPI.logs keeps SkyPilot's own contract (sky.tail_logs raises "
                                                     "it for a missing cluster); sky.py catches it like SkyPilot's",
-    ("gather.py", "CancelledError"): "asyncio's cancellation, passed on so the caller's task is cancelled",
+    ("types.py", "CancelledError"): "asyncio's cancellation, passed on so the caller's task is cancelled",
     ("cli/run.py", "Exit"): "typer.Exit sets the process's exit status; it is not an error",
     ("cli/sandbox.py", "Exit"): "typer.Exit sets the process's exit status; it is not an error",
     ("server/preemption.py", "OSError"): "a metadata endpoint's HTTP failure, caught by the poller in the same "
