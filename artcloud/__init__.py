@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from artcloud.backends.modal import ModalBackend, ModalError
     from artcloud.backends.remote import Backend, RemoteBackend, ServerGone, VersionMismatch
     from artcloud.backends.sky import SkyBackend, SkyError
+    from artcloud.backends.spec import SandboxSpec
     from artcloud.errors import (
         ArtcloudError,
         InvalidArgument,
@@ -43,6 +44,7 @@ _LAZY = {
     "RemoteBackend": "artcloud.backends.remote",
     "Backend": "artcloud.backends.remote",
     "SkyBackend": "artcloud.backends.sky",
+    "SandboxSpec": "artcloud.backends.spec",
     "ModalBackend": "artcloud.backends.modal",
     "ModalError": "artcloud.backends.modal",
     "SkyError": "artcloud.backends.sky",
@@ -76,7 +78,7 @@ _LAZY = {
 
 __all__ = [
     "__version__", "LoraConfig", "TrainConfig", "Trajectory", "TrajectoryGroup",
-    "LocalBackend", "RemoteBackend", "Backend", "SkyBackend", "SkyError", "ModalBackend", "ModalError", "ArtcloudError", "ServerGone", "VersionMismatch",
+    "LocalBackend", "RemoteBackend", "Backend", "SkyBackend", "SandboxSpec", "SkyError", "ModalBackend", "ModalError", "ArtcloudError", "ServerGone", "VersionMismatch",
     "backend_from_env",
     "gather_trajectory_groups", "GatherError",
     "Model", "TrainableModel", "TrainResult", "LinearTemperatureAnnealer", "pull_checkpoint",

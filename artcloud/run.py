@@ -217,7 +217,7 @@ class Runner:
         if o.backend == "local":
             extra["path"] = o.path or Path(tempfile.mkdtemp(prefix="artcloud-run-data-"))
         if o.spot:
-            extra["use_spot"] = True
+            extra["spot"] = True
         if o.backend == "modal":
             from artcloud.backends.modal import MAX_TIMEOUT_S
 

@@ -210,3 +210,37 @@ def test_every_backend_heartbeats_three_times_per_lease(tmp_path):
     assert LocalBackend(tmp_path, lease="30s").heartbeat_every_s == 10
     assert LocalBackend(tmp_path).heartbeat_every_s == 60  # no lease: the server never ends for want of one
     assert SkyBackend(lease="30s", state_dir=tmp_path / "st", api=object()).heartbeat_every_s == 10
+
+
+def test_one_spec_the_same_names_on_every_backend_and_the_old_ones_warn(tmp_path):
+    """SandboxSpec checks once what every backend shares; 0.1's spellings still work, each with a DeprecationWarning
+    that names the new one."""
+    import warnings
+
+    import artcloud
+    from artcloud.backends.modal import ModalBackend
+
+    spec = artcloud.SandboxSpec(gpu="L4", spot=True, disk=100, s3="s3://b/p", lease=60, max_duration="2h", name="box-1")
+    assert (spec.lease, spec.max_duration, spec.startup_timeout) == (60, 7200, 1800)
+    sky = SkyBackend(**{k: getattr(spec, k) for k in ("gpu", "spot", "disk", "s3", "lease", "max_duration", "name")},
+                     state_dir=tmp_path / "st", api=object())
+    assert (sky.cluster_name, sky.use_spot, sky.disk_size, sky.spec) == ("box-1", True, 100, spec)
+    modal = ModalBackend(gpu="H100", name="box-2", max_duration="2h", state_dir=tmp_path / "st")
+    assert modal.timeout_s == 7200 and modal.spec.name == "box-2"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = SkyBackend(cluster_name="box-3", use_spot=True, disk_size=50, state_dir=tmp_path / "st", api=object())
+        old_modal = ModalBackend(timeout="3h", state_dir=tmp_path / "st")
+    assert (old.cluster_name, old.use_spot, old.disk_size, old_modal.timeout_s) == ("box-3", True, 50, 10800)
+    said = sorted(str(w.message).split(" is now")[0] for w in caught if w.category is DeprecationWarning)
+    assert said == ["ModalBackend(timeout=...)", "SkyBackend(cluster_name=...)", "SkyBackend(disk_size=...)",
+                    "SkyBackend(use_spot=...)"]
+    for bad, field in (({"engine": "gpu"}, "engine"), ({"disk": 5}, "disk"), ({"region": "us-east-1"}, "region"),
+                       ({"s3": "bucket"}, "s3"), ({"lease": "30"}, "lease"), ({"name": "Bad_Name"}, None)):
+        with pytest.raises(ValueError) as caught_error:
+            artcloud.SandboxSpec(**bad)
+        assert caught_error.value.field == field, bad
+    with pytest.raises(ValueError, match="cloud= is SkyBackend's"):
+        ModalBackend(cloud="aws", state_dir=tmp_path / "st")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'clusterr_name'"):
+        SkyBackend(clusterr_name="x", state_dir=tmp_path / "st", api=object())

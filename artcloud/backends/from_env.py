@@ -95,7 +95,7 @@ def make_backend(
     if kind == "sky":
         from artcloud.backends.sky import SkyBackend
 
-        return SkyBackend(gpu=gpu or "H100:1", cloud=cloud, cluster_name=name,
+        return SkyBackend(gpu=gpu or "H100:1", cloud=cloud, name=name,
                           **({"max_duration": max_duration} if max_duration is not None else {}), **common)
     from artcloud.backends.modal import ModalBackend
 
@@ -105,7 +105,7 @@ def make_backend(
         raise InvalidArgument(f"cloud={cloud!r} is for the sky backend: artcloud's modal backend does not pass a cloud "
                               "to Modal, which picks one itself; leave --cloud out, or use --backend sky to pin a cloud",
                               field="cloud")
-    return ModalBackend(gpu=gpu or "H100", name=name, **({"timeout": max_duration} if max_duration is not None else {}),
+    return ModalBackend(gpu=gpu or "H100", name=name, **({"max_duration": max_duration} if max_duration is not None else {}),
                         **common)
 
 

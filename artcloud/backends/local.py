@@ -21,7 +21,7 @@ from typing import Any
 
 from artcloud.backends.remote import ArtcloudError, ServerGone, engine_args_env
 from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
-from artcloud.errors import InvalidArgument
+from artcloud.backends.spec import SandboxSpec
 from artcloud.tls import make_launch_secrets
 
 DEFAULT_PATH = Path(".artcloud") / "local"
@@ -69,23 +69,20 @@ class LocalBackend(SandboxBackend):
         in_process: bool = False,
         **kwargs: Any,
     ):
-        from artcloud.durations import parse_duration
-
         if in_process:
             warnings.warn("LocalBackend(in_process=True): artcloud always runs the server as a child process "
                           "(it trains the same); in_process is ignored", UserWarning, stacklevel=2)
-        if s3 is not None and not (s3.startswith("s3://") and len(s3) > 5):
-            raise InvalidArgument(f"s3 must look like s3://BUCKET/PREFIX, not {s3!r}")
+        self.spec = spec = SandboxSpec(gpu=None, engine=engine, engine_args=engine_args, s3=s3, lease=lease,
+                                       max_duration=max_duration, startup_timeout=startup_timeout)
         self.path = Path(path) if path is not None else DEFAULT_PATH
         self.port = port
         self.host = host
-        self.startup_timeout_s = parse_duration(startup_timeout, what="startup_timeout")
+        self.startup_timeout_s = spec.startup_timeout
         self._offset = 0  # where this start's lines begin in the (appended) log
         self.log_level = log_level
-        self.engine, self.s3 = engine, s3
-        self.engine_env = engine_args_env(engine_args)
-        self.lease_s = parse_duration(lease, what="lease") if lease is not None else None
-        self.max_duration_s = parse_duration(max_duration, what="max_duration") if max_duration is not None else None
+        self.engine, self.s3 = spec.engine, spec.s3
+        self.engine_env = engine_args_env(spec.engine_args)
+        self.lease_s, self.max_duration_s = spec.lease, spec.max_duration
         self._secrets = make_launch_secrets()
         kwargs.setdefault("heartbeat_every_s", heartbeat_every(self.lease_s))
         super().__init__("https://localhost", token=self._secrets.token, ca_cert=self._secrets.ca_cert, **kwargs)

@@ -39,7 +39,8 @@ from artcloud.backends.deps import require
 from artcloud.backends.launch import check_s3, user_secrets
 from artcloud.backends.remote import ArtcloudError, ServerGone, engine_args_env
 from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
-from artcloud.backends.state import SandboxRecord, StateDir, check_name
+from artcloud.backends.spec import SandboxSpec, renamed
+from artcloud.backends.state import SandboxRecord, StateDir
 from artcloud.durations import format_duration, parse_duration
 from artcloud.errors import InvalidArgument
 from artcloud.tls import new_token
@@ -140,7 +141,8 @@ class ModalBackend(SandboxBackend):
     gpu: Modal's GPU type ('H100', 'A100-80GB:2', 'L4'); None for CPU only.
     name: the sandbox's name in the app (default artcloud-XXXXXX); a running one of that name that this
         machine launched is attached to.
-    timeout: Modal's hard cap on the sandbox's life (at most 24 h); the server stops 5 minutes before it.
+    max_duration: Modal's hard cap on the sandbox's life (its `timeout`, at most 24 h); the server stops 5 minutes
+        before it (`timeout=` still works, with a DeprecationWarning).
     idle_timeout: Modal's idle timer, if wanted; Modal counts only requests through the tunnel (and exec,
         stdin) as activity, so it must be over lease + 5 min, and a detached run cannot have one.
     lease: the server pushes its last checkpoint and exits when no request or heartbeat came for this long.
@@ -154,6 +156,7 @@ class ModalBackend(SandboxBackend):
     provider = PROVIDER
     error = ModalError
     teardown_word = "terminated"
+    RENAMED = {"timeout": "max_duration"}
 
     def __init__(
         self,
@@ -161,7 +164,7 @@ class ModalBackend(SandboxBackend):
         *,
         name: str | None = None,
         app_name: str = "artcloud",
-        timeout: str | float = "8h",
+        max_duration: str | float = "8h",
         idle_timeout: str | float | None = None,
         lease: str | float = "15m",
         s3: str | None = None,
@@ -180,12 +183,26 @@ class ModalBackend(SandboxBackend):
         **kwargs: Any,
     ):
         require("modal", "a Modal sandbox")  # modal itself is imported lazily, where it is used
-        check_gpu(gpu)
-        self.timeout_s = parse_duration(timeout, what="timeout")
+        given = dict(gpu=gpu, name=name, max_duration=max_duration, lease=lease, s3=s3, env=env, secrets=secrets,
+                     image=image, region=region, engine=engine, engine_args=engine_args, keep=keep,
+                     startup_timeout=startup_timeout)
+        given.update(renamed({k: kwargs.pop(k) for k in list(kwargs) if k in self.RENAMED}, self.RENAMED, "ModalBackend"))
+        for sky_only in ("cloud", "spot", "disk"):
+            if kwargs.get(sky_only):
+                raise InvalidArgument(f"{sky_only}= is SkyBackend's: ModalBackend does not pass one to Modal",
+                                      field=sky_only)
+            kwargs.pop(sky_only, None)
+        self.spec = spec = SandboxSpec(**given)
+        check_gpu(spec.gpu)
+        if spec.lease is None or spec.max_duration is None:
+            raise InvalidArgument("a Modal sandbox needs a lease and a max_duration: they are what ends it when no one "
+                                  "does", field="lease" if spec.lease is None else "max_duration")
+        self.timeout_s = spec.max_duration
         if self.timeout_s > MAX_TIMEOUT_S:
-            raise InvalidArgument(f"timeout {timeout!r} is over Modal's 24 h cap: use at most 24h (resume on a new sandbox from S3)")
+            raise InvalidArgument(f"max_duration {given['max_duration']!r} is over Modal's 24 h cap: use at most 24h (resume "
+                                  "on a new sandbox from S3)", field="max_duration")
         self.idle_timeout_s = parse_duration(idle_timeout, what="idle_timeout") if idle_timeout is not None else None
-        self.lease_s = parse_duration(lease, what="lease")
+        self.lease_s = spec.lease
         if self.idle_timeout_s is not None and self.idle_timeout_s <= self.lease_s + PUSH_MARGIN_S:
             least = f"{int((self.lease_s + PUSH_MARGIN_S) // 60) + 1}m"
             raise InvalidArgument(
@@ -193,16 +210,13 @@ class ModalBackend(SandboxBackend):
                 f"({format_duration(self.lease_s)} + {format_duration(PUSH_MARGIN_S)}): Modal's idle timer sees only "
                 "requests through the tunnel, so it would kill a paused client's server before the lease pushes "
                 f"its last checkpoint. Use idle_timeout={least!r} or more, or leave it unset (the lease ends an "
-                "idle server)")
-        self.startup_timeout_s = parse_duration(startup_timeout, what="startup_timeout")
-        if s3 is not None and not (s3.startswith("s3://") and len(s3) > 5):
-            raise InvalidArgument(f"s3 must look like s3://BUCKET/PREFIX, not {s3!r}")
-        self.gpu, self.app_name, self.s3, self.image, self.engine = gpu, app_name, s3, image, engine
-        self.name = check_name(name) if name else f"artcloud-{_secrets.token_hex(3)}"
-        self.cpu, self.memory, self.region, self.keep = cpu, memory, region, keep
-        self.env = {str(k): str(v) for k, v in (env or {}).items()}
-        self.env.update(engine_args_env(engine_args))
-        self._user_secrets = secrets
+                "idle server)", field="idle_timeout")
+        self.startup_timeout_s = spec.startup_timeout
+        self.gpu, self.app_name, self.s3, self.image, self.engine = spec.gpu, app_name, spec.s3, spec.image, spec.engine
+        self.name = spec.name or f"artcloud-{_secrets.token_hex(3)}"
+        self.cpu, self.memory, self.region, self.keep = cpu, memory, spec.region, spec.keep
+        self.env = {**spec.env, **engine_args_env(spec.engine_args)}
+        self._user_secrets = spec.secrets
         self.state = StateDir(Path(state_dir) if state_dir is not None else None)
         self.sandbox_id: str | None = None
         self._sandbox: Any = None

@@ -39,8 +39,8 @@ from artcloud.backends.remote import ArtcloudError, ServerGone, engine_args_env
 from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
 from artcloud.backends.sky_api import ClusterInfo, GPUOffer, Launched, SkyAPI, sky_api
 from artcloud.backends.sky_task import SECRET_NAMES, SERVER_PORT, ServerTask, build_task, describe
-from artcloud.backends.state import SandboxRecord, StateDir, check_name
-from artcloud.durations import parse_duration
+from artcloud.backends.spec import SandboxSpec, renamed
+from artcloud.backends.state import SandboxRecord, StateDir
 from artcloud.errors import InvalidArgument
 from artcloud.tls import make_launch_secrets
 
@@ -162,20 +162,23 @@ class SkyBackend(SandboxBackend):
 
     gpu: SkyPilot's accelerator spec ('H100:1', 'A100-80GB:2', 'L4'); None for a CPU machine.
     cloud, region: pin the cloud (and region); default: the cheapest among those `sky check` enabled.
-    cluster_name: a running artcloud cluster of that name is attached to; default: a new artcloud-XXXXXX.
+    spot: a spot machine; with s3=, a preempted one is replaced and training goes on from S3.
+    name: the cluster's name; a running artcloud cluster of that name is attached to; default: artcloud-XXXXXX.
     idle_minutes: SkyPilot autodown, this many minutes after the server job ends.
     lease: the server exits (after a final checkpoint push) when no request or heartbeat came for this long.
-    max_duration: the server exits after this long, whatever happens ("90m", "8h", seconds as a number).
+    max_duration: the server exits after this long, whatever happens ("90m", "8h", or seconds).
     s3: s3://BUCKET/PREFIX for checkpoints; credentials from this machine's AWS settings travel as secrets.
     env: plain environment for the server; secrets: names of environment variables here, or a dict,
         that reach the server as SkyPilot secrets (redacted in SkyPilot's logs and dashboard).
     image: a prebuilt server image ('docker:...', recipe in launchers/Dockerfile) instead of installing
-        this artcloud's wheel at setup.
+        this artcloud's wheel at setup. disk: GB (default 256: model weights).
     keep: leave the cluster up when start-up fails and on leaving `async with` (lease and autodown still apply).
+    The names are SandboxSpec's, the same on every backend (cluster_name, use_spot and disk_size still work).
     """
 
     provider = PROVIDER
     error = SkyError
+    RENAMED = {"cluster_name": "name", "use_spot": "spot", "disk_size": "disk"}
 
     def __init__(
         self,
@@ -183,8 +186,8 @@ class SkyBackend(SandboxBackend):
         *,
         cloud: str | None = None,
         region: str | None = None,
-        use_spot: bool = False,
-        cluster_name: str | None = None,
+        spot: bool = False,
+        name: str | None = None,
         idle_minutes: int = 10,
         lease: str | float = "15m",
         max_duration: str | float = "8h",
@@ -192,7 +195,7 @@ class SkyBackend(SandboxBackend):
         env: Mapping[str, str] | None = None,
         secrets: Mapping[str, str] | Iterable[str] | None = None,
         image: str | None = None,
-        disk_size: int | None = None,
+        disk: int | None = None,
         engine: str = "auto",
         engine_args: Mapping[str, Any] | None = None,
         keep: bool = False,
@@ -202,27 +205,28 @@ class SkyBackend(SandboxBackend):
         api: SkyAPI | None = None,
         **kwargs: Any,
     ):
-        if gpu is not None:
-            parse_gpu(gpu)
-        if region and not cloud:
-            raise InvalidArgument("region= needs cloud= too (e.g. cloud='aws', region='us-east-1')")
+        given = dict(gpu=gpu, cloud=cloud, region=region, spot=spot, name=name, lease=lease, max_duration=max_duration,
+                     s3=s3, env=env, secrets=secrets, image=image, disk=disk, engine=engine, engine_args=engine_args,
+                     keep=keep, startup_timeout=startup_timeout)
+        given.update(renamed({k: kwargs.pop(k) for k in list(kwargs) if k in self.RENAMED}, self.RENAMED, "SkyBackend"))
+        self.spec = spec = SandboxSpec(**given)
+        if spec.gpu is not None:
+            parse_gpu(spec.gpu)
         if idle_minutes < 0:
-            raise InvalidArgument(f"idle_minutes must be 0 or more, not {idle_minutes}")
-        if image is not None and not image.startswith("docker:"):
-            raise InvalidArgument(f"image {image!r} must be a docker image, written 'docker:REPO/NAME:TAG'")
-        if s3 is not None and not (s3.startswith("s3://") and len(s3) > 5):
-            raise InvalidArgument(f"s3 must look like s3://BUCKET/PREFIX, not {s3!r}")
-        self.gpu, self.cloud, self.region, self.use_spot = gpu, cloud, region, use_spot
-        self.cluster_name = check_name(cluster_name) if cluster_name else f"artcloud-{_secrets.token_hex(3)}"
+            raise InvalidArgument(f"idle_minutes must be 0 or more, not {idle_minutes}", field="idle_minutes")
+        if spec.image is not None and not str(spec.image).startswith("docker:"):
+            raise InvalidArgument(f"image {spec.image!r} must be a docker image, written 'docker:REPO/NAME:TAG'", field="image")
+        if spec.lease is None or spec.max_duration is None:
+            raise InvalidArgument("a SkyPilot sandbox needs a lease and a max_duration: they are what ends it when no "
+                                  "one does", field="lease" if spec.lease is None else "max_duration")
+        self.gpu, self.cloud, self.region, self.use_spot = spec.gpu, spec.cloud, spec.region, spec.spot
+        self.cluster_name = spec.name or f"artcloud-{_secrets.token_hex(3)}"
         self.idle_minutes = int(idle_minutes)
-        self.lease_s = parse_duration(lease, what="lease")
-        self.max_duration_s = parse_duration(max_duration, what="max_duration")
-        self.startup_timeout_s = parse_duration(startup_timeout, what="startup_timeout")
-        self.s3, self.image, self.disk_size, self.engine = s3, image, disk_size, engine
-        self.env = {str(k): str(v) for k, v in (env or {}).items()}
-        self.env.update(engine_args_env(engine_args))
-        self._user_secrets = secrets
-        self.keep = keep
+        self.lease_s, self.max_duration_s, self.startup_timeout_s = spec.lease, spec.max_duration, spec.startup_timeout
+        self.s3, self.image, self.disk_size, self.engine = spec.s3, spec.image, spec.disk, spec.engine
+        self.env = {**spec.env, **engine_args_env(spec.engine_args)}
+        self._user_secrets = spec.secrets
+        self.keep = spec.keep
         self.retry_until_up = retry_until_up
         self.state = StateDir(Path(state_dir) if state_dir is not None else None)
         self.api: SkyAPI = api or sky_api()
@@ -231,9 +235,9 @@ class SkyBackend(SandboxBackend):
         self.resources: str | None = None  # what SkyPilot launched, e.g. "1x AWS(p5.4xlarge, {'H100': 1})"
         self._job_id: int | None = None
         # A spot machine may be taken away: with S3 to resume from, a new one takes its place (see recover).
-        self.relaunch_on_loss = bool(use_spot and s3)
-        if use_spot and not s3:
-            log.warning("use_spot=True without s3=: a preempted machine takes its checkpoints with it, and training "
+        self.relaunch_on_loss = bool(spec.spot and spec.s3)
+        if spec.spot and not spec.s3:
+            log.warning("spot=True without s3=: a preempted machine takes its checkpoints with it, and training "
                         "cannot resume elsewhere; give s3='s3://BUCKET/PREFIX'")
         kwargs.setdefault("heartbeat_every_s", heartbeat_every(self.lease_s))
         # The launch CA signs one certificate and its key is thrown away: the CA alone identifies the
@@ -243,7 +247,7 @@ class SkyBackend(SandboxBackend):
 
     def __repr__(self) -> str:
         where = self.base_url if self._owns else "not started"
-        return f"SkyBackend(cluster_name={self.cluster_name!r}, gpu={self.gpu!r}, {where})"
+        return f"SkyBackend(name={self.cluster_name!r}, gpu={self.gpu!r}, {where})"
 
     # ------------------------------------------------------------------------------------- start (SandboxBackend's hooks)
 

@@ -51,7 +51,7 @@ def launch(
     s3: Optional[str] = typer.Option(None, "--s3", help="s3://BUCKET/PREFIX for checkpoints (resume on a new machine). Credentials from this machine's AWS settings travel as SkyPilot secrets."),
     name: Optional[str] = typer.Option(None, "--name", "-n", help="Cluster name. Default: artcloud-XXXXXX."),
     image: Optional[str] = typer.Option(None, "--image", help="A prebuilt server image, docker:REPO:TAG (recipe: launchers/Dockerfile). Default: install this artcloud at setup."),
-    disk_size: Optional[int] = typer.Option(None, "--disk-size", min=10, help="Disk in GB (default 256: model weights)."),
+    disk_size: Optional[int] = typer.Option(None, "--disk", "--disk-size", min=10, help="Disk in GB (default 256: model weights)."),
     engine: str = typer.Option("auto", "--engine", help="Server engine: auto (vLLM + Unsloth when the machine has CUDA and both import, else cpu), vllm, vllm+unsloth, vllm+peft or cpu. Engine settings: --env ARTCLOUD_ENGINE_ARGS='{\"max_model_len\": 16384}' (see artcloud serve --help)."),
     env: List[str] = typer.Option([], "--env", "-e", help="KEY=VALUE for the server's environment (not for secrets). Repeatable."),
     secret: List[str] = typer.Option([], "--secret", help="NAME of an environment variable here, passed as a SkyPilot secret (redacted in logs). Repeatable."),
@@ -67,7 +67,7 @@ def launch(
     ends it at once.
 
     With --provider modal: a Modal Sandbox whose hard timeout is --max-duration (24h at most), reached
-    through Modal's HTTPS tunnel; --cloud, --region, --spot, --image, --disk-size, --idle-minutes and
+    through Modal's HTTPS tunnel; --cloud, --region, --spot, --image, --disk, --idle-minutes and
     --retry-until-up are SkyPilot's and do not apply.
 
     Example: artcloud launch --gpu L4 --cloud gcp --s3 s3://my-bucket/runs --name mail-agent
@@ -76,7 +76,7 @@ def launch(
     from artcloud.durations import format_duration
 
     if provider == "modal":
-        sky_only = {"--cloud": cloud, "--region": region, "--spot": spot, "--image": image, "--disk-size": disk_size,
+        sky_only = {"--cloud": cloud, "--region": region, "--spot": spot, "--image": image, "--disk": disk_size,
                     "--retry-until-up": retry_until_up, "--idle-minutes": idle_minutes != 10}
         used = [flag for flag, value in sky_only.items() if value]
         if used:
@@ -88,9 +88,9 @@ def launch(
 
     try:
         backend = SkyBackend(
-            gpu=gpu, cloud=cloud, region=region, use_spot=spot, cluster_name=name, idle_minutes=idle_minutes,
+            gpu=gpu, cloud=cloud, region=region, spot=spot, name=name, idle_minutes=idle_minutes,
             lease=lease, max_duration=max_duration, s3=s3, env=env_pairs(env), secrets=list(secret), image=image,
-            disk_size=disk_size, engine=engine, startup_timeout=startup_timeout, retry_until_up=retry_until_up,
+            disk=disk_size, engine=engine, startup_timeout=startup_timeout, retry_until_up=retry_until_up,
         )
     except ValueError as e:
         raise CLIError(str(e)) from e
@@ -110,7 +110,7 @@ def launch(
         raise CLIError(str(e)) from e
     price = backend.price_per_hour
     out.print(f"[bold green]{backend.cluster_name}[/] is up: {backend.base_url}  ({gpu}, {_money(price)}/h)")
-    out.print(f"  connect from Python:  backend = artcloud.SkyBackend(cluster_name={backend.cluster_name!r})", markup=False)
+    out.print(f"  connect from Python:  backend = artcloud.SkyBackend(name={backend.cluster_name!r})", markup=False)
     out.print(f"  teardown:             {teardown}; `artcloud down {backend.cluster_name}` ends it now", markup=False)
     out.print(f"  logs:                 artcloud logs {backend.cluster_name} -f", markup=False)
     _print_cold_start(out, backend)
@@ -136,7 +136,7 @@ def _launch_modal(*, gpu: str, name: str | None, lease: str, max_duration: str, 
     from artcloud.durations import format_duration
 
     try:
-        backend = ModalBackend(gpu=gpu, name=name, timeout=max_duration, lease=lease, s3=s3, env=env, secrets=secrets,
+        backend = ModalBackend(gpu=gpu, name=name, max_duration=max_duration, lease=lease, s3=s3, env=env, secrets=secrets,
                                engine=engine, startup_timeout=startup_timeout)
     except ValueError as e:
         raise CLIError(str(e)) from e
