@@ -22,8 +22,9 @@ from packaging.requirements import Requirement
 from artcloud import locks
 from artcloud._version import __version__
 from artcloud.backends.sky_task import build_task
-from artcloud.backends.wheel import build_wheel, linux_environment
+from artcloud.backends.wheel import build_wheel
 from artcloud.errors import InvalidArgument
+from artcloud.locks import linux_environment
 from artcloud.tls import make_launch_secrets
 
 REPO = Path(__file__).resolve().parents[1]

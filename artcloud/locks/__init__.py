@@ -135,8 +135,6 @@ def check_covers(text: str, requirements: Iterable[str], *, python: str, where: 
     from packaging.markers import Marker
     from packaging.requirements import Requirement
 
-    from artcloud.backends.wheel import linux_environment
-
     env = linux_environment(python)
     chosen: dict[str, str] = {}
     for pin in read_lock(text, where=where)[2]:
@@ -155,3 +153,12 @@ def check_covers(text: str, requirements: Iterable[str], *, python: str, where: 
             raise NoLock(f"{where} is stale: it pins {name}=={chosen[name]}, and artcloud asks for {line}: run "
                          "`make lock` (or, if pyproject.toml already says what the lock pins, reinstall artcloud: "
                          "pip install -e . refreshes an editable install's metadata)", code="lock_stale")
+
+
+def linux_environment(python: str) -> dict[str, str]:
+    """The marker environment of a sandbox: Linux, x86_64, CPython `python` ('3.11')."""
+    from packaging.markers import default_environment
+
+    return {**default_environment(), "implementation_name": "cpython", "platform_python_implementation": "CPython",
+            "os_name": "posix", "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+            "python_version": python, "python_full_version": f"{python}.0", "implementation_version": f"{python}.0"}
