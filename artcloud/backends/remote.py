@@ -23,6 +23,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from artcloud._version import __version__
 from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported
+from artcloud.protocol import FINAL_PUSH_DEADLINE_S
 from artcloud.tls import client_ssl_context
 
 log = logging.getLogger("artcloud.client")
@@ -33,11 +34,9 @@ KEEPALIVE_S = 15.0  # the server writes a blank line on a quiet event stream thi
 EVENT_READ_TIMEOUT_S = 3 * KEEPALIVE_S  # three missed keep-alives: ask /health whether the server is still there
 HEALTH_PROBE_TIMEOUT_S = 10.0
 
-# How long a server may spend on its final push before it answers POST /artcloud/shutdown. The server's
-# pusher flush (server/pusher.py, Registry.shutdown) is bounded by this same constant; a client waits a
-# minute more, so that it hears the server's verdict instead of giving up just before it.
-FINAL_PUSH_TIMEOUT_S = 600.0
-FINAL_PUSH_WAIT_S = FINAL_PUSH_TIMEOUT_S + 60.0
+# The server answers POST /artcloud/shutdown within FINAL_PUSH_DEADLINE_S (all models' pushes at once, after
+# any wait for training); a client waits a minute more, so that it hears the verdict instead of giving up just before.
+FINAL_PUSH_WAIT_S = FINAL_PUSH_DEADLINE_S + 60.0
 
 
 REGISTER_TIMEOUT_S = 1800.0
@@ -390,7 +389,7 @@ class RemoteBackend:
         """A RemoteBackend does not own its server: this only closes the connection."""
         await self.close()
 
-    async def shutdown(self, wait_for_training_s: float = 0.0, timeout: float = FINAL_PUSH_WAIT_S) -> dict[str, Any]:
+    async def shutdown(self, wait_for_training_s: float = 0.0, timeout: float | None = None) -> dict[str, Any]:
         """Ask the server to end itself gracefully: POST /artcloud/shutdown.
 
         Once this returns, the server takes no new training jobs (409 shutting_down), has waited up to
@@ -402,8 +401,9 @@ class RemoteBackend:
         The process then exits with status 0 shortly after answering, so the machine may be torn down
         once this returns. Sent once, never retried (a lost answer may mean the server already left); a
         server that does not answer raises ServerGone. `timeout` bounds the whole call, waiting and
-        pushes included: the default covers the server's own bound on its final push.
+        pushes included: the default covers the server's own bounds, its wait for training and its final push.
         """
+        timeout = timeout if timeout is not None else wait_for_training_s + FINAL_PUSH_WAIT_S
         async def post() -> dict[str, Any]:
             # Its own timeout: the server may wait for training and pushes far longer than self.timeout.
             response = await self._client().post("/artcloud/shutdown", json={"wait_for_training_s": wait_for_training_s},

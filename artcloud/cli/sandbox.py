@@ -440,7 +440,7 @@ def _final_push(state, record) -> tuple[bool, list[str], list[str]]:
 
     async def push() -> dict:
         try:
-            # The server may spend FINAL_PUSH_TIMEOUT_S on the push: wait for its verdict, not less.
+            # The server may spend protocol.FINAL_PUSH_DEADLINE_S on the push: wait for its verdict, not less.
             return await backend.shutdown(timeout=FINAL_PUSH_WAIT_S)
         finally:
             await backend.close()
