@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Iterable, Iterator, Ma
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from artcloud.errors import ArtcloudError, InvalidArgument, NotInArtcloud, NotSupported, WrongState, WrongType
-from artcloud.types import LoraConfig, TrainConfig, TrajectoryGroup
+from artcloud.types import LoraConfig, TrainConfig, TrajectoryGroup, is_choice
 
 if TYPE_CHECKING:
     from artcloud.backends.remote import RemoteBackend
@@ -333,6 +333,15 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
             log.warning("%s", answer["note"])
         return answer
 
+    async def _train_on(self, backend: RemoteBackend, groups: Iterable[TrajectoryGroup], config: TrainConfig | None,
+                        options: Mapping[str, Any], *, verbose: bool, progress: bool) -> TrainResult:
+        """ART's `backend.train(model, groups, **options)` (RemoteBackend.train hands it here)."""
+        if self._backend is not backend:
+            raise InvalidArgument(f"{self.name} is not registered on this backend: `await model.register(backend)` first",
+                                  field="model")
+        train_config = apply_art_options(config or TrainConfig(), options, where="backend.train")
+        return await self.train(groups, train_config, verbose=verbose, progress=progress)
+
     async def train(
         self,
         groups: Iterable[TrajectoryGroup],
@@ -456,7 +465,7 @@ def _check_groups(groups: list[TrajectoryGroup]) -> None:
             )
         for t, traj in enumerate(group.trajectories):
             histories = [traj.messages_and_choices, *(h.messages_and_choices for h in traj.additional_histories)]
-            choices = [m for history in histories for m in history if _is_choice(m)]
+            choices = [m for history in histories for m in history if is_choice(m)]
             if not choices:
                 raise InvalidArgument(f"groups[{g}].trajectories[{t}] has no turn sampled by the model: append the "
                                       "Choice objects returned by the model's OpenAI client to messages_and_choices")
@@ -467,10 +476,6 @@ def _check_groups(groups: list[TrajectoryGroup]) -> None:
                     raise InvalidArgument(f"groups[{g}].trajectories[{t}] has a choice without logprobs (sampled with "
                                           "logprobs=False?): leave logprobs out or set it True, so training can use "
                                           "the sampling policy's logprobs")
-
-
-def _is_choice(item: Any) -> bool:
-    return ("message" in item) if isinstance(item, dict) else hasattr(item, "message")
 
 
 class _Progress:

@@ -12,8 +12,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "artcloud"
 # Circles known today, each as the set of modules it joins. A circle among other modules, or one that draws in a
 # module not listed here, fails the test; so does a line here whose circle is gone (remove the line).
 KNOWN_CIRCLES = [
-    # removed by issue 27's client/server work (server/models.py <-> server/training.py went in 9faf7fa)
-    {"artcloud.model", "artcloud.backends.remote", "artcloud.backends.following"},
     # not in the review (ebcbba7): 7e0aff3 made cpu.py import EngineArgsError from choose.py, which imports cpu.py
     {"artcloud.server.engines.choose", "artcloud.server.engines.cpu"},
 ]

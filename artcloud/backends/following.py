@@ -13,19 +13,26 @@ from __future__ import annotations
 import functools
 import logging
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from artcloud.tls import client_ssl_context
-
-if TYPE_CHECKING:
-    from artcloud.backends.remote import RemoteBackend
 
 log = logging.getLogger("artcloud.backends")
 
 MAX_REPLACEMENTS_PER_REQUEST = 2
 
 
-def following_transport(backend: "RemoteBackend", hx: ModuleType, limits: Any = None) -> Any:
+class Followed(Protocol):
+    """What the transport needs of a backend (a RemoteBackend is one; this module does not import it)."""
+
+    endpoint: Any  # the server now: URL, token, CA, generation, as one value
+    generation: int
+    base_url: str
+
+    async def recover_if_lost(self, error: BaseException, generation: int) -> bool: ...
+
+
+def following_transport(backend: Followed, hx: ModuleType, limits: Any = None) -> Any:
     """The transport for an HTTP client built on `hx`: httpx, or the httpx2 fork that openai's client uses
     (same API, other classes). `limits`: its connection pool's (a client's own are ignored with a transport)."""
     return _transport_class(hx)(backend, hx, limits)
@@ -34,7 +41,7 @@ def following_transport(backend: "RemoteBackend", hx: ModuleType, limits: Any = 
 @functools.lru_cache(maxsize=None)
 def _transport_class(hx: ModuleType) -> type:
     class FollowingTransport(hx.AsyncBaseTransport):
-        def __init__(self, backend: "RemoteBackend", hx: ModuleType, limits: Any):
+        def __init__(self, backend: Followed, hx: ModuleType, limits: Any):
             self.backend, self.hx, self.limits = backend, hx, limits
             self._inner: Any = None
             self._inner_for: Any = None  # the backend's Endpoint the inner transport was made for

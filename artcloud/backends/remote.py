@@ -637,17 +637,10 @@ class RemoteBackend:
         `model.train`. Options are ART's LocalBackend.train keywords (those artcloud has are honoured, the
         rest only at ART's defaults) or artcloud.TrainConfig's fields, over `config`. Returns a TrainResult
         (`step`, `metrics`, `checkpoint_path`: a folder on the server's disk; unpacks as that triple)."""
-        from artcloud.errors import InvalidArgument
-        from artcloud.model import TrainableModel, apply_art_options
-        from artcloud.types import TrainConfig
-
-        if not isinstance(model, TrainableModel):
+        train_on = getattr(model, "_train_on", None)  # TrainableModel's (artcloud.model imports this module, not back)
+        if train_on is None:
             raise InvalidArgument(f"backend.train needs an artcloud.TrainableModel, not {type(model).__name__}", field="model")
-        if model._backend is not self:
-            raise InvalidArgument(f"{model.name} is not registered on this backend: `await model.register(backend)` first",
-                                  field="model")
-        train_config = apply_art_options(config or TrainConfig(), options, where="backend.train")
-        return await model.train(trajectory_groups, train_config, verbose=verbose, progress=progress)
+        return await train_on(self, trajectory_groups, config, options, verbose=verbose, progress=progress)
 
     async def start_train(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST a training job. The body's idempotency_key makes a retried POST return the same job."""
