@@ -20,7 +20,15 @@ if TYPE_CHECKING:
     from artcloud.backends.sky import SkyBackend, SkyError
     from artcloud.backends.spec import SandboxSpec
     from artcloud.errors import (
+        APIError,
         ArtcloudError,
+        BadRequest,
+        Conflict,
+        ModelLocked,
+        NotFound,
+        RateLimited,
+        Unauthorized,
+        Unavailable,
         InvalidArgument,
         MissingDependency,
         NotInArtcloud,
@@ -49,7 +57,8 @@ _LAZY = {
     "ModalError": "artcloud.backends.modal",
     "SkyError": "artcloud.backends.sky",
     **dict.fromkeys(["ArtcloudError", "InvalidArgument", "WrongType", "NotSupported", "NotInArtcloud", "WrongState", "TimedOut",
-                     "MissingDependency"], "artcloud.errors"),
+                     "MissingDependency", "APIError", "BadRequest", "Unauthorized", "NotFound", "Conflict", "ModelLocked",
+                     "RateLimited", "Unavailable"], "artcloud.errors"),
     "StorageError": "artcloud.storage.s3",
     "CorruptCheckpoint": "artcloud.storage.checkpoints",
     "ServerGone": "artcloud.backends.remote",
@@ -84,6 +93,7 @@ __all__ = [
     "Model", "TrainableModel", "TrainResult", "LinearTemperatureAnnealer", "pull_checkpoint",
     "ruler", "ruler_score_group", "RulerError", "collect_stream",
     "InvalidArgument", "WrongType", "NotSupported", "NotInArtcloud", "WrongState", "TimedOut", "MissingDependency", "StorageError", "CorruptCheckpoint",
+    "APIError", "BadRequest", "Unauthorized", "NotFound", "Conflict", "ModelLocked", "RateLimited", "Unavailable",
     "History", "Messages", "MessagesAndChoices", "Tools", "gather_trajectories", "retry", "DatasetBatch", "utils",
 ]
 

@@ -67,6 +67,66 @@ class MissingDependency(ArtcloudError):
     code = "missing_dependency"
 
 
+class APIError(ArtcloudError):
+    """The server answered with an error status: `status`, and the `code`, `field` and message it gave. The
+    statuses a caller handles apart have a class each below (as openai's and httpx's clients do); any other is
+    this class, with `status` telling."""
+
+    code = "api_error"
+
+
+class BadRequest(APIError, ValueError):
+    """400, 413 or 422: the server cannot use the request (its `field` says which part, its message why)."""
+
+    code = "bad_request"
+
+
+class Unauthorized(APIError, PermissionError):
+    """401 or 403: the token is not this server's (a new launch has a new one)."""
+
+    code = "unauthorized"
+
+
+class NotFound(APIError, LookupError):
+    """404: no such model, job, step or route on this server."""
+
+    code = "not_found"
+
+
+class Conflict(APIError):
+    """409: the request clashes with the server's state (a model taken, the server shutting down, ...)."""
+
+    code = "conflict"
+
+
+class ModelLocked(Conflict):
+    """409 model_locked: another client holds the model (its S3 claim); the message says whose and until when."""
+
+    code = "model_locked"
+
+
+class RateLimited(APIError):
+    """429: too many jobs at once; retry later."""
+
+    code = "rate_limited"
+
+
+class Unavailable(APIError):
+    """503: the server is not ready yet, or is shutting down."""
+
+    code = "unavailable"
+
+
+def api_error(status: int, message: str, *, code: str | None = None, field: str | None = None) -> APIError:
+    """The error for an answer of `status` (its class by status, and by code where one has a class)."""
+    if status == 409 and code == ModelLocked.code:
+        cls: type[APIError] = ModelLocked
+    else:
+        cls = {400: BadRequest, 413: BadRequest, 422: BadRequest, 401: Unauthorized, 403: Unauthorized, 404: NotFound,
+               409: Conflict, 429: RateLimited, 503: Unavailable}.get(status, APIError)
+    return cls(message, code=code, field=field, status=status)
+
+
 def check_s3_url(s3: str | None, *, what: str = "s3") -> str | None:
     """`s3` as given when it is None or looks like s3://BUCKET/PREFIX; InvalidArgument (field `what`) otherwise."""
     if s3 is not None and not (s3.startswith("s3://") and len(s3) > 5):

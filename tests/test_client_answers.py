@@ -98,3 +98,32 @@ def test_the_heartbeat_goes_on_after_an_answer_that_is_not_artcloud(portal):
     beat_on, ended = asyncio.run(main())
     assert beat_on, f"the heartbeat stopped after {portal.beats} beat(s)"
     assert not ended
+
+
+def test_error_answers_raise_one_class_per_status_with_the_servers_code_and_field(tiny_server):
+    """As openai's client does: an except clause per status, every one an ArtcloudError; the code and the field stay
+    the server's."""
+    import artcloud
+
+    async def main():
+        backend = RemoteBackend(tiny_server.url, token=tiny_server.token, ca_cert=tiny_server.ca, retries=1)
+        wrong = RemoteBackend(tiny_server.url, token="w" * 32, ca_cert=tiny_server.ca, retries=1)
+        caught = []
+        for call in (lambda: backend.model_info("nobody"),
+                     lambda: backend.register("bad name!", "p", "artcloud/tiny-random", {}),
+                     lambda: wrong.model_info("agent")):
+            try:
+                await call()
+            except artcloud.ArtcloudError as e:
+                caught.append(e)
+        await backend.close()
+        await wrong.close()
+        return caught
+
+    missing, bad, unauthorized = asyncio.run(main())
+    assert isinstance(missing, artcloud.NotFound) and isinstance(missing, LookupError)
+    assert (missing.status, missing.code) == (404, "model_not_found")
+    assert isinstance(bad, artcloud.BadRequest) and isinstance(bad, ValueError) and bad.status in (400, 422)
+    assert bad.field == "name", (bad.code, bad.field, str(bad))
+    assert isinstance(unauthorized, artcloud.Unauthorized) and unauthorized.status == 401
+    assert all(isinstance(e, artcloud.APIError) for e in (missing, bad, unauthorized))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 import uuid
 
+import pytest
 from helpers import rollout_groups, train
 from test_cli import one_line_error, serve
 
@@ -103,6 +105,20 @@ def test_a_second_server_on_the_same_model_and_prefix_is_refused(seaweed, start_
         assert refused.status_code == 409
         error = refused.json()["error"]
         assert error["code"] == "model_locked" and error["field"] == "name" and "another server" in error["message"]
+        # The SDK raises it as its own class: a 409 Conflict, ModelLocked by its code.
+        from artcloud.backends.remote import RemoteBackend
+        from artcloud.errors import Conflict, ModelLocked
+
+        async def register_on_b():
+            client = RemoteBackend(b.url, token=b.token, ca_cert=b.ca, retries=1)
+            try:
+                await client.register(SPEC["name"], SPEC["project"], SPEC["base_model"], {})
+            finally:
+                await client.close()
+
+        with pytest.raises(ModelLocked) as locked:
+            asyncio.run(register_on_b())
+        assert isinstance(locked.value, Conflict) and locked.value.status == 409 and locked.value.field == "name"
         # Another model on the same prefix is fine: the claim is per model.
         assert cb.post("/artcloud/models", json={**SPEC, "name": "other"}).status_code == 200
     a.stop()  # A lets go of its claim on the way out: now B may take the model over

@@ -22,7 +22,7 @@ import httpx
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from artcloud._version import __version__
-from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported
+from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported, api_error
 from artcloud.protocol import FINAL_PUSH_DEADLINE_S
 from artcloud.tls import client_ssl_context
 
@@ -114,10 +114,11 @@ def _raise_for(response: httpx.Response) -> None:
         return
     try:
         err = response.json()["error"]
-        message, code, field = err["message"], err.get("code", "error"), err.get("field")
+        message, code, field = str(err["message"]), str(err.get("code", "error")), err.get("field")
     except (ValueError, KeyError, TypeError):
         message, code, field = response.text[:500] or response.reason_phrase, "http_error", None
-    raise ArtcloudError(f"{response.status_code} {code}: {message}", code=code, field=field, status=response.status_code)
+    raise api_error(response.status_code, f"{response.status_code} {code}: {message}", code=code,
+                    field=field if isinstance(field, str) else None)
 
 
 @dataclass(frozen=True)
