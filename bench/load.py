@@ -373,7 +373,7 @@ def bench_model(model: str, clients: int, args: argparse.Namespace, out) -> dict
     result: dict[str, Any] = {"model": model, "clients": clients}
     with tempfile.TemporaryDirectory(prefix="artcloud-load-") as tmp:
         out.print(f"[bold]{model}[/]: artcloud serve, {clients} clients x {args.seconds:g} s (after a warm-up)")
-        server = Server(Path(tmp) / "data", "--parent-pid", str(os.getpid()), "--max-duration", f"{budget_s:.0f}s",
+        server = Server(Path(tmp) / "data", "--max-duration", f"{budget_s:.0f}s",
                         log_level="warning").start()
         try:
             with server.client() as c:

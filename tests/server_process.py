@@ -8,17 +8,16 @@ read from the line it prints.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import ssl
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from artcloud.backends.local import served_url, spawn_serve
 from artcloud.errors import ArtcloudError, TimedOut
 
 
@@ -43,21 +42,15 @@ class ServerProcess:
             raise
 
     def _start(self, timeout: float) -> "ServerProcess":
-        self.path.mkdir(parents=True, exist_ok=True)
-        offset = self.log.stat().st_size if self.log.exists() else 0  # a restart appends to the same log
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "artcloud", "serve", "--path", str(self.path), "--port", "0",
-                 "--log-level", self.log_level, *self.args],
-                stdout=out, stderr=subprocess.STDOUT, env=self.env,
-            )
+        # LocalBackend's own way to start a server; a restart appends to the same log
+        self.proc, offset = spawn_serve(self.path, ["--port", "0", "--log-level", self.log_level, *self.args],
+                                        env=self.env, log=self.log)
         deadline = time.monotonic() + timeout
         while not self.url:
-            text = self.log.read_bytes()[offset:].decode(errors="replace")
-            found = re.findall(r"serving on (https://\S+)", text)
-            if found:
-                self.url = found[-1]
-            elif self.proc.poll() is not None:
+            self.url = served_url(self.log, offset) or ""
+            if self.url:
+                break
+            if self.proc.poll() is not None:
                 raise ArtcloudError(f"artcloud serve exited with {self.proc.returncode}:\n{self.tail()}", code="server_exited")
             elif time.monotonic() > deadline:
                 raise TimedOut(f"artcloud serve did not start in {timeout:.0f} s:\n{self.tail()}")

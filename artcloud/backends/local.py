@@ -36,6 +36,30 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass  # not Linux: --parent-pid polling still ends the server
 
 
+def spawn_serve(path: Path, args: list[str], *, env: dict[str, str], log: Path) -> tuple[subprocess.Popen, int]:
+    """`artcloud serve --path PATH ARGS` as a child of this process, which it never outlives (--parent-pid, and on
+    Linux PR_SET_PDEATHSIG): its output appended to `log`. Returns the process and where its lines begin in the
+    log (served_url reads its URL from there). LocalBackend starts its server so, and so do the tests."""
+    path.mkdir(parents=True, exist_ok=True)
+    offset = log.stat().st_size if log.exists() else 0
+    cmd = [sys.executable, "-m", "artcloud", "serve", "--path", str(path), "--parent-pid", str(os.getpid()), *args]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**env, "PYTHONUNBUFFERED": "1"},
+                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    return proc, offset
+
+
+def served_url(log: Path, offset: int = 0) -> str | None:
+    """The URL a server started by spawn_serve printed (it picks a free port when asked for port 0), once it has."""
+    try:
+        text = log.read_bytes()[offset:].decode(errors="replace")
+    except OSError:
+        return None
+    found = re.findall(r"serving on (https://\S+)", text)
+    return found[-1] if found else None
+
+
 class LocalBackend(SandboxBackend):
     """Runs the training server here. Checkpoints live under `path` (default ./.artcloud/local), so a new
     LocalBackend on the same path resumes the models.
@@ -117,18 +141,14 @@ class LocalBackend(SandboxBackend):
     # ------------------------------------------------------------------------------------- SandboxBackend's hooks
 
     async def _provision(self, job: Any) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._offset = self.log_file.stat().st_size if self.log_file.exists() else 0
         env = {
             **os.environ,
             "ARTCLOUD_TLS_CERT": self._secrets.server_cert,
             "ARTCLOUD_TLS_KEY": self._secrets.server_key,
             "ARTCLOUD_TOKEN": self._secrets.token,
-            "PYTHONUNBUFFERED": "1",
             **self.engine_env,
         }
-        cmd = [sys.executable, "-m", "artcloud", "serve", "--path", str(self.path), "--host", self.host,
-               "--port", str(self.port or 0), "--log-level", self.log_level, "--parent-pid", str(os.getpid()), "--engine", self.engine]
+        cmd = ["--host", self.host, "--port", str(self.port or 0), "--log-level", self.log_level, "--engine", self.engine]
         if self.s3:
             cmd += ["--s3", self.s3]
         if self.preload:
@@ -137,19 +157,12 @@ class LocalBackend(SandboxBackend):
             cmd += ["--lease", f"{round(self.lease_s)}s"]
         if self.max_duration_s is not None:
             cmd += ["--max-duration", f"{round(self.max_duration_s)}s"]
-        with open(self.log_file, "ab") as out:
-            self._proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-            )
+        self._proc, self._offset = spawn_serve(self.path, cmd, env=env, log=self.log_file)
         atexit.register(self._stop_now)
         self._record_launch(None, ca_cert=None, token=self._secrets.token)
 
     async def _endpoint(self, deadline: float) -> str | None:
-        """The URL the server printed (it picks a free port when port=0)."""
-        text = self.log_file.read_bytes()[self._offset:].decode(errors="replace")
-        found = re.findall(r"serving on (https://\S+)", text)
-        return found[-1] if found else None
+        return served_url(self.log_file, self._offset)
 
     def _not_ready(self, url: str | None) -> ArtcloudError:
         what = "did not start" if url is None else "was not ready"
