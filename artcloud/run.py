@@ -14,7 +14,7 @@ The runner, not the script, owns the sandbox:
 4. write the summary (JSON, and Markdown for $GITHUB_STEP_SUMMARY) and exit with a code that says why.
 
 A runner killed outright (SIGKILL) cannot do step 3: then the server's lease, the provider's own timers
-and `artcloud down --all` do (design.md §5). `--detach` hands the whole loop to the sandbox: see
+and `artcloud down --all` do (README, "Nothing is left running"). `--detach` hands the whole loop to the sandbox: see
 `launch_detached`.
 """
 

@@ -9,12 +9,6 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "artcloud"
 
-# Circles known today, each as the set of modules it joins. A circle among other modules, or one that draws in a
-# module not listed here, fails the test; so does a line here whose circle is gone (remove the line).
-KNOWN_CIRCLES = [
-    # not in the review (ebcbba7): 7e0aff3 made cpu.py import EngineArgsError from choose.py, which imports cpu.py
-    {"artcloud.server.engines.choose", "artcloud.server.engines.cpu"},
-]
 
 
 def module_name(path: Path) -> str:
@@ -97,7 +91,4 @@ def test_the_graph_sees_module_and_function_level_imports():
 def test_no_import_circles_in_the_package():
     graph = import_graph()
     found = circles(graph)
-    new = [c for c in found if not any(c <= known for known in KNOWN_CIRCLES)]
-    assert not new, "import circles: " + " | ".join(describe(graph, c) for c in new)
-    gone = [known for known in KNOWN_CIRCLES if not any(c <= known for c in found)]
-    assert not gone, f"these circles are gone: remove them from KNOWN_CIRCLES: {gone}"
+    assert not found, "import circles: " + " | ".join(describe(graph, c) for c in found)

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from artcloud.errors import InvalidArgument
-from artcloud.server.engines.engine import Engine
+from artcloud.server.engines.engine import Engine, EngineArgsError
 
 log = logging.getLogger("artcloud.engine")
 
@@ -64,12 +64,6 @@ MODEL_ARGS = {"gpu_memory_utilization", "max_model_len", "max_loras", "max_cpu_l
 # What the CPU engine honours (see the module's docstring), and the dtypes it loads as vLLM spells them.
 CPU_ARGS = ("max_model_len", "max_seq_length", "dtype", "seed")
 CPU_DTYPES = {"auto": None, "float": "float32", "float32": "float32", "bfloat16": "bfloat16"}
-
-
-class EngineArgsError(InvalidArgument):
-    """engine_args this engine cannot take; the message names the key, `field` is engine_args.KEY."""
-
-    code = "invalid_engine_args"
 
 
 def check_engine_args(args: dict[str, Any], *, from_client: bool) -> None:

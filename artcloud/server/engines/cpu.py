@@ -3,7 +3,7 @@ peft). Also correct, if slow, on one GPU; vLLM + Unsloth is the GPU engine (choo
 
 from __future__ import annotations
 
-from artcloud.server.engines.engine import Engine
+from artcloud.server.engines.engine import Engine, EngineArgsError
 from artcloud.server.engines.peft_trainer import OPTIMIZER_FILE, PeftTrainer
 from artcloud.server.engines.torch_sampler import TorchSampler
 
@@ -22,8 +22,6 @@ class CPUEngine(Engine):
         bounds = {k: v for k, v in given.items() if v is not None}
         for key, bound in bounds.items():
             if bound > trainer.max_context:
-                from artcloud.server.engines.choose import EngineArgsError
-
                 raise EngineArgsError(f"engine_args {key} {bound} is over the {trainer.max_context} positions of "
                                       f"{base_model}", field=f"engine_args.{key}")
         if bounds:

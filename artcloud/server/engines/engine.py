@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from artcloud.errors import InvalidArgument
 from artcloud.server.engines.base import (
     Completion,
     GenerationRequest,
@@ -36,6 +37,12 @@ from artcloud.server.engines.base import (
 from artcloud.types import LoraConfig, TrainConfig
 
 log = logging.getLogger("artcloud.engine")
+
+
+class EngineArgsError(InvalidArgument):
+    """engine_args this engine cannot take; the message names the key, `field` is engine_args.KEY."""
+
+    code = "invalid_engine_args"
 
 
 class Engine:
