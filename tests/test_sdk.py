@@ -271,13 +271,18 @@ def test_ctrl_c_during_training_stops_the_server(tmp_path):
                     [artcloud.TrajectoryGroup(rollout(client, model, f"p{{i}}") for _ in range(4)) for i in range(16)], progress=False)
                 print(backend._proc.pid, flush=True)
                 for _ in range(50):  # far longer than the test waits: Ctrl-C lands mid-training
-                    await model.train(groups * 8, config=artcloud.TrainConfig(gradient_steps=64), progress=False)
+                    await model.train(groups * 8, config=artcloud.TrainConfig(gradient_steps=64), progress=False,
+                                      verbose=True)  # each event on stderr: the test waits for "start"
         asyncio.run(main())
     """)
     client = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               preexec_fn=_terminal_like_sigint)
     server_pid = int(client.stdout.readline())
-    time.sleep(1.0)  # training has started
+    seen = []
+    while not any("train m start" in line for line in seen):  # the server says the step has started
+        line = client.stderr.readline()
+        assert line, "the client ended before training started:\n" + "".join(seen)
+        seen.append(line)
     client.send_signal(signal.SIGINT)
     try:
         _, err = client.communicate(timeout=60)
