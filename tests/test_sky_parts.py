@@ -235,11 +235,15 @@ def test_one_spec_the_same_names_on_every_backend_and_the_old_ones_warn(tmp_path
     said = sorted(str(w.message).split(" is now")[0] for w in caught if w.category is DeprecationWarning)
     assert said == ["ModalBackend(timeout=...)", "SkyBackend(cluster_name=...)", "SkyBackend(disk_size=...)",
                     "SkyBackend(use_spot=...)"]
-    for bad, field in (({"engine": "gpu"}, "engine"), ({"disk": 5}, "disk"), ({"region": "us-east-1"}, "region"),
-                       ({"s3": "bucket"}, "s3"), ({"lease": "30"}, "lease"), ({"name": "Bad_Name"}, None)):
+    for bad, field in (({"engine": "gpu"}, "engine"), ({"disk": 5}, "disk"), ({"s3": "bucket"}, "s3"),
+                       ({"lease": "30"}, "lease"), ({"name": "Bad_Name"}, None)):
         with pytest.raises(ValueError) as caught_error:
             artcloud.SandboxSpec(**bad)
         assert caught_error.value.field == field, bad
+    with pytest.raises(ValueError, match="region= needs cloud= too") as caught_error:
+        SkyBackend(region="us-east-1", state_dir=tmp_path / "st", api=object())
+    assert caught_error.value.field == "region"
+    assert ModalBackend(region="us-east", state_dir=tmp_path / "st").region == "us-east"  # Modal's need no cloud
     with pytest.raises(ValueError, match="cloud= is SkyBackend's"):
         ModalBackend(cloud="aws", state_dir=tmp_path / "st")
     with pytest.raises(TypeError, match="unexpected keyword argument 'clusterr_name'"):

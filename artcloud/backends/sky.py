@@ -212,6 +212,8 @@ class SkyBackend(SandboxBackend):
         self.spec = spec = SandboxSpec(**given)
         if spec.gpu is not None:
             parse_gpu(spec.gpu)
+        if spec.region and not spec.cloud:  # SkyPilot's regions belong to a cloud (Modal's do not)
+            raise InvalidArgument("region= needs cloud= too (e.g. cloud='aws', region='us-east-1')", field="region")
         if idle_minutes < 0:
             raise InvalidArgument(f"idle_minutes must be 0 or more, not {idle_minutes}", field="idle_minutes")
         if spec.image is not None and not str(spec.image).startswith("docker:"):

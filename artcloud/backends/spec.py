@@ -55,8 +55,6 @@ class SandboxSpec:
         if self.startup_timeout is None:
             raise InvalidArgument("startup_timeout must be a duration, e.g. '30m'", field="startup_timeout")
         check_s3_url(self.s3)
-        if self.region and not self.cloud:
-            raise InvalidArgument("region= needs cloud= too (e.g. cloud='aws', region='us-east-1')", field="region")
         if self.disk is not None and (isinstance(self.disk, bool) or not isinstance(self.disk, int) or self.disk < 10):
             raise InvalidArgument(f"disk is a whole number of GB, 10 or more, not {self.disk!r}", field="disk")
         if self.engine not in ENGINES:
