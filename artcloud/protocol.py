@@ -23,6 +23,9 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonS
 from artcloud.errors import InvalidArgument
 from artcloud.types import FiniteFloat, LoraConfig, Seed, TrainConfig
 
+# The server's engines (artcloud serve --engine); a client checks a name against these before it launches anything.
+ENGINES = ("auto", "cpu", "vllm", "vllm+unsloth", "vllm+peft")
+
 # ---------------------------------------------------------------------------------------------- models
 
 

@@ -15,14 +15,13 @@ DeprecationWarning, through `renamed`.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from artcloud.backends.state import check_name
 from artcloud.durations import parse_duration
-from artcloud.errors import InvalidArgument, WrongType, check_s3_url
-
-# The server's engines (artcloud serve --engine): checked here too, so a typo fails before a machine is paid for.
-ENGINES = ("auto", "cpu", "vllm", "vllm+unsloth", "vllm+peft")
+from artcloud.errors import InvalidArgument, check_s3_url
+from artcloud.protocol import ENGINES  # checked here too: a typo fails before a machine is paid for
 
 
 @dataclass(frozen=True)
@@ -65,22 +64,15 @@ class SandboxSpec:
                                   field="engine_args")
         put("env", {str(k): str(v) for k, v in (self.env or {}).items()})
         if self.name is not None:
-            from artcloud.backends.state import check_name
-
             check_name(self.name)
 
 
 def renamed(old: Mapping[str, Any], names: Mapping[str, str], owner: str) -> dict[str, Any]:
-    """{new name: value} for the old spellings in `old`, each with a DeprecationWarning naming the new one; an
-    unknown keyword is a TypeError, as Python gives for a signature."""
+    """{new name: value} for the old spellings in `old` (keys of `names`), each with a DeprecationWarning naming
+    the new one."""
     new: dict[str, Any] = {}
     for key, value in old.items():
-        if key not in names:
-            raise WrongType(f"{owner}() got an unexpected keyword argument {key!r}")
         warnings.warn(f"{owner}({key}=...) is now {names[key]}=..., the same name on every backend; {key}= goes "
                       "in the next release", DeprecationWarning, stacklevel=3)
         new[names[key]] = value
     return new
-
-
-SPEC_FIELDS = tuple(f.name for f in fields(SandboxSpec))

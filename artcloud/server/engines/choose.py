@@ -44,11 +44,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from artcloud.errors import InvalidArgument
+from artcloud.protocol import ENGINES
 from artcloud.server.engines.engine import Engine, EngineArgsError
 
 log = logging.getLogger("artcloud.engine")
 
-KINDS = ("auto", "cpu", "vllm", "vllm+unsloth", "vllm+peft")
 TRAINER_ARGS = {"load_in_4bit", "max_seq_length"}  # engine_args keys for the trainer; the rest go to vLLM
 # Set by artcloud itself: vLLM listens on loopback with its own key and serves what the server asks for.
 RESERVED_ARGS = {"model", "host", "port", "api_key", "served_model_name", "enable_lora", "return_tokens_as_token_ids",
@@ -214,8 +214,8 @@ def _cpu_only(engine_args: dict[str, Any] | None, why: str) -> dict[str, Any]:
 def engine_factory(kind: str, *, workdir: Path, engine_args: dict[str, Any] | None = None,
                    vllm_python: str | None = None) -> Callable[[str], Engine]:
     """A function base_model -> Engine for `--engine KIND`, after one log line saying what and why."""
-    if kind not in KINDS:
-        raise InvalidArgument(f"unknown engine {kind!r}: choose one of {', '.join(KINDS)}")
+    if kind not in ENGINES:
+        raise InvalidArgument(f"unknown engine {kind!r}: choose one of {', '.join(ENGINES)}")
     check_engine_args(engine_args or {}, from_client=False)
 
     if kind == "cpu":
