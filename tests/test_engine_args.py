@@ -17,7 +17,7 @@ import pytest
 from conftest import TINY
 
 import artcloud
-from artcloud.backends.remote import engine_args_env
+from artcloud.backends.spec import SandboxSpec
 from artcloud.server.engines.choose import check_engine_args
 
 MESSAGES = [{"role": "user", "content": "Tell me something."}]  # 43 tokens with tiny-random's default system prompt
@@ -147,7 +147,7 @@ def test_serve_reads_engine_args_from_the_flag_or_the_environment_and_says_what_
     assert r.returncode != 0 and "--engine-args is not JSON" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run(base + ["--engine-args", "[1]"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "must be a JSON object" in r.stderr
-    env = {**__import__("os").environ, **engine_args_env({"port": 9})}
+    env = {**__import__("os").environ, **SandboxSpec(engine_args={"port": 9}).engine_env()}
     r = subprocess.run(base + ["--engine", "vllm"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode != 0 and "'port' is set by artcloud" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run(base + ["--vllm-python", str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
@@ -157,8 +157,9 @@ def test_serve_reads_engine_args_from_the_flag_or_the_environment_and_says_what_
 def test_backends_hand_engine_args_to_the_server_they_start(tmp_path):
     from artcloud.backends.local import LocalBackend
 
-    assert json.loads(engine_args_env({"max_model_len": 8192})["ARTCLOUD_ENGINE_ARGS"]) == {"max_model_len": 8192}
-    assert engine_args_env(None) == {}
+    assert json.loads(SandboxSpec(engine_args={"max_model_len": 8192}).engine_env()["ARTCLOUD_ENGINE_ARGS"]) == {
+        "max_model_len": 8192}
+    assert SandboxSpec().engine_env() == {}
     local = LocalBackend(tmp_path, engine="vllm", engine_args={"max_model_len": 8192})
     assert local.engine_env == {"ARTCLOUD_ENGINE_ARGS": '{"max_model_len": 8192}'}
     with pytest.raises(ValueError, match="engine_args must be a dict"):

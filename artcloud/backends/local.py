@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from artcloud.backends.remote import ArtcloudError, ServerGone, engine_args_env
+from artcloud.backends.remote import ArtcloudError, ServerGone
 from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
 from artcloud.backends.spec import SandboxSpec
 from artcloud.tls import make_launch_secrets
@@ -105,7 +105,7 @@ class LocalBackend(SandboxBackend):
         self._offset = 0  # where this start's lines begin in the (appended) log
         self.log_level = log_level
         self.engine, self.s3 = spec.engine, spec.s3
-        self.engine_env = engine_args_env(spec.engine_args)
+        self.engine_env = spec.engine_env()
         self.lease_s, self.max_duration_s = spec.lease, spec.max_duration
         self._secrets = make_launch_secrets()
         kwargs.setdefault("heartbeat_every_s", heartbeat_every(self.lease_s))

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 from artcloud._version import __version__
 from artcloud.backends.deps import require
 from artcloud.backends.launch import check_s3, user_secrets
-from artcloud.backends.remote import ArtcloudError, ServerGone, engine_args_env
+from artcloud.backends.remote import ArtcloudError, ServerGone
 from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
 from artcloud.backends.spec import SandboxSpec, renamed
 from artcloud.backends.state import SandboxRecord, StateDir
@@ -215,7 +215,7 @@ class ModalBackend(SandboxBackend):
         self.gpu, self.app_name, self.s3, self.image, self.engine = spec.gpu, app_name, spec.s3, spec.image, spec.engine
         self.name = spec.name or f"artcloud-{_secrets.token_hex(3)}"
         self.cpu, self.memory, self.region, self.keep = cpu, memory, spec.region, spec.keep
-        self.env = {**spec.env, **engine_args_env(spec.engine_args)}
+        self.env = {**spec.env, **spec.engine_env()}
         self._user_secrets = spec.secrets
         self.state = StateDir(Path(state_dir) if state_dir is not None else None)
         self.sandbox_id: str | None = None

@@ -42,16 +42,6 @@ FINAL_PUSH_WAIT_S = FINAL_PUSH_DEADLINE_S + 60.0
 REGISTER_TIMEOUT_S = 1800.0
 
 
-def engine_args_env(engine_args: Mapping[str, Any] | None) -> dict[str, str]:
-    """How a backend hands its engine_args to the server it starts: ARTCLOUD_ENGINE_ARGS (JSON), which
-    `artcloud serve` reads like --engine-args. Not a secret: it holds sizes and switches."""
-    if not engine_args:
-        return {}
-    if not isinstance(engine_args, Mapping) or not all(isinstance(k, str) for k in engine_args):
-        raise InvalidArgument("engine_args must be a dict of vLLM settings, e.g. {'max_model_len': 8192}")
-    return {"ARTCLOUD_ENGINE_ARGS": json.dumps(dict(engine_args), sort_keys=True)}
-
-
 class VersionMismatch(ArtcloudError):
     """The server runs another artcloud version than this client; the message says which to install."""
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from artcloud.backends.launch import check_s3, user_secrets
-from artcloud.backends.remote import ArtcloudError, ServerGone, engine_args_env
+from artcloud.backends.remote import ArtcloudError, ServerGone
 from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
 from artcloud.backends.sky_api import ClusterInfo, GPUOffer, Launched, SkyAPI, sky_api
 from artcloud.backends.sky_task import SECRET_NAMES, SERVER_PORT, ServerTask, build_task, describe
@@ -226,7 +226,7 @@ class SkyBackend(SandboxBackend):
         self.idle_minutes = int(idle_minutes)
         self.lease_s, self.max_duration_s, self.startup_timeout_s = spec.lease, spec.max_duration, spec.startup_timeout
         self.s3, self.image, self.disk_size, self.engine = spec.s3, spec.image, spec.disk, spec.engine
-        self.env = {**spec.env, **engine_args_env(spec.engine_args)}
+        self.env = {**spec.env, **spec.engine_env()}
         self._user_secrets = spec.secrets
         self.keep = spec.keep
         self.retry_until_up = retry_until_up

@@ -14,6 +14,7 @@ DeprecationWarning, through `renamed`.
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -65,6 +66,14 @@ class SandboxSpec:
         put("env", {str(k): str(v) for k, v in (self.env or {}).items()})
         if self.name is not None:
             check_name(self.name)
+
+
+    def engine_env(self) -> dict[str, str]:
+        """How a backend hands engine_args to the server it starts: ARTCLOUD_ENGINE_ARGS (JSON), which `artcloud
+        serve` reads like --engine-args. Not a secret: it holds sizes and switches."""
+        if not self.engine_args:
+            return {}
+        return {"ARTCLOUD_ENGINE_ARGS": json.dumps(dict(self.engine_args), sort_keys=True)}
 
 
 def renamed(old: Mapping[str, Any], names: Mapping[str, str], owner: str) -> dict[str, Any]:
