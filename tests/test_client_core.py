@@ -7,6 +7,8 @@ import asyncio
 import json
 import logging
 
+import pytest
+
 import artcloud
 from artcloud.backends.sky import SkyBackend
 from artcloud.backends.state import StateDir
@@ -64,11 +66,10 @@ def test_a_launch_by_another_live_process_is_not_taken_for_gone(sky_env, monkeyp
     parent = {"host": __import__("socket").gethostname(), "pid": __import__("os").getppid()}
     state.save(SandboxRecord(name="busy", provider="sky", launcher=parent), ca_cert="ca", token="t" * 32)
     recording(monkeypatch)
-    backend = SkyBackend(cluster_name="busy")
-    try:
+    backend = SkyBackend(name="busy")
+    with pytest.raises(artcloud.ArtcloudError) as caught:
         asyncio.run(backend.start())
-    except artcloud.ArtcloudError as e:
-        error = e
+    error = caught.value
     assert error.code == "name_taken" and f"being launched by process {parent['pid']}" in str(error)
     assert "launch" not in [c["call"] for c in read_calls(sky_env)]
     assert state.load("busy").state == "launching" and state.credentials("busy") == ("ca", "t" * 32)
