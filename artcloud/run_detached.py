@@ -14,7 +14,7 @@ import secrets
 import time
 from typing import Any
 
-from artcloud.run import EXIT_LAUNCH, EXIT_OK, Ending, RunError, Runner, RunOptions
+from artcloud.runner import EXIT_LAUNCH, EXIT_OK, Ending, RunError, Runner, RunOptions
 
 
 def inner_args(opts: RunOptions, name: str, launched_at: float, price: float | None) -> list[str]:

@@ -316,7 +316,7 @@ def test_progress_snapshots_read_the_models_from_the_authenticated_status(tmp_pa
     import asyncio
 
     import artcloud
-    from artcloud.run import Runner, RunOptions
+    from artcloud.runner import Runner, RunOptions
 
     async def main():
         async with artcloud.LocalBackend(path=tmp_path / "local") as backend:

@@ -1,4 +1,4 @@
-"""`artcloud run SCRIPT`: scheduled training jobs (CI, cron) with teardown guaranteed. See artcloud/run.py."""
+"""`artcloud run SCRIPT`: scheduled training jobs (CI, cron) with teardown guaranteed. See artcloud/runner.py."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def run(
       artcloud run train.py --backend modal --gpu H100 --s3 s3://my-bucket/runs --detach
     """
     from artcloud.durations import parse_duration
-    from artcloud.run import RunError, Runner, RunOptions
+    from artcloud.runner import RunError, Runner, RunOptions
 
     try:
         opts = RunOptions(

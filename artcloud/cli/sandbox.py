@@ -377,7 +377,7 @@ def down(
     """
     from artcloud.backends.providers import sandboxes
     from artcloud.backends.state import StateDir
-    from artcloud.run import EXIT_PUSH_UNCONFIRMED
+    from artcloud.runner import EXIT_PUSH_UNCONFIRMED
 
     state = StateDir()
     if all_ and names:

@@ -36,7 +36,7 @@ from typing import Any, Callable
 from artcloud.durations import format_duration
 from artcloud.errors import ArtcloudError
 
-log = logging.getLogger("artcloud.run")
+log = logging.getLogger("artcloud.runner")
 
 EXIT_OK = 0
 EXIT_USAGE = 2
