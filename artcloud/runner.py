@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from artcloud.durations import format_duration
-from artcloud.errors import ArtcloudError
+from artcloud.errors import ArtcloudError, check_s3_url
 
 log = logging.getLogger("artcloud.runner")
 
@@ -99,8 +99,7 @@ class RunOptions:
                            "(see modal.com/pricing for your GPU)")
         if self.spot and self.backend != "sky":
             raise RunError("--spot is for --backend sky (Modal has no spot machines to ask for)")
-        if self.s3 and not (self.s3.startswith("s3://") and len(self.s3) > 5):
-            raise RunError(f"--s3 must look like s3://BUCKET/PREFIX, not {self.s3!r}")
+        check_s3_url(self.s3 or None, what="--s3")  # InvalidArgument, a ValueError: `artcloud run` says it in one line
 
 
 @dataclass
