@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from artcloud import tls
-from artcloud.protocol import Event
 from artcloud.server.jobs import JobStore, request_hash
+from artcloud.wire import Event
 
 # ------------------------------------------------------------------------------------------ jobs
 

@@ -69,11 +69,11 @@ def test_final_pushes_of_every_model_run_at_once(path):
 def test_the_final_push_deadline_is_the_pushers_bound_and_defined_once():
     import inspect
 
-    from artcloud import protocol
+    from artcloud import wire
     from artcloud.server import pusher
 
-    assert protocol.FINAL_PUSH_DEADLINE_S == 600.0
-    assert inspect.signature(pusher.Pusher.flush).parameters["timeout"].default == protocol.FINAL_PUSH_DEADLINE_S
+    assert wire.FINAL_PUSH_DEADLINE_S == 600.0
+    assert inspect.signature(pusher.Pusher.flush).parameters["timeout"].default == wire.FINAL_PUSH_DEADLINE_S
     assert not hasattr(pusher, "FLUSH_TIMEOUT_S")
 
 

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping
 from artcloud.backends.state import check_name
 from artcloud.durations import parse_duration
 from artcloud.errors import InvalidArgument, check_s3_url
-from artcloud.protocol import ENGINES  # checked here too: a typo fails before a machine is paid for
+from artcloud.wire import ENGINES  # checked here too: a typo fails before a machine is paid for
 
 
 @dataclass(frozen=True)

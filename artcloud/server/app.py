@@ -31,27 +31,18 @@ from typing import Any
 from fastapi import FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from artcloud import wire
 from artcloud._version import __version__
-from artcloud.protocol import (
-    NAME_PATTERN,
-    ChatCompletionRequest,
-    PruneRequest,
-    RegisterRequest,
-    TemperatureRequest,
-    TrainRequest,
-)
-from artcloud.server import chat, chat_stream, history, schemas
+from artcloud.server import chat, chat_stream
 from artcloud.server.engines.base import GenerationRequest, SamplingParams
-from artcloud.server.errors import ApiError, field_path
+from artcloud.server.errors import ApiError, errors, field_path
 from artcloud.server.jobs import Job, request_hash
 from artcloud.server.middleware import BodyLimit, TokenAuth
 from artcloud.server.registry import Registry
 from artcloud.server.samples import build_samples
-from artcloud.server.schemas import errors
 
 log = logging.getLogger("artcloud.server")
 
@@ -59,7 +50,7 @@ DEFAULT_MAX_TOKENS = 256
 JOB_ID_PATTERN = r"^job-[0-9a-f]{20}$"
 
 # Path parameters, with the same rules as the bodies that create them (so the schema says what exists).
-ModelName = Path(pattern=NAME_PATTERN, max_length=128, description="the model's name, as registered")
+ModelName = Path(pattern=wire.NAME_PATTERN, max_length=128, description="the model's name, as registered")
 JobId = Path(pattern=JOB_ID_PATTERN, description="a job id, as POST /artcloud/models/{name}/train answered")
 
 # OpenAPI links: what a register or a training POST answers feeds the routes that take its name or job.
@@ -74,11 +65,13 @@ _JOB_LINKS = {
 }
 
 
-class ShutdownRequest(BaseModel):
-    # Here rather than in artcloud.protocol: only the server and RemoteBackend.shutdown use it.
-    model_config = ConfigDict(extra="forbid")
-
-    wait_for_training_s: float = Field(0.0, ge=0.0, le=86_400.0, allow_inf_nan=False)
+# The 200 of a streamed request (stream=true), beside the JSON ChatCompletion: its chunks are described
+# in artcloud/server/chat_stream.py.
+CHAT_STREAM: dict[str, Any] = {
+    "description": "a ChatCompletion; with stream=true, Server-Sent Events: `data: {chat.completion.chunk}` "
+                   "lines (each choice with the token_ids and logprobs of its delta), then `data: [DONE]`",
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}
 
 
 class NDJSONResponse(StreamingResponse):
@@ -108,13 +101,13 @@ def create_app(registry: Registry, token: str) -> FastAPI:
     app.add_middleware(TokenAuth, token=token, lease=registry.lease)
     _error_handlers(app)
 
-    @app.get("/health", operation_id="health", response_model=schemas.Health, response_model_exclude_none=True)
+    @app.get("/health", operation_id="health", response_model=wire.Health, response_model_exclude_none=True)
     async def health() -> dict[str, Any]:
         """Anyone may ask (load balancers, launchers waiting for the port): it says nothing private, and
         never renews the lease."""
         return registry.health()
 
-    @app.get("/artcloud/status", operation_id="status", response_model=schemas.Status)
+    @app.get("/artcloud/status", operation_id="status", response_model=wire.Status)
     async def status() -> dict[str, Any]:
         """Models, engines, the lease and the limits. Reading it does not renew the lease: a dashboard
         that polls keeps no GPU alive."""
@@ -126,7 +119,7 @@ def create_app(registry: Registry, token: str) -> FastAPI:
 
     # ------------------------------------------------------------------------------------- OpenAI
 
-    @app.get("/v1/models", operation_id="list_models", response_model=schemas.ModelList)
+    @app.get("/v1/models", operation_id="list_models", response_model=wire.ModelList)
     async def list_models() -> dict[str, Any]:
         data = []
         for m in registry.models.values():
@@ -135,7 +128,7 @@ def create_app(registry: Registry, token: str) -> FastAPI:
             data.append({"id": base, "object": "model", "owned_by": "artcloud", "root": base})
         return {"object": "list", "data": data}
 
-    @app.get("/v1/models/{model_id:path}", operation_id="get_model", response_model=schemas.ModelCard,
+    @app.get("/v1/models/{model_id:path}", operation_id="get_model", response_model=wire.ModelCard,
              responses=errors(400, 404, 503))
     async def get_model(model_id: str) -> dict[str, Any]:
         target = registry.resolve(model_id)
@@ -144,9 +137,9 @@ def create_app(registry: Registry, token: str) -> FastAPI:
         m = target.model
         return {"id": model_id, "object": "model", "owned_by": m.spec.project, "root": m.spec.base_model, "step": m.step}
 
-    @app.post("/v1/chat/completions", operation_id="chat_completions", response_model=schemas.ChatCompletion,
-              responses={200: schemas.CHAT_STREAM, **errors(400, 404, 503)})
-    async def chat_completions(req: ChatCompletionRequest) -> Any:
+    @app.post("/v1/chat/completions", operation_id="chat_completions", response_model=wire.ChatCompletion,
+              responses={200: CHAT_STREAM, **errors(400, 404, 503)})
+    async def chat_completions(req: wire.ChatCompletionRequest) -> Any:
         began = time.monotonic()
         if req.stream_options is not None and not req.stream:
             raise ApiError(400, "invalid_request", "stream_options is only allowed with stream=true", "stream_options")
@@ -197,7 +190,7 @@ def create_app(registry: Registry, token: str) -> FastAPI:
             tokenizer=engine.tokenizer, want_logprobs=want_logprobs, want_token_ids=req.return_token_ids,
             parse_tools=bool(req.tools))
 
-    @app.post("/artcloud/heartbeat", operation_id="heartbeat", response_model=schemas.Heartbeat)
+    @app.post("/artcloud/heartbeat", operation_id="heartbeat", response_model=wire.Heartbeat)
     async def heartbeat() -> dict[str, Any]:
         """A client's sign of life (any authenticated request counts too): the server's lease."""
         return {"ok": True, "version": __version__, "last_request_at": time.time()}  # this request renewed it
@@ -205,31 +198,31 @@ def create_app(registry: Registry, token: str) -> FastAPI:
     # ------------------------------------------------------------------------------------- models
 
     @app.post("/artcloud/models", operation_id="register_model",
-              response_model=schemas.Registered | schemas.PromptedRegistered,
+              response_model=wire.Registered | wire.PromptedRegistered,
               responses={200: {"links": _MODEL_LINKS}, **errors(400, 409, 503)})
-    async def register(spec: RegisterRequest) -> dict[str, Any]:
+    async def register(spec: wire.RegisterRequest) -> dict[str, Any]:
         return await registry.register(spec)
 
     @app.get("/artcloud/models/{name}", operation_id="get_model_info",
-             response_model=schemas.ModelInfo | schemas.PromptedInfo, responses=errors(400, 404, 503))
+             response_model=wire.ModelInfo | wire.PromptedInfo, responses=errors(400, 404, 503))
     async def model_info(name: str = ModelName) -> dict[str, Any]:
         return registry.with_history(name).info()
 
-    @app.put("/artcloud/models/{name}/temperature", operation_id="set_temperature", response_model=schemas.Temperature,
+    @app.put("/artcloud/models/{name}/temperature", operation_id="set_temperature", response_model=wire.Temperature,
              responses=errors(400, 404, 503))
-    async def set_temperature(body: TemperatureRequest, name: str = ModelName) -> dict[str, Any]:
+    async def set_temperature(body: wire.TemperatureRequest, name: str = ModelName) -> dict[str, Any]:
         model = registry.get(name)
         model.temperature = body.temperature
         return {"name": name, "temperature": model.temperature}
 
     @app.post("/artcloud/models/{name}/checkpoints/prune", operation_id="prune_checkpoints",
-              response_model=schemas.Pruned, responses=errors(400, 404, 503))
-    async def prune_checkpoints(body: PruneRequest, name: str = ModelName) -> dict[str, Any]:
+              response_model=wire.Pruned, responses=errors(400, 404, 503))
+    async def prune_checkpoints(body: wire.PruneRequest, name: str = ModelName) -> dict[str, Any]:
         return await registry.trainer(name).prune(body.best_metric)
 
-    @app.post("/artcloud/models/{name}/log", operation_id="log_metrics", response_model=history.HistoryRecord,
+    @app.post("/artcloud/models/{name}/log", operation_id="log_metrics", response_model=wire.HistoryRecord,
               responses=errors(400, 404, 409, 503))
-    async def log_metrics(body: history.LogRequest, name: str = ModelName) -> dict[str, Any]:
+    async def log_metrics(body: wire.LogRequest, name: str = ModelName) -> dict[str, Any]:
         """Record a split's metrics (model.log's aggregates of its trajectories, and the user's own) for a step,
         by default the model's current one (a prompted model's: 0; its records may name any step). The record
         joins the history that GET /artcloud/models/{name} answers and the history.jsonl and reward.svg beside the
@@ -238,12 +231,12 @@ def create_app(registry: Registry, token: str) -> FastAPI:
 
     # ------------------------------------------------------------------------------------- training
 
-    @app.post("/artcloud/models/{name}/train", status_code=202, operation_id="train", response_model=schemas.JobSummary,
-              responses={202: {"links": _JOB_LINKS}, 200: {"model": schemas.JobSummary, "links": _JOB_LINKS,
+    @app.post("/artcloud/models/{name}/train", status_code=202, operation_id="train", response_model=wire.JobSummary,
+              responses={202: {"links": _JOB_LINKS}, 200: {"model": wire.JobSummary, "links": _JOB_LINKS,
                                                             "description": "a retried POST: the job its key started"},
                          **errors(400, 404, 409, 429, 503)})
     async def train(
-        req: TrainRequest, name: str = ModelName,
+        req: wire.TrainRequest, name: str = ModelName,
         idempotency_key: str | None = Header(None, alias="Idempotency-Key", min_length=1, max_length=200),
     ) -> JSONResponse:
         trainer = registry.trainer(name)
@@ -268,7 +261,7 @@ def create_app(registry: Registry, token: str) -> FastAPI:
             trainer.submit(job, samples, stats, req.config)
         return _job_response(job, 202)
 
-    @app.get("/artcloud/jobs/{job_id}", operation_id="get_job", response_model=schemas.JobSummary,
+    @app.get("/artcloud/jobs/{job_id}", operation_id="get_job", response_model=wire.JobSummary,
              responses=errors(400, 404))
     async def job_status(job_id: str = JobId) -> dict[str, Any]:
         return registry.find_job(job_id).summary()
@@ -294,9 +287,9 @@ def create_app(registry: Registry, token: str) -> FastAPI:
 
     # ------------------------------------------------------------------------------------- shutdown
 
-    @app.post("/artcloud/shutdown", operation_id="shutdown", response_model=schemas.ShutdownAnswer,
+    @app.post("/artcloud/shutdown", operation_id="shutdown", response_model=wire.ShutdownAnswer,
               responses=errors(400))
-    async def shutdown(body: ShutdownRequest | None = None) -> JSONResponse:
+    async def shutdown(body: wire.ShutdownRequest | None = None) -> JSONResponse:
         """From now on training POSTs get 409 shutting_down. Waits up to wait_for_training_s for queued and
         running jobs, pushes every model's newest committed checkpoint to S3, answers, and only then asks
         the process to exit (the lifespan exit releases the S3 claims). Calling it again is harmless."""

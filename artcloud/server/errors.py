@@ -10,6 +10,8 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
+from artcloud.wire import ErrorBody
+
 
 class ApiError(HTTPException):
     """An HTTPException, so that FastAPI passes it through untouched even from inside its body reader
@@ -58,3 +60,20 @@ def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
         else:
             out += ("." if out else "") + str(part)
     return out
+
+
+# OpenAPI: what each error status of a route means.
+_ERRORS = {
+    400: "the request is invalid: `field` names the part at fault",
+    401: "no bearer token, or the wrong one",
+    404: "no such model, step, job or route",
+    409: "conflicts with the server's state (a model registered differently, a server shutting down, a limit)",
+    413: "the request body is over artcloud serve --max-body-mb",
+    429: "too many training jobs waiting for this model (artcloud serve --max-queued-jobs)",
+    503: "the server is still loading its models (GET /health says ready), or its sampler process restarts",
+}
+
+
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries for these error statuses, all shaped as ErrorBody."""
+    return {code: {"model": ErrorBody, "description": _ERRORS[code]} for code in codes}

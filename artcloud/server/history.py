@@ -39,43 +39,16 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from artcloud.wire import MAX_METRICS, RESERVED, LogRequest
 
 log = logging.getLogger("artcloud.server")
 
 HISTORY_FILE = "history.jsonl"
 PLOT_FILE = "reward.svg"
-SPLIT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
-METRIC_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,127}$"
-RESERVED = ("step", "split", "time", "source", "job_id")
-MAX_METRICS = 64  # per logged record
 MAX_RECORDS = 20_000  # per model; logging beyond it is refused (409), a training step still records
 MAX_HISTORY_BYTES = 64 << 20  # a history.jsonl read from disk or S3
-
-MetricName = Annotated[str, StringConstraints(pattern=METRIC_PATTERN)]
-
-
-class LogRequest(BaseModel):
-    """POST /artcloud/models/{name}/log: one split's metrics at a step (what `model.log` sends)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    split: str = Field("val", pattern=SPLIT_PATTERN, description="e.g. val, train, test")
-    step: int | None = Field(None, ge=0, lt=2**53, description="the step the metrics describe; default: the model's step")
-    metrics: dict[MetricName, Annotated[float, Field(strict=True, allow_inf_nan=False)]] = Field(
-        default_factory=dict, max_length=MAX_METRICS,
-        description=f"finite numbers by name; not {', '.join(RESERVED)}")
-
-
-class HistoryRecord(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    step: int
-    split: str
-    time: float
-    source: str
 
 
 def training_record(step: int, job_id: str, stats: dict[str, Any], steps: list[dict[str, Any]], seconds: float) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from artcloud.errors import WrongState
-from artcloud.protocol import Event
+from artcloud.wire import Event
 
 log = logging.getLogger("artcloud.server")
 

@@ -16,11 +16,11 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from artcloud.protocol import RegisterRequest
 from artcloud.server.batching import Batcher, RWLock
 from artcloud.server.engines.engine import Engine
 from artcloud.server.errors import ApiError
 from artcloud.storage import checkpoints
+from artcloud.wire import RegisterRequest
 
 if TYPE_CHECKING:
     from artcloud.server.weights import BaseWeights

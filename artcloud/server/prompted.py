@@ -15,11 +15,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from artcloud.protocol import RegisterRequest
 from artcloud.server import history
 from artcloud.server.errors import ApiError
 from artcloud.server.pusher import Pusher
 from artcloud.storage.s3 import StorageError
+from artcloud.wire import LogRequest, RegisterRequest
 
 log = logging.getLogger("artcloud.server")
 
@@ -52,7 +52,7 @@ class PromptedModel:
         self.history = records
         return local is not None or remote is not None
 
-    async def log(self, req: history.LogRequest) -> dict[str, Any]:
+    async def log(self, req: LogRequest) -> dict[str, Any]:
         reserved = history.reserved_metric(req)
         if reserved is not None:
             raise ApiError(400, "invalid_request", f"metrics.{reserved}: '{reserved}' is a field of every history record, "

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from artcloud.errors import TimedOut
-from artcloud.protocol import FINAL_PUSH_DEADLINE_S
 from artcloud.storage.s3 import CheckpointStore, ClaimLost, StorageError
+from artcloud.wire import FINAL_PUSH_DEADLINE_S
 
 log = logging.getLogger("artcloud.server")
 

@@ -19,13 +19,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from artcloud._version import __version__
-from artcloud.protocol import RegisterRequest
 from artcloud.server.batching import Batcher
 from artcloud.server.engines.base import Completion, GenerationRequest, SamplerUnavailable
 from artcloud.server.engines.choose import engine_factory
 from artcloud.server.engines.engine import Engine
 from artcloud.server.errors import ApiError
-from artcloud.server.history import LogRequest
 from artcloud.server.lease import Lease
 from artcloud.server.lifecycle import Lifecycle
 from artcloud.server.limits import Limits
@@ -37,6 +35,7 @@ from artcloud.server.training import ModelTrainer, Retention
 from artcloud.server.weights import BaseWeights
 from artcloud.storage import checkpoints
 from artcloud.storage.s3 import CheckpointStore
+from artcloud.wire import LogRequest, RegisterRequest
 
 log = logging.getLogger("artcloud.server")
 

@@ -14,11 +14,11 @@ import math
 import statistics
 from typing import Any, NamedTuple
 
-from artcloud.protocol import Choice, TrainRequest, WireHistory, WireTrajectory
 from artcloud.server import chat
 from artcloud.server.engines.base import TrainSample
 from artcloud.server.errors import ApiError
 from artcloud.train.grpo import group_advantages, logprob_temperature
+from artcloud.wire import Choice, TrainRequest, WireHistory, WireTrajectory
 
 # Advantages become float32 tensors: beyond this they are infinite there.
 _FLOAT32_MAX = 3.4028234663852886e38

@@ -32,6 +32,7 @@ from artcloud.server.pusher import CLAIM_TIMEOUT_S, Pusher
 from artcloud.storage import checkpoints
 from artcloud.storage.s3 import CheckpointStore, StorageError
 from artcloud.types import TrainConfig
+from artcloud.wire import LogRequest
 
 log = logging.getLogger("artcloud.server")
 
@@ -224,7 +225,7 @@ class ModelTrainer:
 
     # ------------------------------------------------------------------------------------- history
 
-    async def log(self, req: history.LogRequest) -> dict[str, Any]:
+    async def log(self, req: LogRequest) -> dict[str, Any]:
         """Record model.log's metrics for a step (default: the model's step); the history files follow."""
         model = self.model
         reserved = history.reserved_metric(req)

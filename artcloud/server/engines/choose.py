@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from artcloud.errors import InvalidArgument
-from artcloud.protocol import ENGINES
 from artcloud.server.engines.engine import Engine, EngineArgsError
+from artcloud.wire import ENGINES
 
 log = logging.getLogger("artcloud.engine")
 

@@ -1,4 +1,6 @@
-"""The HTTP protocol between a client and `artcloud serve`: request bodies, events and errors.
+"""The HTTP protocol between a client and `artcloud serve`, one module for both sides: request bodies, the
+answers' shapes, events and errors. It imports pydantic, the standard library and artcloud's own error and
+type modules only: the laptop client imports it (never fastapi, torch or artcloud.server).
 
 Chat completions follow OpenAI's shape. Additions carry what training needs: vLLM-style, the
 response's `prompt_token_ids` and each choice's `token_ids` (the exact sampled ids); and on each choice
@@ -12,16 +14,40 @@ Logprobs come unless a request says `logprobs: false`. A streamed response (`str
 same in its `chat.completion.chunk`s: each chunk's choice has the `token_ids` of its delta and their
 `logprobs.content`; the first chunk has `prompt_token_ids`, each choice's first chunk its `prompt_sha256`
 and `temperature` (artcloud.streaming.collect puts them back together into a choice to train on).
+
+Answers: the routes build plain dicts; FastAPI checks each against its model here (response_model), and
+the schema promises it, so a client (or a fuzzer: tests/test_fuzz.py) can hold the server to it, and a
+client reads an answer back with `parse`. Every answer model allows extra keys (`_Open`): the protocol may
+grow (OpenAI objects, metrics), and a key the model does not name is passed through, never dropped.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StringConstraints,
+    Tag,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+)
 
-from artcloud.errors import InvalidArgument
+from artcloud.errors import ArtcloudError, InvalidArgument
 from artcloud.types import FiniteFloat, LoraConfig, Seed, TrainConfig
+
+
+class _Open(BaseModel):
+    """An answer (or event): keys it does not name pass through."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+M = TypeVar("M", bound=BaseModel)
 
 # The server's engines (artcloud serve --engine); a client checks a name against these before it launches anything.
 ENGINES = ("auto", "cpu", "vllm", "vllm+unsloth", "vllm+peft")
@@ -227,12 +253,34 @@ class TrainRequest(BaseModel):
     idempotency_key: str | None = Field(None, min_length=1, max_length=200)
 
 
+# ---------------------------------------------------------------------------------------------- metrics
+
+SPLIT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+METRIC_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,127}$"
+RESERVED = ("step", "split", "time", "source", "job_id")
+MAX_METRICS = 64  # per logged record
+
+MetricName = Annotated[str, StringConstraints(pattern=METRIC_PATTERN)]
+
+
+class LogRequest(BaseModel):
+    """POST /artcloud/models/{name}/log: one split's metrics at a step (what `model.log` sends)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    split: str = Field("val", pattern=SPLIT_PATTERN, description="e.g. val, train, test")
+    step: int | None = Field(None, ge=0, lt=2**53, description="the step the metrics describe; default: the model's step")
+    metrics: dict[MetricName, Annotated[float, Field(strict=True, allow_inf_nan=False)]] = Field(
+        default_factory=dict, max_length=MAX_METRICS,
+        description=f"finite numbers by name; not {', '.join(RESERVED)}")
+
+
 # ---------------------------------------------------------------------------------------------- events
 
 EventType = Literal["queued", "start", "step", "end", "error"]
 
 
-class Event(BaseModel):
+class Event(_Open):
     """One line of a job's NDJSON event stream. `seq` is the cursor: read on with `?after=seq`."""
 
     seq: int
@@ -248,3 +296,232 @@ FINAL_PUSH_DEADLINE_S = 600.0
 """The longest the server's final pushes take, all models together (they run at once): POST /artcloud/shutdown
 answers within it (after any wait_for_training_s), and so does the lifespan exit's push. A client waiting for
 that answer derives its own wait from this (plus a margin for the answer to travel), never less."""
+
+
+class ShutdownRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    wait_for_training_s: float = Field(0.0, ge=0.0, le=86_400.0, allow_inf_nan=False)
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+
+class ErrorDetail(_Open):
+    code: str = Field(description="stable machine-readable code, e.g. invalid_request, model_not_found")
+    message: str = Field(description="what went wrong and what to do")
+    type: str
+    field: str | None = Field(None, description="the part of the request at fault, e.g. groups[0].trajectories[1].reward")
+    param: str | None = None
+
+
+class ErrorBody(_Open):
+    error: ErrorDetail
+
+
+class Progress(_Open):
+    done: int = Field(ge=0)
+    total: int = Field(ge=0)
+    unit: Literal["bytes"]
+
+
+class Health(_Open):
+    status: Literal["ok", "degraded"] = Field(description="degraded while a sampler process (vLLM) restarts")
+    version: str
+    ready: bool = Field(description="true once the models an earlier server left (and a --preload base model) are loaded")
+    detail: str | None = Field(None, description="what is degraded, and that it restarts by itself")
+    phase: Literal["installing", "starting", "fetching_weights", "loading_engine", "ready"] | None = Field(
+        None, description="what the server is doing: installing (before it exists), starting, fetching_weights, "
+        "loading_engine, ready (and back through fetching_weights / loading_engine when a new base model loads)")
+    phase_s: float | None = Field(None, ge=0, description="seconds in the current phase")
+    progress: Progress | None = Field(None, description="while fetching_weights: bytes done of total")
+    phases: dict[str, float] | None = Field(None, description="seconds spent so far in each phase before this one "
+                                            "(installing: from the install's own record), and first_rollout: how long "
+                                            "the first chat completion after ready took")
+    elapsed_s: float | None = Field(None, ge=0, description="installing: seconds since the install began")
+
+
+class S3Status(_Open):
+    uri: str
+    pushed_step: int | None
+    pushed_bytes: int
+    pending: bool
+    errors: int
+    last_error: str | None
+    claim_lost: str | None = Field(None, description="set when another server took the model over on S3")
+
+
+class ModelSummary(_Open):
+    name: str
+    project: str
+    base_model: str
+    step: int
+    training: bool
+    s3: S3Status | None
+
+
+class EngineSummary(_Open):
+    base_model: str
+    kind: str
+    batches: int = Field(description="engine calls made for chat completions (each may serve many requests)")
+    engine: str | None = Field(None, description="the sampler and trainer, e.g. 'vllm + unsloth'")
+    colocated: bool | None = Field(None, description="sampler and trainer take turns on one GPU")
+    turn: str | None = None
+    switches: int | None = None
+    sampler: dict[str, Any] | None = None
+
+
+class LeaseInfo(_Open):
+    lease_s: float | None
+    idle_s: float
+    in_flight: int
+    max_duration_s: float | None
+    uptime_s: float
+
+
+class Status(_Open):
+    version: str
+    ready: bool
+    models: list[ModelSummary]
+    engines: list[EngineSummary]
+    lease: LeaseInfo
+    limits: dict[str, float | int]
+
+
+class Heartbeat(_Open):
+    ok: bool
+    version: str
+    last_request_at: float
+
+
+class ModelInfo(_Open):
+    name: str
+    project: str
+    base_model: str
+    lora: LoraConfig
+    step: int
+    served_as: str = Field(description="NAME@STEP: what a chat request for NAME is answered by")
+    temperature: float
+    training: bool
+    checkpoints: list[int]
+    s3: S3Status | None
+    history: list[dict[str, Any]]
+
+
+class Registered(ModelInfo):
+    resumed: bool = Field(description="true when the model came back from a checkpoint (on disk or S3)")
+
+
+class PromptedInfo(_Open):
+    """A prompted model (registered with base_model null): served at its own endpoint, with a history here."""
+
+    name: str
+    project: str
+    base_model: None
+    prompted: Literal[True]
+    step: int = Field(description="always 0: a prompted model has no steps (its records may name any)")
+    s3: S3Status | None
+    history: list[dict[str, Any]]
+
+
+class PromptedRegistered(PromptedInfo):
+    resumed: bool = Field(description="true when its history came back (from this disk or S3)")
+
+
+class HistoryRecord(_Open):
+    """One record of a model's history (artcloud/server/history.py says which keys): what POST .../log answers."""
+
+    step: int
+    split: str
+    time: float
+    source: str
+
+
+class Temperature(_Open):
+    name: str
+    temperature: float
+
+
+class Pruned(_Open):
+    name: str
+    metric: str
+    best_step: int | None = Field(description="the best committed step by `metric` (kept); None when no "
+                                            "committed step has it")
+    kept: list[int]
+    deleted: list[int]
+    note: str | None = Field(None, description="why only the latest step was kept (no committed step has `metric`)")
+
+
+class JobSummary(_Open):
+    job_id: str
+    model: str
+    status: Literal["queued", "running", "succeeded", "failed"]
+    events: int
+    last_event: Event | None
+    created_at: float | None
+    events_url: str | None = None
+
+
+class ShutdownModel(ModelInfo):
+    error: str | None = Field(None, description="why the final push did not finish")
+
+
+class ShutdownAnswer(_Open):
+    ok: bool
+    models: list[ShutdownModel]
+
+
+# ---------------------------------------------------------------------------------------------- OpenAI
+
+
+class ModelCard(_Open):
+    id: str
+    object: Literal["model"]
+    owned_by: str
+    root: str
+    step: int | None = Field(None, description="a registered model's current step (absent for a base model)")
+
+
+class ModelList(_Open):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ChatMessage(_Open):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(_Open):
+    index: int
+    message: ChatMessage
+    finish_reason: Literal["stop", "length", "tool_calls"]
+    logprobs: dict[str, Any] | None
+    token_ids: list[int] | None = Field(None, description="the sampled token ids (what training needs)")
+
+
+class Usage(_Open):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(_Open):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str = Field(description="NAME@STEP that answered")
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_token_ids: list[int] | None = None
+
+
+def parse(model_cls: type[M], body: Any, what: str) -> M:
+    """`body` (a decoded JSON answer) as `model_cls`; an answer of another shape is no artcloud server's:
+    ArtcloudError code not_artcloud, one line naming `what` and the first field at fault."""
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "the body"
+        raise ArtcloudError(f"{what} is not an artcloud answer: {where}: {first['msg']}", code="not_artcloud") from None
