@@ -57,26 +57,12 @@ Give exactly one entry for each trajectory id you were shown, each id once. Ever
 """
 
 # The JSON schema for `response_format` (strict: every object closed, every field required).
-_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "scores": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": {
-                    "trajectory_id": {"type": "string"},
-                    "explanation": {"type": "string"},
-                    "score": {"type": "number"},
-                },
-                "required": ["trajectory_id", "explanation", "score"],
-                "additionalProperties": False,
-            },
-        }
-    },
-    "required": ["scores"],
-    "additionalProperties": False,
-}
+_SCORE_SCHEMA = {"type": "object", "required": ["trajectory_id", "explanation", "score"], "additionalProperties": False,
+                 "properties": {"trajectory_id": {"type": "string"}, "explanation": {"type": "string"},
+                                "score": {"type": "number"}}}
+_SCHEMA = {"type": "object", "required": ["scores"], "additionalProperties": False,
+           "properties": {"scores": {"type": "array", "items": _SCORE_SCHEMA}}}
+_NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "calls": 0}
 
 
 class RulerError(ArtcloudError):
@@ -339,8 +325,10 @@ async def _judge(
     judge = _client(client, base_url, api_key)
     messages = _judge_prompt(unique, tools, rubric)
     ids = [str(i) for i in range(1, len(unique) + 1)]
-    usage = {"prompt_tokens": 0, "completion_tokens": 0, "calls": 0}
+    usage = dict(_NO_USAGE)
     state = {"response_format": response_format}
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "extra_body": extra_body or None}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
 
     def wait(rs: Any) -> float:
         base = min(retry_wait_s * 2 ** (rs.attempt_number - 1), 60.0) * (0.5 + random.random() / 2)
@@ -348,20 +336,16 @@ async def _judge(
         return max(base, min(after, 60.0)) if after is not None else base
 
     async def once() -> list[RulerScore]:
-        kwargs: dict[str, Any] = {}
+        import openai
+
         if state["response_format"]:
             kwargs["response_format"] = {"type": "json_schema",
                                          "json_schema": {"name": "ruler_scores", "schema": _SCHEMA, "strict": True}}
-        if max_tokens is not None:
-            kwargs["max_tokens"] = max_tokens
-        if temperature is not None:
-            kwargs["temperature"] = temperature
-        if extra_body:
-            kwargs["extra_body"] = extra_body
-        import openai
-
+        else:
+            kwargs.pop("response_format", None)
         try:
-            response = await judge.chat.completions.create(model=judge_model, messages=messages, timeout=timeout, **kwargs)
+            response = await judge.chat.completions.create(model=judge_model, messages=messages, timeout=timeout,
+                                                           **kwargs)
         except openai.BadRequestError as e:
             if state["response_format"] and _names_response_format(e):
                 log.info("judge %s does not take response_format; asking for plain JSON instead", judge_model)
@@ -440,30 +424,20 @@ async def _score(
     temperature = temperature if temperature is not None else settings.get("temperature")
     plain = [[_plain(m) for m in messages] for messages in message_lists]
     if not plain:
-        return [], {"prompt_tokens": 0, "completion_tokens": 0, "calls": 0, "cache_hits": 0}
+        return [], {**_NO_USAGE, "cache_hits": 0}
     if any(not p for p in plain):
         raise InvalidArgument("every trajectory needs at least one message")
-    # Identical trajectories are judged once, and get the same score.
-    index: dict[str, int] = {}
-    unique: list[list[dict[str, Any]]] = []
-    which = []
-    for p in plain:
-        key = _canonical(p)
-        if key not in index:
-            index[key] = len(unique)
-            unique.append(p)
-        which.append(index[key])
-    tool_list: list[dict[str, Any]] = []
-    seen = set()
-    for t in tools or []:
-        if _canonical(t) not in seen:
-            seen.add(_canonical(t))
-            tool_list.append(t)
+    # Identical trajectories are judged once, and get the same score; identical tools are listed once.
+    keys = [_canonical(p) for p in plain]
+    by_key = dict(zip(keys, plain))  # in the order first seen
+    unique, index = list(by_key.values()), {k: i for i, k in enumerate(by_key)}
+    which = [index[k] for k in keys]
+    tool_list = list({_canonical(t): t for t in tools or []}.values())
 
     path = _cache_path(cache_dir, judge_model, rubric, unique, tool_list) if cache_dir is not None else None
     cached = _cache_read(path, len(unique)) if path is not None else None
     if cached is not None:
-        scores, usage = cached, {"prompt_tokens": 0, "completion_tokens": 0, "calls": 0, "cache_hits": 1}
+        scores, usage = cached, {**_NO_USAGE, "cache_hits": 1}
     else:
         scores, usage = await _judge(unique, tool_list, judge_model, rubric=rubric, client=client, base_url=base_url,
                                      api_key=api_key, timeout=timeout, max_attempts=max_attempts, retry_wait_s=retry_wait_s,
@@ -569,10 +543,8 @@ async def ruler_score_group(
         traj.reward = s.score
         traj.logs.append(f"RULER ({judge_model}) score {s.score:.3f}: {s.explanation}")
     metrics = out.metrics
-    metrics["ruler_prompt_tokens"] = metrics.get("ruler_prompt_tokens", 0) + usage["prompt_tokens"]
-    metrics["ruler_completion_tokens"] = metrics.get("ruler_completion_tokens", 0) + usage["completion_tokens"]
-    metrics["ruler_calls"] = metrics.get("ruler_calls", 0) + usage["calls"]
-    metrics["ruler_cache_hits"] = metrics.get("ruler_cache_hits", 0) + usage["cache_hits"]
+    for key, value in usage.items():  # prompt_tokens, completion_tokens, calls, cache_hits
+        metrics[f"ruler_{key}"] = metrics.get(f"ruler_{key}", 0) + value
     if price is not None:
         cost = (usage["prompt_tokens"] * price[0] + usage["completion_tokens"] * price[1]) / 1e6
         metrics["ruler_cost_usd"] = metrics.get("ruler_cost_usd", 0.0) + cost
