@@ -127,6 +127,13 @@ def api_error(status: int, message: str, *, code: str | None = None, field: str 
     return cls(message, code=code, field=field, status=status)
 
 
+def first_line(text: object, limit: int = 200) -> str:
+    """The first non-blank line of `text` (an exception's message, say), at most `limit` characters: a reason
+    that fits in one line of a status, a log or another error's message."""
+    line = str(text).strip().splitlines()[0] if str(text).strip() else ""
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
 def check_s3_url(s3: str | None, *, what: str = "s3") -> str | None:
     """`s3` as given when it is None or looks like s3://BUCKET/PREFIX; InvalidArgument (field `what`) otherwise."""
     if s3 is not None and not (s3.startswith("s3://") and len(s3) > 5):

@@ -170,17 +170,7 @@ async def gather_trajectory_groups(
     finally:
         current_tally.reset(token)
 
-    with state.bar:
-        try:
-            finished = await asyncio.gather(*tasks)
-        except BaseException as e:  # a failure, an after_each error, or our own cancellation
-            await cancel_and_wait(tasks)
-            if isinstance(e, Exception) and state.over_limit():
-                errors = state.errors
-                raise GatherError(
-                    f"{len(errors)} of {state.bar.total} rollouts failed (max_exceptions={max_exceptions}); the first: "
-                    f"{type(errors[0]).__name__}: {errors[0]}", errors) from e
-            raise
+    finished = await _settle(state, tasks, asyncio.gather(*tasks))
     return [g for out in finished for g in out]
 
 
@@ -224,15 +214,22 @@ async def gather_trajectories(
         tasks = [asyncio.ensure_future(t) for t in items]
     finally:
         current_tally.reset(token)
+    return await _settle(state, tasks, asyncio.gather(*(one(t) for t in tasks)))
+
+
+async def _settle(state: _State, tasks: list[asyncio.Future], everything: Awaitable[list[Any]]) -> list[Any]:
+    """Await `everything` (what gathers `tasks`) under the bar. Whatever ends it early (a failure too many, an
+    after_each error, our own cancellation) first cancels every task and waits for it to end."""
     with state.bar:
         try:
-            return await asyncio.gather(*(one(t) for t in tasks))
+            return await everything
         except BaseException as e:
             await cancel_and_wait(tasks)
             if isinstance(e, Exception) and state.over_limit():
-                raise GatherError(f"{len(state.errors)} of {len(items)} rollouts failed (max_exceptions="
-                                  f"{max_exceptions}); the first: {type(state.errors[0]).__name__}: {state.errors[0]}",
-                                  state.errors) from e
+                errors = state.errors
+                raise GatherError(f"{len(errors)} of {state.bar.total} rollouts failed (max_exceptions="
+                                  f"{state.max_exceptions}); the first: {type(errors[0]).__name__}: {errors[0]}",
+                                  errors) from e
             raise
 
 

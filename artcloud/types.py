@@ -154,12 +154,7 @@ def _from_art_names(data: dict[str, Any]) -> dict[str, Any]:
                 raise NotSupported(f"TrainConfig({key}={value!r}) is OpenPipe ART's and artcloud has no counterpart: "
                                    f"{instead}", field=key)
         elif key not in _ART_MET:
-            import difflib
-
-            close = difflib.get_close_matches(key, [*TrainConfig.model_fields, *_ART_ALIASES], n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise InvalidArgument(f"TrainConfig has no field {key!r}: {hint}its fields are "
-                                  f"{', '.join(TrainConfig.model_fields)}", field=key)
+            raise _no_field(TrainConfig, key, also=_ART_ALIASES)
     for alias, name in _ART_ALIASES.items():
         if alias in data and name in data and data[alias] is not None:
             raise InvalidArgument(f"TrainConfig got both {alias!r} and {name!r}, which are the same setting: pass one",
@@ -214,20 +209,24 @@ _ART_ONLY_FIELDS = {
 }
 
 
+def _no_field(cls: type[BaseModel], key: str, also: Iterable[str] = ()) -> InvalidArgument:
+    """The error for a keyword `cls` does not have, with a "did you mean" (among its fields and `also`) for a
+    typo: pydantic's own error would name the field, but not the fix."""
+    import difflib
+
+    close = difflib.get_close_matches(key, [*cls.model_fields, *also], n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return InvalidArgument(f"{cls.__name__} has no field {key!r}: {hint}its fields are {', '.join(cls.model_fields)}",
+                           field=key)
+
+
 def _check_fields(cls: type[BaseModel], data: dict[str, Any]) -> None:
-    """One line for a keyword `cls` does not have: what to write instead for an ART-only one, a "did you mean"
-    for a typo (pydantic's own error would name the field, but not the fix)."""
+    """One line for a keyword `cls` does not have: what to write instead for an ART-only one, else _no_field's."""
     for key in data:
-        if key in cls.model_fields:
-            continue
         if key in _ART_ONLY_FIELDS:
             raise NotSupported(f"{cls.__name__}({key}=...): {_ART_ONLY_FIELDS[key]}", field=key)
-        import difflib
-
-        close = difflib.get_close_matches(key, list(cls.model_fields), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise InvalidArgument(f"{cls.__name__} has no field {key!r}: {hint}its fields are {', '.join(cls.model_fields)}",
-                              field=key)
+        if key not in cls.model_fields:
+            raise _no_field(cls, key)
 
 
 def _wire_items(messages_and_choices: Iterable[Any]) -> list[Any]:
