@@ -125,25 +125,50 @@ def short_repr(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def check_header(manifest: Any, bad: Callable[[str], Exception], fmt: int = FORMAT) -> None:
+    """What a checkpoint's manifest and staged weights' share: a JSON object of format `fmt` whose
+    `created_at`, if any, is a number; else bad(what is wrong)."""
+    if not isinstance(manifest, dict):
+        raise bad(f"expected a JSON object, got {type(manifest).__name__}")
+    if manifest.get("format") != fmt:
+        raise bad(f"unknown format {short_repr(manifest.get('format'))} (this artcloud reads format {fmt})")
+    created = manifest.get("created_at")
+    if created is not None and (type(created) not in (int, float) or not math.isfinite(created)):
+        raise bad(f"'created_at' must be a number, not {short_repr(created)}")
+
+
+def check_file(bad: Callable[[str], Exception], label: str, name: str, meta: Any, seen: set[str]) -> int:
+    """One manifest entry (`label` names it in errors): `name` not listed before in `seen` ignoring case (a
+    case-insensitive disk, macOS, would merge the two), `meta` an object with an int `size` in
+    [0, MAX_FILE_SIZE) and a `sha256` of 64 lowercase hex digits. Returns the size."""
+    if name.casefold() in seen:
+        raise bad(f"{label} is listed twice (ignoring case)")
+    seen.add(name.casefold())
+    if not isinstance(meta, dict):
+        raise bad(f"{label} must be an object with size and sha256")
+    size, digest = meta.get("size"), meta.get("sha256")
+    if type(size) is not int or not 0 <= size < MAX_FILE_SIZE:  # type(), not isinstance: True is an int too
+        raise bad(f"{label}: 'size' must be an integer in [0, {MAX_FILE_SIZE}), not {short_repr(size)}")
+    if not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
+        raise bad(f"{label}: 'sha256' must be 64 lowercase hex digits, not {short_repr(digest)}")
+    return size
+
+
 def validate_manifest(manifest: Any, where: str, step: int | None = None) -> dict[str, Any]:
     """`manifest` (parsed JSON from disk or S3: untrusted) if it is a well-formed manifest of `step`.
 
     Checked completely before anything acts on it: the format; `step` an int >= 0 (equal to `step` when
     the caller knows it); `files` a dict of at most MAX_FILES entries, each named by one plain file name
-    (FILE_NAME, not the manifest itself) with `size` an int in [0, MAX_FILE_SIZE) and `sha256` 64
-    lowercase hex digits. Anything else raises CorruptCheckpoint with one line naming `where` (the file
-    or S3 key), the step and the bad entry."""
+    (FILE_NAME, not the manifest itself), see check_file. Anything else raises CorruptCheckpoint with one
+    line naming `where` (the file or S3 key), the step and the bad entry."""
     label = f"manifest {where}" + (f" (step {step})" if step is not None else "")
 
     def bad(what: str) -> CorruptCheckpoint:
         return CorruptCheckpoint(f"{label} is invalid: {what}; not loading it")
 
-    if not isinstance(manifest, dict):
-        raise bad(f"expected a JSON object, got {type(manifest).__name__}")
-    if manifest.get("format") != FORMAT:
-        raise bad(f"unknown manifest format {short_repr(manifest.get('format'))} (this artcloud reads format {FORMAT})")
+    check_header(manifest, bad)
     found = manifest.get("step")
-    if type(found) is not int or found < 0:  # type(), not isinstance: True is an int too
+    if type(found) is not int or found < 0:
         raise bad(f"'step' must be an integer >= 0, not {short_repr(found)}")
     if step is not None and found != step:
         raise bad(f"it says step {found}")
@@ -152,30 +177,13 @@ def validate_manifest(manifest: Any, where: str, step: int | None = None) -> dic
         raise bad(f"'files' must be an object, not {type(files).__name__}")
     if len(files) > MAX_FILES:
         raise bad(f"it lists {len(files)} files (at most {MAX_FILES})")
-    folded: set[str] = set()
+    seen: set[str] = set()
     for name, meta in files.items():
         if not FILE_NAME.fullmatch(name) or name == MANIFEST:
             raise bad(f"file name {short_repr(name)} is not one plain file name (letters, digits, '.', '_', '-'; "
                       "no folders, no leading dot)")
-        if name.casefold() in folded:  # two names one case-insensitive disk (macOS) would merge
-            raise bad(f"file name {short_repr(name)} is listed twice (ignoring case)")
-        folded.add(name.casefold())
-        if not isinstance(meta, dict):
-            raise bad(f"entry {name!r} must be an object with size and sha256")
-        size = meta.get("size")
-        if type(size) is not int or not 0 <= size < MAX_FILE_SIZE:
-            raise bad(f"entry {name!r}: 'size' must be an integer in [0, {MAX_FILE_SIZE}), not {short_repr(size)}")
-        digest = meta.get("sha256")
-        if not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
-            raise bad(f"entry {name!r}: 'sha256' must be 64 lowercase hex digits, not {short_repr(digest)}")
-    created = manifest.get("created_at")
-    if created is not None and (type(created) not in (int, float) or not math.isfinite(created)):
-        raise bad(f"'created_at' must be a number, not {short_repr(created)}")
+        check_file(bad, f"entry {name!r}", name, meta, seen)
     return manifest
-
-
-def _folder_step(folder: Path) -> int | None:
-    return int(folder.name) if STEP_NAME.fullmatch(folder.name) else None
 
 
 def read_manifest(folder: Path, step: int | None = None) -> dict[str, Any]:
@@ -190,7 +198,9 @@ def read_manifest(folder: Path, step: int | None = None) -> dict[str, Any]:
         manifest = json.loads(raw)
     except (OSError, ValueError) as e:
         raise CorruptCheckpoint(f"{folder}: no readable {MANIFEST} ({e})") from e
-    return validate_manifest(manifest, str(path), _folder_step(folder) if step is None else step)
+    if step is None and STEP_NAME.fullmatch(folder.name):
+        step = int(folder.name)
+    return validate_manifest(manifest, str(path), step)
 
 
 def verify(folder: Path, *, hashes: bool = True, step: int | None = None) -> dict[str, Any]:

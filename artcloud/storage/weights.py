@@ -45,7 +45,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -56,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from artcloud.storage.checkpoints import sha256_file
+from artcloud.storage.checkpoints import check_file, check_header, sha256_file
 from artcloud.storage.s3 import CheckpointStore, S3Config, StorageError, _check_free_space
 
 log = logging.getLogger("artcloud.storage")
@@ -68,7 +67,6 @@ MANIFEST = "manifest.json"
 LOCAL_MANIFEST = ".artcloud-weights.json"  # a pulled folder's copy of its manifest (hidden: loaders skip it)
 FORMAT = 1
 MAX_FILES = 4096
-MAX_FILE_SIZE = 1 << 40  # 1 TiB: far above any shard
 MAX_TOTAL_SIZE = 8 << 40  # 8 TiB: a 2T-parameter model in bf16 fits
 MAX_MANIFEST_BYTES = 4 << 20
 MAX_PATH_PARTS = 8
@@ -81,7 +79,6 @@ MODEL_ID = re.compile(rf"{_ID_PART}(/{_ID_PART})?")
 REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 # One part of a file's path: no leading dot (so no "." or ".." and no hidden files), no separators.
 PATH_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}")
-SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 MANIFEST_KEYS = {"format", "model", "revision", "commit", "created_at", "files"}
 FILE_KEYS = {"path", "size", "sha256"}
 
@@ -129,21 +126,15 @@ def validate_manifest(raw: Any, where: str, model: str, revision: str) -> dict[s
         return CorruptWeights(f"the weights manifest {where} is invalid: {what}; re-stage the model "
                               f"(artcloud stage-model {model}) or delete that prefix")
 
-    if not isinstance(raw, dict):
-        raise bad(f"expected a JSON object, got {type(raw).__name__}")
+    check_header(raw, bad, FORMAT)
     unknown = sorted(set(raw) - MANIFEST_KEYS)
     if unknown:
         raise bad(f"unknown field(s) {unknown[:5]} (this artcloud reads {sorted(MANIFEST_KEYS)})")
-    if raw.get("format") != FORMAT:
-        raise bad(f"unknown format {str(raw.get('format'))[:40]!r} (this artcloud reads format {FORMAT})")
     if raw.get("model") != model or raw.get("revision") != revision:
         raise bad(f"it is for {str(raw.get('model'))[:100]!r} at {str(raw.get('revision'))[:100]!r}, not {model!r} at {revision!r}")
     commit = raw.get("commit")
     if commit is not None and (not isinstance(commit, str) or not REVISION.fullmatch(commit)):
         raise bad("'commit' must be a commit name or null")
-    created = raw.get("created_at")
-    if created is not None and (type(created) not in (int, float) or not math.isfinite(created)):
-        raise bad("'created_at' must be a number")
     files = raw.get("files")
     if not isinstance(files, list) or not files:
         raise bad("'files' must be a non-empty list")
@@ -161,17 +152,7 @@ def validate_manifest(raw: Any, where: str, model: str, revision: str) -> dict[s
         problem = check_path(path)
         if problem:
             raise bad(f"files[{i}] path {str(path)[:80]!r} is {problem}")
-        folded = path.casefold()  # two names a case-insensitive disk (macOS) would merge
-        if folded in seen:
-            raise bad(f"files[{i}] path {path!r} is listed twice (ignoring case)")
-        seen.add(folded)
-        size = entry.get("size")
-        if type(size) is not int or not 0 <= size < MAX_FILE_SIZE:
-            raise bad(f"files[{i}] ({path}) 'size' must be an integer in [0, {MAX_FILE_SIZE}), not {str(size)[:40]!r}")
-        total += size
-        digest = entry.get("sha256")
-        if not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
-            raise bad(f"files[{i}] ({path}) 'sha256' must be 64 lowercase hex digits")
+        total += check_file(bad, f"files[{i}] ({path})", path, entry, seen)
     folders = {f.rsplit("/", k)[0] for f in seen for k in range(1, f.count("/") + 1)}
     if seen & folders:
         raise bad(f"{sorted(seen & folders)[0]!r} is listed as a file and as a folder")
