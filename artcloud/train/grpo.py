@@ -42,9 +42,8 @@ def logprob_temperature(sampling_temperature: float) -> float:
     return sampling_temperature if sampling_temperature > 0.0 else 1.0
 
 
-def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor | None = None
-) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                   temperature: torch.Tensor | None = None) -> torch.Tensor:
     """log softmax(logits / T)[target] for each position. logits (B, C, V), targets (B, C),
     temperature (B,) or None for T = 1 -> (B, C).
 

@@ -38,21 +38,16 @@ class NonFiniteError(ArtcloudError):
 
     code = "non_finite"
 
-    _WHAT = {
-        "loss": "the loss",
-        "grad_norm": "the gradient norm",
-        "parameters": "a LoRA parameter (after the optimizer step)",
-    }
+    _WHAT = {"loss": "the loss", "grad_norm": "the gradient norm",
+             "parameters": "a LoRA parameter (after the optimizer step)"}
 
     def __init__(self, cause: str, gradient_step: int, value: float | None = None):
         self.cause = cause  # "loss" | "grad_norm" | "parameters"
         self.gradient_step = gradient_step  # 1-based
         shown = f" ({value})" if value is not None else ""
-        super().__init__(
-            f"{self._WHAT[cause]} is not finite{shown} at gradient step {gradient_step} (check the rewards and "
-            "logprobs sent, the learning rate and the weight decay): this training step is skipped and nothing "
-            "is committed"
-        )
+        super().__init__(f"{self._WHAT[cause]} is not finite{shown} at gradient step {gradient_step} (check the "
+                         "rewards and logprobs sent, the learning rate and the weight decay): this training step is "
+                         "skipped and nothing is committed")
 
 
 @dataclass
@@ -84,9 +79,8 @@ def minibatches(samples: Sequence[Any], gradient_steps: int) -> list[list[Any]]:
     return [sum(ordered[i::n_steps], []) for i in range(n_steps)]
 
 
-def train_step(
-    policy: TrainablePolicy, samples: Sequence[Any], config: TrainConfig, on_step: StepCallback
-) -> list[dict[str, Any]]:
+def train_step(policy: TrainablePolicy, samples: Sequence[Any], config: TrainConfig,
+               on_step: StepCallback) -> list[dict[str, Any]]:
     """Run the optimizer steps of one training step over `samples` (engines.base.TrainSample);
     `on_step(metrics)` after each. Returns the metrics of every gradient step."""
     opt = policy.optimizer
@@ -110,11 +104,9 @@ def train_step(
                 if config.kl_coef > 0:
                     with torch.no_grad():
                         ref_lp = policy.reference_logprobs(batch)  # (B, C)
-                out = grpo.policy_loss(
-                    new_lp, batch.old_logprobs, batch.advantages, batch.completion_mask,
-                    kind=config.loss, eps_low=config.clip_epsilon, eps_high=eps_high,
-                    kl_coef=config.kl_coef, ref_lp=ref_lp, denominator=tokens,
-                )
+                out = grpo.policy_loss(new_lp, batch.old_logprobs, batch.advantages, batch.completion_mask,
+                                       kind=config.loss, eps_low=config.clip_epsilon, eps_high=eps_high,
+                                       kl_coef=config.kl_coef, ref_lp=ref_lp, denominator=tokens)
                 loss = out.loss.item()
                 if not math.isfinite(loss):
                     raise NonFiniteError("loss", step, loss)
@@ -132,17 +124,9 @@ def train_step(
             # moment): the adapter is now broken, and the caller must reload it.
             if not all(bool(torch.isfinite(p).all()) for p in policy.params):
                 raise NonFiniteError("parameters", step)
-            metrics = {
-                "gradient_step": step,
-                "gradient_steps": len(batches),
-                "loss": loss_sum,
-                "grad_norm": grad_norm,
-                "clip_fraction": clip_sum,
-                "mean_ratio": ratio_sum,
-                "tokens": int(tokens),
-                "samples": len(minibatch),
-                "seconds": time.perf_counter() - t0,
-            }
+            metrics = {"gradient_step": step, "gradient_steps": len(batches), "loss": loss_sum, "grad_norm": grad_norm,
+                       "clip_fraction": clip_sum, "mean_ratio": ratio_sum, "tokens": int(tokens),
+                       "samples": len(minibatch), "seconds": time.perf_counter() - t0}
             if config.kl_coef > 0:
                 metrics["kl"] = kl_sum
             all_metrics.append(metrics)

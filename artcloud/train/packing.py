@@ -46,10 +46,6 @@ class PackedBatch:
         return PackedBatch(**{f: getattr(self, f).to(device) for f in self.__dataclass_fields__})
 
     @property
-    def rows(self) -> int:
-        return self.completions.shape[0]
-
-    @property
     def shares_prompts(self) -> bool:
         return self.prompts.shape[0] < self.completions.shape[0]
 
@@ -79,16 +75,9 @@ def pack(samples: Sequence[Any], pad_id: int) -> PackedBatch:
         completions[b, :n] = torch.tensor(s.completion_ids)
         completion_mask[b, :n] = 1.0
         old[b, :n] = torch.tensor(s.old_logprobs, dtype=torch.float32)
-    return PackedBatch(
-        prompts=prompts,
-        prompt_mask=prompt_mask,
-        prompt_of=torch.tensor(prompt_of),
-        completions=completions,
-        completion_mask=completion_mask,
-        old_logprobs=old,
-        advantages=torch.tensor([float(s.advantage) for s in samples]),
-        temperatures=torch.tensor([float(s.temperature) for s in samples]),
-    )
+    return PackedBatch(prompts, prompt_mask, torch.tensor(prompt_of), completions, completion_mask, old,
+                       advantages=torch.tensor([float(s.advantage) for s in samples]),
+                       temperatures=torch.tensor([float(s.temperature) for s in samples]))
 
 
 def completion_logprobs(model: Any, batch: PackedBatch, *, shared: bool | None = None) -> torch.Tensor:
@@ -112,13 +101,8 @@ def _full_sequences(model: Any, batch: PackedBatch) -> torch.Tensor:
 def _shared_prefix(model: Any, batch: PackedBatch) -> torch.Tensor:
     C = batch.completions.shape[1]
     prompt_pos = (batch.prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(
-        input_ids=batch.prompts,
-        attention_mask=batch.prompt_mask,
-        position_ids=prompt_pos,
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    out = model(input_ids=batch.prompts, attention_mask=batch.prompt_mask, position_ids=prompt_pos, use_cache=True,
+                logits_to_keep=1)
     cache = getattr(out, kv_cache_name())
     cache.batch_select_indices(batch.prompt_of)  # (U, ...) -> (B, ...), differentiable indexing
     first = out.logits[:, -1:, :][batch.prompt_of]  # (B, 1, V): predicts completion token 0
@@ -126,13 +110,8 @@ def _shared_prefix(model: Any, batch: PackedBatch) -> torch.Tensor:
     lengths = batch.prompt_mask.sum(-1)[batch.prompt_of]  # (B,)
     positions = lengths.unsqueeze(1) + torch.arange(C, device=lengths.device).unsqueeze(0)  # (B, C)
     mask = torch.cat([batch.prompt_mask[batch.prompt_of], batch.completion_mask.long()], dim=1)
-    rest = model(
-        input_ids=batch.completions,
-        attention_mask=mask,
-        position_ids=positions,
-        use_cache=True,
-        **{kv_cache_name(): cache},
-    ).logits  # (B, C, V): position j predicts token j + 1
+    rest = model(input_ids=batch.completions, attention_mask=mask, position_ids=positions, use_cache=True,
+                 **{kv_cache_name(): cache}).logits  # (B, C, V): position j predicts token j + 1
     logits = torch.cat([first, rest[:, :-1]], dim=1)  # (B, C, V)
     return token_logprobs(logits, batch.completions, batch.temperatures)
 
