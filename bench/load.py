@@ -109,7 +109,7 @@ def floor_worker(args: argparse.Namespace) -> None:
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
-    from artcloud.server.serve import bind
+    from artcloud.server.main import bind
     from artcloud.server.tls_only import server_context, wrap_uvicorn_protocol
     from artcloud.tls import make_launch_secrets
 

@@ -103,7 +103,7 @@ def test_the_engine_gate_keeps_training_and_generation_apart(tmp_path):
 def test_stop_answers_every_request_it_leaves_waiting(concurrent):
     """D14: a request in flight (its engine call cancelled) or still queued gets 503 shutting_down, not a
     future nobody ever resolves."""
-    from artcloud.server.errors import ApiError
+    from artcloud.server.api_errors import ApiError
 
     async def main():
         running = asyncio.Event()

@@ -43,7 +43,7 @@ NOT_ARTCLOUD = {
 }
 # Raised from any server module: FastAPI's mechanism for an HTTP answer (the app renders it as JSON with a
 # `code`; a client sees an ArtcloudError built from that JSON, never this Python exception).
-SERVER_HTTP_ERROR = "artcloud.server.errors.ApiError"
+SERVER_HTTP_ERROR = "artcloud.server.api_errors.ApiError"
 
 # (module file, the raised expression) that cannot be resolved statically: re-raises of an exception caught
 # elsewhere, so its class was checked where it was first raised (or it is a user's, passed through).
@@ -184,7 +184,7 @@ def test_every_raise_in_the_package_is_an_artcloud_error_or_a_justified_exceptio
     found = raised_classes()
     resolved = {(rel, expression): value for rel, _, expression, value in found}
     # the resolver sees through factories, lazy imports and class attributes (else it would check nothing)
-    from artcloud.server.errors import ApiError
+    from artcloud.server.api_errors import ApiError
     from artcloud.storage.checkpoints import CorruptCheckpoint
 
     assert resolved[("storage/checkpoints.py", "bad")] is CorruptCheckpoint

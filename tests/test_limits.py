@@ -168,7 +168,7 @@ def test_a_failed_load_ends_its_engine_thread_at_once(failure):
     import threading
     import time
 
-    from artcloud.server.errors import ApiError
+    from artcloud.server.api_errors import ApiError
     from artcloud.server.models import EngineHost
 
     def factory(base_model: str):

@@ -15,8 +15,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from artcloud.server import jobs
 from artcloud.server.lease import Lease
+from artcloud.server.main import TCP_KEEPALIVE, TCP_USER_TIMEOUT_MS, bind
 from artcloud.server.middleware import TokenAuth
-from artcloud.server.serve import TCP_KEEPALIVE, TCP_USER_TIMEOUT_MS, bind
 
 
 def _websocket_app() -> Starlette:

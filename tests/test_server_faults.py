@@ -14,7 +14,7 @@ import pytest
 from helpers import TCPProxy, events, rollout_groups, train, wait_for
 from test_s3_server import s3_env
 
-from artcloud.server.serve import GRACEFUL_SHUTDOWN_S
+from artcloud.server.main import GRACEFUL_SHUTDOWN_S
 from artcloud.storage import checkpoints
 from artcloud.storage.s3 import OWNER, CheckpointStore, S3Config
 

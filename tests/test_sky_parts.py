@@ -120,10 +120,10 @@ def test_wheel_of_this_artcloud(tmp_path):
         names = set(z.namelist())
         meta = z.read(f"artcloud-{__version__}.dist-info/METADATA").decode()
         record = z.read(f"artcloud-{__version__}.dist-info/RECORD").decode()
-    assert "artcloud/server/serve.py" in names and "artcloud/templates/artcloud-server.yaml" in names
+    assert "artcloud/server/main.py" in names and "artcloud/templates/artcloud-server.yaml" in names
     assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
     assert f"Version: {__version__}" in meta and "Provides-Extra: gpu" in meta
-    assert "artcloud/server/serve.py,sha256=" in record
+    assert "artcloud/server/main.py,sha256=" in record
     again = build_wheel(tmp_path / "again")
     assert again.read_bytes() == wheel.read_bytes()  # reproducible: an image built from it is cached
 

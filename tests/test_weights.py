@@ -148,7 +148,7 @@ def test_the_manifest_is_written_last_and_a_model_without_one_is_not_staged(seaw
     assert not (tmp_path / "half").exists()
 
     # The server's resolution: no manifest means the hub id, as before.
-    from artcloud.server.weights import resolve_weights
+    from artcloud.server.base_weights import resolve_weights
 
     assert resolve_weights("org/half", store.config) == "org/half"
 
@@ -292,7 +292,7 @@ def test_a_model_loaded_from_the_hf_cache_is_staged_in_the_background(seaweed, b
 
 
 def test_a_model_is_never_staged_twice_at_once(seaweed, bucket, tiny_folder, tmp_path, monkeypatch):
-    import artcloud.server.weights as server_weights
+    import artcloud.server.base_weights as server_weights
 
     release = threading.Event()
     calls = []

@@ -56,7 +56,7 @@ def serve(
     import ssl
 
     from artcloud.durations import parse_duration
-    from artcloud.server.serve import ServeError, run
+    from artcloud.server.main import ServeError, run
 
     try:
         lease_s = parse_duration(lease, what="--lease") if lease is not None else None

@@ -37,8 +37,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from artcloud import wire
 from artcloud._version import __version__
 from artcloud.server import chat, chat_stream
+from artcloud.server.api_errors import ApiError, errors, field_path
 from artcloud.server.engines.base import GenerationRequest, SamplingParams
-from artcloud.server.errors import ApiError, errors, field_path
 from artcloud.server.jobs import Job, request_hash
 from artcloud.server.middleware import BodyLimit, TokenAuth
 from artcloud.server.registry import Registry

@@ -15,8 +15,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from artcloud.server.api_errors import ApiError
 from artcloud.server.engines.base import Completion, GenerationRequest
-from artcloud.server.errors import ApiError
 
 log = logging.getLogger("artcloud.server")
 

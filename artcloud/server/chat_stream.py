@@ -31,9 +31,9 @@ from typing import Any, AsyncIterator, Callable
 from starlette.responses import StreamingResponse
 
 from artcloud.server import chat
+from artcloud.server.api_errors import ApiError
 from artcloud.server.batching import Batcher
 from artcloud.server.engines.base import Completion, GenerationRequest, TokenSink
-from artcloud.server.errors import ApiError
 
 log = logging.getLogger("artcloud.server")
 

@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from artcloud.durations import format_duration
-from artcloud.server.errors import ApiError
+from artcloud.server.api_errors import ApiError
 from artcloud.server.lease import Lease
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from artcloud.server.errors import ApiError
+from artcloud.server.api_errors import ApiError
 from artcloud.server.lease import Lease
 
 PUBLIC_PATHS = frozenset({"/health"})

@@ -16,14 +16,14 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from artcloud.server.api_errors import ApiError
 from artcloud.server.batching import Batcher, RWLock
 from artcloud.server.engines.engine import Engine
-from artcloud.server.errors import ApiError
 from artcloud.storage import checkpoints
 from artcloud.wire import RegisterRequest
 
 if TYPE_CHECKING:
-    from artcloud.server.weights import BaseWeights
+    from artcloud.server.base_weights import BaseWeights
 
 log = logging.getLogger("artcloud.server")
 

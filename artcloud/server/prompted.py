@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from artcloud.server import history
-from artcloud.server.errors import ApiError
+from artcloud.server.api_errors import ApiError
 from artcloud.server.pusher import Pusher
 from artcloud.storage.s3 import StorageError
 from artcloud.wire import LogRequest, RegisterRequest

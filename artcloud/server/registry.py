@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from artcloud._version import __version__
+from artcloud.server.api_errors import ApiError
+from artcloud.server.base_weights import BaseWeights
 from artcloud.server.batching import Batcher
 from artcloud.server.engines.base import Completion, GenerationRequest, SamplerUnavailable
 from artcloud.server.engines.choose import engine_factory
 from artcloud.server.engines.engine import Engine
-from artcloud.server.errors import ApiError
 from artcloud.server.lease import Lease
 from artcloud.server.lifecycle import Lifecycle
 from artcloud.server.limits import Limits
@@ -32,7 +33,6 @@ from artcloud.server.prompted import PromptedModel
 from artcloud.server.pusher import CLAIM_TIMEOUT_S, Pusher
 from artcloud.server.startup import Startup
 from artcloud.server.training import ModelTrainer, Retention
-from artcloud.server.weights import BaseWeights
 from artcloud.storage import checkpoints
 from artcloud.storage.s3 import CheckpointStore
 from artcloud.wire import LogRequest, RegisterRequest

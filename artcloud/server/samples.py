@@ -15,8 +15,8 @@ import statistics
 from typing import Any, NamedTuple
 
 from artcloud.server import chat
+from artcloud.server.api_errors import ApiError
 from artcloud.server.engines.base import TrainSample
-from artcloud.server.errors import ApiError
 from artcloud.train.grpo import group_advantages, logprob_temperature
 from artcloud.wire import Choice, TrainRequest, WireHistory, WireTrajectory
 

