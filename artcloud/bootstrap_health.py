@@ -17,6 +17,7 @@ start and at stop; `artcloud serve` reads it (ARTCLOUD_INSTALL_RECORD) and repor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -76,10 +77,8 @@ class _Server(ThreadingHTTPServer):
         try:
             super().finish_request(request, client_address)
         finally:
-            try:
+            with contextlib.suppress(OSError):
                 request.close()
-            except OSError:
-                pass
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -114,17 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     record = {"started": started}
     _write_record(args.record, record)
     cert, key = os.environ.get("ARTCLOUD_TLS_CERT"), os.environ.get("ARTCLOUD_TLS_KEY")
-    if not cert or not key:
-        print("bootstrap_health: no ARTCLOUD_TLS_CERT / ARTCLOUD_TLS_KEY: not answering /health", file=sys.stderr)
-        context = None
-    else:
-        context = _context(cert, key)
     host, port = os.environ.get("ARTCLOUD_HOST") or "0.0.0.0", int(os.environ.get("ARTCLOUD_PORT") or 8080)
     stop = threading.Event()  # set by SIGTERM (the setup is over) or SIGINT
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     server = None
-    if context is not None:
+    if not cert or not key:
+        print("bootstrap_health: no ARTCLOUD_TLS_CERT / ARTCLOUD_TLS_KEY: not answering /health", file=sys.stderr)
+    else:
+        context = _context(cert, key)
         try:
             _Server.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
             server = _Server((host, port), _Handler)

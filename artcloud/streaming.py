@@ -43,7 +43,10 @@ class StreamCollector:
             chunk = chunk.chunk
         elif hasattr(chunk, "type") and not hasattr(chunk, "choices"):
             return  # openai's other stream events repeat what its chunk events hold
-        data = chunk if isinstance(chunk, dict) else _as_dict(chunk)
+        if not isinstance(chunk, dict) and not hasattr(chunk, "model_dump"):
+            raise WrongType(f"a chat completion chunk is an openai ChatCompletionChunk or a dict, not a "
+                            f"{type(chunk).__name__}")
+        data = chunk if isinstance(chunk, dict) else chunk.model_dump(mode="json")
         if data.get("error"):
             error = data["error"]
             raise ArtcloudError(f"the stream ended with an error: {error.get('message', error)}",
@@ -125,9 +128,3 @@ async def collect_stream(stream: AsyncIterable[Any] | Iterable[Any]) -> "ChatCom
     else:
         raise WrongType(f"collect_stream takes a stream of chat completion chunks (stream=True), not a {type(stream).__name__}")
     return collector.completion()
-
-
-def _as_dict(chunk: Any) -> dict[str, Any]:
-    if hasattr(chunk, "model_dump"):
-        return chunk.model_dump(mode="json")
-    raise WrongType(f"a chat completion chunk is an openai ChatCompletionChunk or a dict, not a {type(chunk).__name__}")

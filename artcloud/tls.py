@@ -27,19 +27,14 @@ class LaunchSecrets:
     def write(self, folder: Path) -> "SecretPaths":
         """Write the four files into `folder` (created 0700); key and token are 0600."""
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        paths = SecretPaths(
-            ca_cert=folder / "ca.pem",
-            server_cert=folder / "server.pem",
-            server_key=folder / "server.key",
-            token=folder / "token",
-        )
-        for path, text, mode in (
-            (paths.ca_cert, self.ca_cert, 0o644),
-            (paths.server_cert, self.server_cert, 0o644),
-            (paths.server_key, self.server_key, 0o600),
-            (paths.token, self.token, 0o600),
-        ):
-            _write_private(path, text, mode)
+        paths = SecretPaths(folder / "ca.pem", folder / "server.pem", folder / "server.key", folder / "token")
+        for path, text, mode in ((paths.ca_cert, self.ca_cert, 0o644), (paths.server_cert, self.server_cert, 0o644),
+                                 (paths.server_key, self.server_key, 0o600), (paths.token, self.token, 0o600)):
+            tmp = path.with_name(path.name + ".tmp")  # created with its mode: the key is never readable by others
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
+                f.write(text)
+            os.chmod(tmp, mode)
+            os.replace(tmp, path)
         return paths
 
 
@@ -49,15 +44,6 @@ class SecretPaths:
     server_cert: Path
     server_key: Path
     token: Path
-
-
-def _write_private(path: Path, text: str, mode: int) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
 
 
 def new_token() -> str:
@@ -74,28 +60,23 @@ def make_launch_secrets(hosts: list[str] | None = None, days: int = 30) -> Launc
     now = _dt.datetime.now(_dt.timezone.utc)
     start, end = now - _dt.timedelta(minutes=5), now + _dt.timedelta(days=days)
 
-    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "artcloud launch CA")])
-    ca_cert = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(end)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                key_encipherment=False, data_encipherment=False, key_agreement=False,
-                encipher_only=False, decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
+
+    def certificate(subject: str | None, public_key: ec.EllipticCurvePublicKey) -> x509.CertificateBuilder:
+        """A certificate issued by the CA (subject None: the CA itself) for `public_key`, valid `days`."""
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]) if subject else ca_name
+        return (x509.CertificateBuilder().subject_name(name).issuer_name(ca_name).public_key(public_key)
+                .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end))
+
+    usage = x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                          key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
+                          decipher_only=False)
+    ca_cert = (certificate(None, ca_key.public_key())
+               .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+               .add_extension(usage, critical=True)
+               .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+               .sign(ca_key, hashes.SHA256()))
 
     names: list[x509.GeneralName] = []
     for host in ["localhost", "127.0.0.1", "::1", *(hosts or [])]:
@@ -106,32 +87,16 @@ def make_launch_secrets(hosts: list[str] | None = None, days: int = 30) -> Launc
         if entry not in names:
             names.append(entry)
 
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "artcloud server")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(end)
-        .add_extension(x509.SubjectAlternativeName(names), critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
+    cert = (certificate("artcloud server", key.public_key())
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256()))
     pem = serialization.Encoding.PEM
-    return LaunchSecrets(
-        ca_cert=ca_cert.public_bytes(pem).decode(),
-        server_cert=cert.public_bytes(pem).decode(),
-        server_key=key.private_bytes(
-            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        ).decode(),
-        token=new_token(),
-    )
+    private = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return LaunchSecrets(ca_cert=ca_cert.public_bytes(pem).decode(), server_cert=cert.public_bytes(pem).decode(),
+                         server_key=private.decode(), token=new_token())
 
 
 def client_ssl_context(ca_cert: str | Path | None, *, check_hostname: bool = True) -> ssl.SSLContext:

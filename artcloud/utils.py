@@ -88,11 +88,13 @@ def retry(
     if max_attempts < 1:
         raise InvalidArgument("retry needs max_attempts >= 1")
 
-    def note(func: Callable[..., Any], e: BaseException, attempt: int) -> None:
+    def pause(func: Callable[..., Any], e: BaseException, attempt: int) -> float:
+        """Reports a failed attempt; the seconds to sleep before the next."""
         if on_retry is not None:
             on_retry(e, attempt)
         else:
             log.warning("Retry %d/%d for %s after error: %s", attempt, max_attempts, func.__name__, e)
+        return delay * backoff_factor ** (attempt - 1)
 
     def decorator(func: Callable[..., Any]) -> Callable[..., Any]:
         if inspect.iscoroutinefunction(func):
@@ -100,31 +102,25 @@ def retry(
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
                 import asyncio
 
-                wait = delay
                 for attempt in range(1, max_attempts + 1):
                     try:
                         return await func(*args, **kwargs)
                     except exceptions as e:
                         if attempt == max_attempts:
                             raise
-                        note(func, e, attempt)
-                        await asyncio.sleep(wait)
-                        wait *= backoff_factor
+                        await asyncio.sleep(pause(func, e, attempt))
 
             return async_wrapper
 
         @functools.wraps(func)
         def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
-            wait = delay
             for attempt in range(1, max_attempts + 1):
                 try:
                     return func(*args, **kwargs)
                 except exceptions as e:
                     if attempt == max_attempts:
                         raise
-                    note(func, e, attempt)
-                    time.sleep(wait)
-                    wait *= backoff_factor
+                    time.sleep(pause(func, e, attempt))
 
         return sync_wrapper
 
