@@ -29,7 +29,7 @@ import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
@@ -127,20 +127,22 @@ def attempts_from_env() -> int:
     return int(raw)
 
 
-class CheckpointStore:
-    """One S3 location holding the checkpoints of any number of models."""
+def _not_found(e: Any) -> bool:  # a botocore ClientError
+    return e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound")
 
-    def __init__(self, config: S3Config, *, workers: int = 8, multipart_mb: int = 16, attempts: int | None = None):
+
+class Bucket:
+    """One S3 location: its client (made on first use), retries with backoff, bounded reads, a thread pool.
+    CheckpointStore and weights.WeightsStore are built on it."""
+
+    def __init__(self, config: S3Config, *, workers: int = 8, attempts: int | None = None):
         self.config = config
         self.workers = workers
-        self.multipart_mb = multipart_mb
         self.attempts = attempts_from_env() if attempts is None else attempts
         self._s3: Any = None
 
     def __repr__(self) -> str:
-        return f"CheckpointStore({self.config.uri!r})"
-
-    # ------------------------------------------------------------------------------------- plumbing
+        return f"{type(self).__name__}({self.config.uri!r})"
 
     @property
     def s3(self) -> Any:
@@ -173,11 +175,28 @@ class CheckpointStore:
     def _key(self, *parts: str | int) -> str:
         return "/".join(p for p in (self.config.prefix, *map(str, parts)) if p)
 
-    def _step_key(self, project: str, model: str, step: int, name: str = "") -> str:
-        return self._key(project, model, "checkpoints", step, name)
-
     def _url(self, key: str) -> str:
         return f"s3://{self.config.bucket}/{key}"
+
+    def _put(self, key: str, body: bytes, **kwargs: Any) -> None:
+        self._retry(self.s3.put_object, Bucket=self.config.bucket, Key=key, Body=body, **kwargs)
+
+    def _delete(self, key: str) -> None:
+        self._retry(self.s3.delete_object, Bucket=self.config.bucket, Key=key)
+
+    def _keys(self, prefix: str) -> Iterator[str]:
+        for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.config.bucket, Prefix=prefix):
+            yield from (obj["Key"] for obj in page.get("Contents", []))
+
+    def _head(self, key: str) -> dict[str, Any] | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self._retry(self.s3.head_object, Bucket=self.config.bucket, Key=key)
+        except ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                return None
+            raise
 
     def _get_object(self, key: str, limit: int) -> tuple[bytes, str] | None:
         """The object's bytes (at most `limit`: a bigger one is refused, not read) and ETag; None if absent."""
@@ -186,7 +205,7 @@ class CheckpointStore:
         try:
             obj = self._retry(self.s3.get_object, Bucket=self.config.bucket, Key=key)
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+            if _not_found(e):
                 return None
             raise
         if int(obj.get("ContentLength") or 0) > limit:
@@ -214,9 +233,8 @@ class CheckpointStore:
         where = self.config.uri
         try:
             self._retry(self.s3.head_bucket, Bucket=self.config.bucket)
-            probe = self._key(".artcloud-write-check")
-            self._retry(self.s3.put_object, Bucket=self.config.bucket, Key=probe, Body=b"ok")
-            self._retry(self.s3.delete_object, Bucket=self.config.bucket, Key=probe)
+            self._put(self._key(".artcloud-write-check"), b"ok")
+            self._delete(self._key(".artcloud-write-check"))
         except NoCredentialsError as e:
             raise StorageError(f"no S3 credentials for {where}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
                                "(or ARTCLOUD_S3_ACCESS_KEY_ID / ARTCLOUD_S3_SECRET_ACCESS_KEY)") from e
@@ -233,6 +251,30 @@ class CheckpointStore:
             if _retryable(e) or type(e).__name__.endswith("ConnectionError"):
                 raise StorageError(f"cannot reach S3 at {self.config.endpoint_url or 'AWS'} for {where}: {e}") from e
             raise
+
+    def _run_all(self, fn: Callable[..., Any], items: list[tuple[Any, ...]], name: str) -> list[Any]:
+        """fn(*item) for each item on `self.workers` threads; the first failure cancels what has not
+        started and is raised once the running ones end (fail fast, no half-hearted carrying on)."""
+        with ThreadPoolExecutor(self.workers, thread_name_prefix=name) as pool:
+            futures = [pool.submit(fn, *item) for item in items]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in futures if f in done and f.exception() is not None), None)
+            if failed is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise failed.exception()  # type: ignore[misc]
+        return [f.result() for f in futures]
+
+
+
+class CheckpointStore(Bucket):
+    """One S3 location holding the checkpoints of any number of models."""
+
+    def __init__(self, config: S3Config, *, workers: int = 8, multipart_mb: int = 16, attempts: int | None = None):
+        super().__init__(config, workers=workers, attempts=attempts)
+        self.multipart_mb = multipart_mb
+
+    def _step_key(self, project: str, model: str, step: int, name: str = "") -> str:
+        return self._key(project, model, "checkpoints", step, name)
 
     # ------------------------------------------------------------------------------------- ownership
 
@@ -268,7 +310,7 @@ class CheckpointStore:
         from botocore.exceptions import ClientError
 
         try:
-            self._retry(self.s3.put_object, Bucket=self.config.bucket, Key=key, Body=json.dumps(record).encode(), **condition)
+            self._put(key, json.dumps(record).encode(), **condition)
             return True
         except ClientError as e:
             if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") not in (409, 412):
@@ -329,21 +371,9 @@ class CheckpointStore:
         key = self._key(project, model, OWNER)
         found = self._read_owner(key)
         if found is not None and found[0]["owner"] == owner:
-            self._retry(self.s3.delete_object, Bucket=self.config.bucket, Key=key)
+            self._delete(key)
 
     # ------------------------------------------------------------------------------------- push
-
-    def _run_all(self, fn: Callable[..., Any], items: list[tuple[Any, ...]], name: str) -> list[Any]:
-        """fn(*item) for each item on `self.workers` threads; the first failure cancels what has not
-        started and is raised once the running ones end (fail fast, no half-hearted carrying on)."""
-        with ThreadPoolExecutor(self.workers, thread_name_prefix=name) as pool:
-            futures = [pool.submit(fn, *item) for item in items]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = next((f for f in futures if f in done and f.exception() is not None), None)
-            if failed is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise failed.exception()  # type: ignore[misc]
-        return [f.result() for f in futures]
 
     def push(self, project: str, model: str, folder: Path) -> PushResult:
         """Upload a committed local checkpoint folder, manifest last, then move LATEST forward.
@@ -392,11 +422,10 @@ class CheckpointStore:
             result.uploaded_files = sum(1 for s in sizes if s)
             result.uploaded_bytes = sum(sizes)
             result.skipped_files = len(sizes) - result.uploaded_files
-            self._retry(self.s3.put_object, Bucket=self.config.bucket, Key=manifest_key, Body=body)
+            self._put(manifest_key, body)
         latest = self.latest(project, model)
         if latest is None or latest < step:
-            self._retry(self.s3.put_object, Bucket=self.config.bucket, Key=self._key(project, model, LATEST),
-                        Body=json.dumps({"step": step}).encode())
+            self._put(self._key(project, model, LATEST), json.dumps({"step": step}).encode())
         result.seconds = time.monotonic() - t0
         return result
 
@@ -411,16 +440,6 @@ class CheckpointStore:
             log.warning("%s; pushing over it", e)
             return None
 
-    def _head(self, key: str) -> dict[str, Any] | None:
-        from botocore.exceptions import ClientError
-
-        try:
-            return self._retry(self.s3.head_object, Bucket=self.config.bucket, Key=key)
-        except ClientError as e:
-            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
-                return None
-            raise
-
     def _remote_sha(self, key: str) -> str | None:
         head = self._head(key)
         return None if head is None else head.get("Metadata", {}).get("sha256")
@@ -429,12 +448,10 @@ class CheckpointStore:
         """Every object key under checkpoints/, by step (keys that are not STEP/NAME are left out)."""
         prefix = self._key(project, model, "checkpoints") + "/"
         steps: dict[int, list[str]] = {}
-        paginator = self.s3.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.config.bucket, Prefix=prefix):
-            for obj in page.get("Contents", []):
-                step, _, name = obj["Key"][len(prefix):].partition("/")
-                if name and checkpoints.STEP_NAME.fullmatch(step):
-                    steps.setdefault(int(step), []).append(obj["Key"])
+        for key in self._keys(prefix):
+            step, _, name = key[len(prefix):].partition("/")
+            if name and checkpoints.STEP_NAME.fullmatch(step):
+                steps.setdefault(int(step), []).append(key)
         return steps
 
     def delete_step(self, project: str, model: str, step: int) -> None:
@@ -442,11 +459,9 @@ class CheckpointStore:
         if step == self.latest(project, model):
             raise StorageError(f"refusing to delete step {step} of {project}/{model}: it is the latest committed one")
         prefix = self._step_key(project, model, step) + "/"
-        self._retry(self.s3.delete_object, Bucket=self.config.bucket, Key=prefix + checkpoints.MANIFEST)
-        paginator = self.s3.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.config.bucket, Prefix=prefix):
-            for obj in page.get("Contents", []):
-                self._retry(self.s3.delete_object, Bucket=self.config.bucket, Key=obj["Key"])
+        self._delete(prefix + checkpoints.MANIFEST)
+        for key in self._keys(prefix):
+            self._delete(key)
         log.info("retention: deleted %s%s", f"s3://{self.config.bucket}/", prefix)
 
     def sweep_uncommitted(self, project: str, model: str, keep: set[int] | frozenset[int] = frozenset()) -> list[int]:
@@ -467,7 +482,7 @@ class CheckpointStore:
             if manifest_key in keys or self._head(manifest_key) is not None:
                 continue  # committed (the second look catches a manifest written since the listing)
             for key in keys:
-                self._retry(self.s3.delete_object, Bucket=self.config.bucket, Key=key)
+                self._delete(key)
             swept.append(step)
         if swept:
             log.info("swept uncommitted steps %s of %s/%s from %s", swept, project, model, self.config.uri)
@@ -475,8 +490,7 @@ class CheckpointStore:
 
     def put_history(self, project: str, model: str, text: str) -> None:
         """The model's live history.jsonl (the caller holds the claim: one writer)."""
-        self._retry(self.s3.put_object, Bucket=self.config.bucket, Key=self._key(project, model, HISTORY),
-                    Body=text.encode(), ContentType="application/x-ndjson")
+        self._put(self._key(project, model, HISTORY), text.encode(), ContentType="application/x-ndjson")
 
     def get_history(self, project: str, model: str, limit: int) -> str | None:
         """The model's live history.jsonl as text (untrusted: the caller validates each record), at most

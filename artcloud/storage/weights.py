@@ -19,23 +19,12 @@ the folder renamed into place. A corrupt or missing part raises CorruptWeights a
 temporary folder: there is never a half-written model folder. A previous pull's folder is reused as it
 is when its manifest is the same; otherwise its files whose sha256 still matches are linked, not fetched.
 
-Why our own ranged GETs and not boto3's download_file (s3transfer): measured with
-bench/cold_start_weights.py (200 MB in 5 files, SeaweedFS, this 2-core machine, medians of 3), they are
-as fast as each other: 0.37 s vs 0.35 s on loopback, 0.65 s vs 0.67 s through a link of 50 MB/s per
-connection (+10 ms per request), where one GET per file in turn takes 4.7 s and `aws s3 sync` 1.3 s.
-Speed being equal, what decides is what download_file cannot do: hash while it downloads (its files
-would need a second sha256 pass, ~0.6 s per GB on one core here, 10 s for a 16 GB model), refuse an
-object whose size differs from the manifest before writing it (the Content-Range total is checked on
-every chunk), and run one pool across all files (download_file parallelises within one file, so a
-folder needs a second pool around it, and up to workers x workers connections).
-
-Why S3 and not a Modal Volume on Modal: S3 works the same on every provider (SkyPilot on any cloud,
-Modal, a laptop), is where the checkpoints already live with the same credentials and the same
-verified-manifest discipline, and `artcloud stage-model` fills it once from anywhere. A Volume is
-Modal-only, is filled from inside a Modal function, and is read through a FUSE mount whose first read
-of a big file is itself a network fetch (then a second copy if vLLM/transformers read it twice). Its one
-possible advantage, being in Modal's own region, is matched by an S3 bucket in the sandbox's region (or
-R2 with no egress fees). One mechanism, tested here against a real S3 server, beats two.
+Why our own ranged GETs and not boto3's download_file: as fast (bench/cold_start_weights.py, README's
+"What it costs, measured"), and they do what it cannot: hash while downloading (no second sha256 pass, ~10 s
+for a 16 GB model), refuse an object whose size differs from the manifest before writing it (the
+Content-Range total is checked on every chunk), and share one pool across all files (download_file
+parallelises within one file: a folder would need a second pool, up to workers x workers connections).
+Why S3 and not a Modal Volume on Modal: README, "Cold start", Weights (one mechanism on every provider).
 
 boto3 and huggingface_hub are imported inside the functions: the laptop SDK needs neither to import this.
 """
@@ -56,7 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from artcloud.storage.checkpoints import check_file, check_header, sha256_file
-from artcloud.storage.s3 import CheckpointStore, S3Config, StorageError, _check_free_space
+from artcloud.storage.s3 import Bucket, S3Config, StorageError, _check_free_space, _not_found
 
 log = logging.getLogger("artcloud.storage")
 
@@ -280,36 +269,22 @@ class _FileWrite:
             self.fd = -1
 
 
-class WeightsStore:
+class WeightsStore(Bucket):
     """Staged base models under one S3 location (its prefix's `models/`)."""
 
     def __init__(self, config: S3Config, *, workers: int = 16, chunk_mb: int = 16, attempts: int | None = None):
         if workers < 1 or chunk_mb < 1:
             raise WeightsError("workers and chunk_mb must be at least 1")
-        self.config = config
-        self.workers = workers
+        super().__init__(config, workers=workers, attempts=attempts)
         self.chunk = chunk_mb * MiB
-        # The S3 client, retries and error mapping are the checkpoint store's (one place to get them right).
-        self._base = CheckpointStore(config, workers=workers, attempts=attempts)
-
-    def __repr__(self) -> str:
-        return f"WeightsStore({self.config.uri!r})"
-
-    @property
-    def s3(self) -> Any:
-        return self._base.s3
-
-    def check(self) -> None:
-        """StorageError, saying what to fix, if the bucket cannot be reached, read and written."""
-        self._base.check()
 
     def key_prefix(self, model: str, revision: str = "main") -> str:
         """PREFIX/models/ORG--NAME/REVISION: the manifest is there, the files under files/."""
         check_model_id(model, revision)
-        return self._base._key(MODELS, model.replace("/", "--"), revision)
+        return self._key(MODELS, model.replace("/", "--"), revision)
 
     def url(self, model: str, revision: str = "main") -> str:
-        return f"s3://{self.config.bucket}/{self.key_prefix(model, revision)}"
+        return self._url(self.key_prefix(model, revision))
 
     # ------------------------------------------------------------------------------------- read
 
@@ -317,12 +292,12 @@ class WeightsStore:
         """The validated manifest of `model` at `revision`, or None if it is not (completely) staged."""
         key = f"{self.key_prefix(model, revision)}/{MANIFEST}"
         try:
-            found = self._base._get_json(key, MAX_MANIFEST_BYTES)
+            found = self._get_json(key, MAX_MANIFEST_BYTES)
         except StorageError as e:  # too big, or not JSON
             raise CorruptWeights(f"{e}; re-stage the model (artcloud stage-model {model}) or delete that prefix") from e
         if found is None:
             return None
-        return validate_manifest(found[0], f"s3://{self.config.bucket}/{key}", model, revision)
+        return validate_manifest(found[0], self._url(key), model, revision)
 
     def pull(self, model: str, dest: Path, revision: str = "main", progress: Progress | None = None,
              manifest: dict[str, Any] | None = None) -> PullResult:
@@ -382,15 +357,15 @@ class WeightsStore:
             def fetch(entry: dict[str, Any], offset: int, length: int) -> None:
                 key = prefix + entry["path"]
                 write = writes[entry["path"]]
-                self._base._retry(self._get_range, key, write, entry["size"], offset, length)
+                self._retry(self._get_range, key, write, entry["size"], offset, length)
                 report(length)
                 if write.landed_chunk(offset, length):
                     digest = write.hasher.hexdigest()
                     if digest != entry["sha256"]:
-                        raise CorruptWeights(f"s3://{self.config.bucket}/{key} does not match its manifest (sha256 "
+                        raise CorruptWeights(f"{self._url(key)} does not match its manifest (sha256 "
                                              f"{digest[:12]}..., expected {entry['sha256'][:12]}...): re-stage {model}")
 
-            self._base._run_all(fetch, jobs, "weights-pull")
+            self._run_all(fetch, jobs, "weights-pull")
         finally:
             for write in writes.values():
                 write.close()
@@ -398,14 +373,14 @@ class WeightsStore:
     def _get_range(self, key: str, write: _FileWrite, size: int, offset: int, length: int) -> None:
         from botocore.exceptions import ClientError
 
-        url = f"s3://{self.config.bucket}/{key}"
+        url = self._url(key)
         try:
             if size == 0:  # a Range on an empty object is a 416: fetch it whole (it must be empty)
                 obj = self.s3.get_object(Bucket=self.config.bucket, Key=key)
             else:
                 obj = self.s3.get_object(Bucket=self.config.bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}")
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+            if _not_found(e):
                 raise CorruptWeights(f"{url} is missing, though the manifest lists it: re-stage the model") from e
             if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:
                 raise CorruptWeights(f"{url} is shorter than the {size} bytes its manifest says: re-stage the model") from e
@@ -446,20 +421,19 @@ class WeightsStore:
         def upload(rel: str, path: Path) -> dict[str, Any]:
             digest = sha256_file(path)
             key = prefix + rel
-            head = self._base._head(key)
+            head = self._head(key)
             if head is not None and head.get("Metadata", {}).get("sha256") == digest and head.get("ContentLength") == sizes[rel]:
                 report(sizes[rel])
             else:
-                self._base._retry(self.s3.upload_file, str(path), self.config.bucket, key,
-                                  ExtraArgs={"Metadata": {"sha256": digest}}, Config=transfer, Callback=report)
+                self._retry(self.s3.upload_file, str(path), self.config.bucket, key,
+                            ExtraArgs={"Metadata": {"sha256": digest}}, Config=transfer, Callback=report)
             return {"path": rel, "size": sizes[rel], "sha256": digest}
 
-        files = self._base._run_all(upload, entries, "weights-stage")
+        files = self._run_all(upload, entries, "weights-stage")
         manifest = {"format": FORMAT, "model": model, "revision": revision, "commit": commit or _commit_of(folder),
                     "created_at": time.time(), "files": files}
         validate_manifest(manifest, "(being written)", model, revision)  # what a reader would refuse is never written
-        self._base._retry(self.s3.put_object, Bucket=self.config.bucket, Key=f"{self.key_prefix(model, revision)}/{MANIFEST}",
-                          Body=json.dumps(manifest, indent=1).encode())
+        self._put(f"{self.key_prefix(model, revision)}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
         log.info("staged %s (%s) to %s: %d files, %.2f GB", model, revision, self.url(model, revision), len(files),
                  sum(sizes.values()) / 1e9)
         return manifest
