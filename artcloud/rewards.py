@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from artcloud.errors import ArtcloudError, InvalidArgument, WrongState, WrongType
 from artcloud.types import Trajectory, TrajectoryGroup
@@ -80,16 +80,11 @@ class _BadAnswer(ArtcloudError):
 class RulerScore(BaseModel):
     """The judge's verdict on one trajectory."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", coerce_numbers_to_str=True)  # judges write ids as 1 or "1"
 
     trajectory_id: str
     explanation: str = ""
     score: float = Field(ge=0.0, le=1.0)
-
-    @field_validator("trajectory_id", mode="before")
-    @classmethod
-    def _id_as_text(cls, v: Any) -> Any:
-        return str(v) if isinstance(v, int) else v
 
 
 class RulerResponse(BaseModel):
@@ -98,9 +93,6 @@ class RulerResponse(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     scores: list[RulerScore]
-
-
-# ------------------------------------------------------------------------------------- messages
 
 
 def _plain(item: Any) -> dict[str, Any]:
@@ -167,8 +159,6 @@ def _judge_prompt(unique: list[list[dict[str, Any]]], tools: list[dict[str, Any]
             {"role": "user", "content": "\n\n".join(parts)}]
 
 
-# ------------------------------------------------------------------------------------- parsing
-
 _FENCE = re.compile(r"```(?:json|JSON)?\s*(.*?)```", re.S)
 _THINK = re.compile(r"<think>.*?</think>", re.S)
 
@@ -179,23 +169,11 @@ def parse_answer(text: str | None, ids: list[str]) -> list[RulerScore]:
         raise _BadAnswer("the judge's answer is empty")
     text = _THINK.sub("", text)
     fenced = _FENCE.search(text)
-    candidates = [fenced.group(1)] if fenced else []
-    candidates.append(text)
     data: Any = None
-    for cand in candidates:
-        cand = cand.strip()
-        try:
-            data = json.loads(cand)
+    for candidate in ([fenced.group(1)] if fenced else []) + [text]:  # a ```json block first, then the whole text
+        data = _json_in(candidate.strip())
+        if data is not None:
             break
-        except ValueError:
-            start = cand.find("{")
-            if start < 0:
-                continue
-            try:
-                data, _ = json.JSONDecoder().raw_decode(cand[start:])
-                break
-            except ValueError:
-                continue
     if data is None:
         raise _BadAnswer(f"no JSON object in the judge's answer: {text[:200]!r}")
     if isinstance(data, list):
@@ -211,7 +189,16 @@ def parse_answer(text: str | None, ids: list[str]) -> list[RulerScore]:
     return [by_id[i] for i in ids]
 
 
-# ------------------------------------------------------------------------------------- the call
+def _json_in(text: str) -> Any:
+    """The text as JSON, else the first JSON object in it (from its first "{"); None if neither parses."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        start = text.find("{")
+    try:
+        return json.JSONDecoder().raw_decode(text[start:])[0] if start >= 0 else None
+    except ValueError:
+        return None
 
 
 # LiteLLM-style judge ids, as OpenPipe ART passes them ("openai/o4-mini", "openrouter/qwen/qwen3-32b"):
@@ -288,30 +275,12 @@ def _client(client: Any, base_url: str | None, api_key: str | None) -> "openai.A
     return openai.AsyncOpenAI(base_url=base_url, api_key=api_key or os.environ.get("OPENAI_API_KEY") or "none", max_retries=0)
 
 
-def _retry_after(e: BaseException) -> float | None:
-    response = getattr(e, "response", None)
-    value = response.headers.get("retry-after") if response is not None else None
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
-
-
 def _retryable(e: BaseException) -> bool:
     import openai
 
     if isinstance(e, (_BadAnswer, openai.APIConnectionError, openai.RateLimitError, openai.InternalServerError)):
         return True  # APITimeoutError is an APIConnectionError
     return isinstance(e, openai.APIStatusError) and (e.status_code in (408, 409) or e.status_code >= 500)
-
-
-def _names_response_format(e: BaseException) -> bool:
-    import openai
-
-    if not isinstance(e, openai.BadRequestError):
-        return False
-    text = (str(e) + _canonical(getattr(e, "body", None) or "")).lower()
-    return "response_format" in text or "json_schema" in text
 
 
 async def _judge(
@@ -331,9 +300,12 @@ async def _judge(
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
 
     def wait(rs: Any) -> float:
+        """Exponential backoff with jitter, or the endpoint's Retry-After where longer (at most a minute)."""
         base = min(retry_wait_s * 2 ** (rs.attempt_number - 1), 60.0) * (0.5 + random.random() / 2)
-        after = _retry_after(rs.outcome.exception()) if rs.outcome is not None else None
-        return max(base, min(after, 60.0)) if after is not None else base
+        try:
+            return max(base, min(float(rs.outcome.exception().response.headers["retry-after"]), 60.0))
+        except (AttributeError, KeyError, TypeError, ValueError):  # no HTTP answer, or no usable Retry-After
+            return base
 
     async def once() -> list[RulerScore]:
         import openai
@@ -347,7 +319,8 @@ async def _judge(
             response = await judge.chat.completions.create(model=judge_model, messages=messages, timeout=timeout,
                                                            **kwargs)
         except openai.BadRequestError as e:
-            if state["response_format"] and _names_response_format(e):
+            said = (str(e) + _canonical(getattr(e, "body", None) or "")).lower()
+            if state["response_format"] and ("response_format" in said or "json_schema" in said):
                 log.info("judge %s does not take response_format; asking for plain JSON instead", judge_model)
                 state["response_format"] = False
                 raise _BadAnswer(f"response_format refused: {e}") from e
@@ -379,11 +352,9 @@ async def _judge(
     return scores, usage
 
 
-# ------------------------------------------------------------------------------------- cache
-
-
 def _cache_path(cache_dir: str | os.PathLike, judge_model: str, rubric: str, unique: Any, tools: Any) -> Path:
-    key = hashlib.sha256(_canonical({"judge": judge_model, "rubric": rubric, "trajectories": unique, "tools": tools}).encode()).hexdigest()
+    key = _canonical({"judge": judge_model, "rubric": rubric, "trajectories": unique, "tools": tools})
+    key = hashlib.sha256(key.encode()).hexdigest()
     return Path(cache_dir) / f"ruler-{key}.json"
 
 
@@ -405,9 +376,6 @@ def _cache_write(path: Path, scores: list[RulerScore]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-# ------------------------------------------------------------------------------------- public API
 
 
 async def _score(
