@@ -41,6 +41,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from artcloud.server.api_errors import ApiError
 from artcloud.wire import MAX_METRICS, RESERVED, LogRequest
 
 log = logging.getLogger("artcloud.server")
@@ -67,8 +68,15 @@ def log_record(req: LogRequest, step: int) -> dict[str, Any]:
     return {**req.metrics, "step": step, "split": req.split, "time": time.time(), "source": "log"}
 
 
-def reserved_metric(req: LogRequest) -> str | None:
-    return next((k for k in req.metrics if k in RESERVED), None)
+def check_log(req: LogRequest, records: list[dict[str, Any]], name: str) -> None:
+    """ApiError unless `req` may join `records`, model `name`'s history."""
+    reserved = next((k for k in req.metrics if k in RESERVED), None)
+    if reserved is not None:
+        raise ApiError(400, "invalid_request", f"metrics.{reserved}: '{reserved}' is a field of every history record, "
+                       "not a metric name: rename it", f"metrics.{reserved}")
+    if len(records) >= MAX_RECORDS:
+        raise ApiError(409, "history_full", f"{name} already has {len(records)} history records, the "
+                       "most a model keeps: log less often, or fewer splits", "name")
 
 
 def metric_by_step(records: list[dict[str, Any]], metric: str) -> dict[int, float]:

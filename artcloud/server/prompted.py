@@ -16,9 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from artcloud.server import history
-from artcloud.server.api_errors import ApiError
 from artcloud.server.pusher import Pusher
-from artcloud.storage.s3 import StorageError
 from artcloud.wire import LogRequest, RegisterRequest
 
 log = logging.getLogger("artcloud.server")
@@ -38,13 +36,8 @@ class PromptedModel:
         folder's (a fresh machine has none here). True if there was one."""
         remote = None
         if self.pusher is not None:
-            try:
-                await self.pusher.claim(take_over=take_over)
-            except StorageError as e:
-                raise ApiError(409, "model_locked", str(e), "name") from e
-            text = await self.pusher.read_history(history.MAX_HISTORY_BYTES)
-            if text is not None:
-                remote = await asyncio.to_thread(history.parse_jsonl, text, f"{self.pusher.store.config.uri} history")
+            await self.pusher.claim(take_over=take_over)
+            remote = await self.pusher.read_history()
         local = await asyncio.to_thread(history.read_jsonl, self.folder / history.HISTORY_FILE)
         records = local or []
         if remote is not None and remote[:len(records)] == records:
@@ -53,13 +46,7 @@ class PromptedModel:
         return local is not None or remote is not None
 
     async def log(self, req: LogRequest) -> dict[str, Any]:
-        reserved = history.reserved_metric(req)
-        if reserved is not None:
-            raise ApiError(400, "invalid_request", f"metrics.{reserved}: '{reserved}' is a field of every history record, "
-                           "not a metric name: rename it", f"metrics.{reserved}")
-        if len(self.history) >= history.MAX_RECORDS:
-            raise ApiError(409, "history_full", f"{self.name} already has {len(self.history)} history records, the "
-                           "most a model keeps: log less often, or fewer splits", "name")
+        history.check_log(req, self.history, self.name)
         record = history.log_record(req, 0 if req.step is None else req.step)  # ART logs a prompted model at step 0
         self.history.append(record)
         async with self._lock:
@@ -77,22 +64,13 @@ class PromptedModel:
 
     async def final_push(self) -> str | None:
         """Push what S3 does not have yet (shutdown's final push); None when done, else why not (it is logged)."""
-        if self.pusher is None:
-            return None
-        try:
-            await self.pusher.flush()
-        except Exception as e:
-            log.error("final push of %s's history failed: %s", self.name, e)
-            return f"{type(e).__name__}: {e}"
-        return None
+        return await self.pusher.final_push() if self.pusher is not None else None
 
     async def close(self) -> None:
-        """The final push, then the claim goes."""
+        """The final push, then the claim goes (kept, to time out, where the push failed)."""
         if self.pusher is None:
             return
         if await self.final_push() is None:
-            try:
-                await self.pusher.release()
-            except Exception as e:
-                log.warning("could not release the S3 claim on %s: %s", self.name, e)
-        self.pusher.close()
+            await self.pusher.release()
+        else:
+            self.pusher.close()

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from artcloud.errors import TimedOut
+from artcloud.server import history
+from artcloud.server.api_errors import ApiError
 from artcloud.storage.s3 import CheckpointStore, ClaimLost, StorageError
 from artcloud.wire import FINAL_PUSH_DEADLINE_S
 
@@ -57,7 +59,6 @@ class Pusher:
         self.pushed_bytes = 0
         self.errors = 0
         self.last_error: str | None = None
-        self.last_push_at: float | None = None
         self.lost: str | None = None  # why this server no longer owns the model on S3
 
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -66,10 +67,13 @@ class Pusher:
     # ------------------------------------------------------------------------------------- claim
 
     async def claim(self, take_over: bool = False) -> None:
-        """Become the one writer of this model on S3 (StorageError if another live server is, unless
-        `take_over`), and keep renewing the claim while the server lives."""
-        await self._in_thread(self.store.claim, self.project, self.model, self.owner,
-                              0.0 if take_over else self.claim_timeout_s)
+        """Become the one writer of this model on S3 (ApiError 409 model_locked if another live server is,
+        unless `take_over`), and keep renewing the claim while the server lives."""
+        try:
+            await self._in_thread(self.store.claim, self.project, self.model, self.owner,
+                                  0.0 if take_over else self.claim_timeout_s)
+        except StorageError as e:
+            raise ApiError(409, "model_locked", str(e), "name") from e
         if self._renewer is None:
             self._renewer = asyncio.get_running_loop().create_task(self._renew_forever(), name=f"s3-claim-{self.model}")
 
@@ -90,10 +94,16 @@ class Pusher:
         log.error("%s: this server no longer owns the model on S3, so it stops pushing: %s", self.model, why)
 
     async def release(self) -> None:
+        """Give the claim up (unless lost) and stop: a failure to release is logged, as the claim then
+        times out by itself."""
         if self._renewer is not None:
             self._renewer.cancel()
         if self.lost is None:
-            await self._in_thread(self.store.release, self.project, self.model, self.owner)
+            try:
+                await self._in_thread(self.store.release, self.project, self.model, self.owner)
+            except Exception as e:
+                log.warning("could not release the S3 claim on %s: %s", self.model, e)
+        self.close()
 
     # ------------------------------------------------------------------------------------- pushes
 
@@ -159,7 +169,6 @@ class Pusher:
             step, uploaded, seconds = done
             self.pushed_step = step
             self.pushed_bytes += uploaded
-            self.last_push_at = time.time()
             log.info("pushed %s step %d to %s: %d bytes in %.1f s", self.model, step, self.store.config.uri, uploaded, seconds)
             if self.on_pushed is not None:
                 self.on_pushed(step)
@@ -180,15 +189,18 @@ class Pusher:
         self.store.renew(self.project, self.model, self.owner)  # as _push: never write over a new owner
         self.store.put_history(self.project, self.model, text)
 
-    async def read_history(self, limit: int) -> str | None:
-        """S3's live history.jsonl of this model (untrusted text), or None if it has none or it cannot be
-        read (a history is worth a warning, not a failed resume)."""
+    async def read_history(self) -> list[dict[str, Any]] | None:
+        """The well-formed records of S3's live history.jsonl of this model, or None if it has none or it
+        cannot be read (a history is worth a warning, not a failed resume)."""
         try:
-            return await self._in_thread(self.store.get_history, self.project, self.model, limit)
+            text = await self._in_thread(self.store.get_history, self.project, self.model, history.MAX_HISTORY_BYTES)
         except Exception as e:
             log.warning("%s: the history on %s could not be read, so the checkpoint's is used: %s",
                         self.model, self.store.config.uri, e)
             return None
+        if text is None:
+            return None
+        return await asyncio.to_thread(history.parse_jsonl, text, f"{self.store.config.uri} history")
 
     @property
     def pending(self) -> bool:
@@ -217,6 +229,15 @@ class Pusher:
                 raise ClaimLost(self.lost)
             if self.errors - errors_before >= attempts:
                 raise StorageError(f"the push of {self.model} failed {attempts} times: {self.last_error}", code="push_failed")
+
+    async def final_push(self) -> str | None:
+        """`flush`, for shutdown: None when done, else why not (and it is logged)."""
+        try:
+            await self.flush()
+        except Exception as e:
+            log.error("final push of %s to %s failed: %s", self.model, self.store.config.uri, e)
+            return f"{type(e).__name__}: {e}"
+        return None
 
     def status(self) -> dict[str, Any]:
         return {

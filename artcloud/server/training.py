@@ -92,10 +92,7 @@ class ModelTrainer:
         checkpoints.clean_partial(model.folder)
         remote = None
         if self.pusher is not None:
-            try:
-                await self.pusher.claim(take_over=take_over)  # one writer per model and S3 location
-            except StorageError as e:
-                raise ApiError(409, "model_locked", str(e), "name") from e
+            await self.pusher.claim(take_over=take_over)  # one writer per model and S3 location
             remote = await self._pull_if_newer()
         found = await model.host.call(checkpoints.latest_valid, model.folder)
         checkpoints.set_aside_after(model.folder, found[0] if found else -1)
@@ -113,9 +110,7 @@ class ModelTrainer:
             model.step = step
             remote_history = None
             if self.pusher is not None and remote is not None:  # S3's live copy, in case this disk has none
-                text = await self.pusher.read_history(history.MAX_HISTORY_BYTES)
-                if text is not None:
-                    remote_history = await asyncio.to_thread(history.parse_jsonl, text, f"{self.pusher.store.config.uri} history")
+                remote_history = await self.pusher.read_history()
             model.history = await asyncio.to_thread(history.restore, folder, model.folder, step, state, remote_history)
             model.temperature = state.get("temperature", 1.0)
             if "rng" in state:
@@ -228,17 +223,11 @@ class ModelTrainer:
     async def log(self, req: LogRequest) -> dict[str, Any]:
         """Record model.log's metrics for a step (default: the model's step); the history files follow."""
         model = self.model
-        reserved = history.reserved_metric(req)
-        if reserved is not None:
-            raise ApiError(400, "invalid_request", f"metrics.{reserved}: '{reserved}' is a field of every history record, "
-                           "not a metric name: rename it", f"metrics.{reserved}")
+        history.check_log(req, model.history, self.name)
         step = model.step if req.step is None else req.step
         if step > model.step:
             raise ApiError(400, "invalid_request", f"step: {self.name} is at step {model.step}; metrics for step {step} "
                            "cannot be logged before that step exists", "step")
-        if len(model.history) >= history.MAX_RECORDS:
-            raise ApiError(409, "history_full", f"{self.name} already has {len(model.history)} history records, the "
-                           "most a model keeps: log less often, or fewer splits", "name")
         record = history.log_record(req, step)
         model.history.append(record)
         await self._save_history()
@@ -360,15 +349,9 @@ class ModelTrainer:
             self.frozen = True
 
     async def final_push(self) -> str | None:
-        """Push the newest committed step now; None when done (or nothing to push), else why not."""
-        if self.pusher is None:
-            return None
-        try:
-            await self.pusher.flush()
-        except Exception as e:  # reported; the lifespan exit tries once more
-            log.error("push of %s before shutdown failed: %s", self.name, e)
-            return f"{type(e).__name__}: {e}"
-        return None
+        """Push the newest committed step now; None when done (or nothing to push), else why not (the
+        lifespan exit tries once more)."""
+        return await self.pusher.final_push() if self.pusher is not None else None
 
     async def abandon(self) -> None:
         """Undo a resume that failed half-way: the adapter leaves the engine, the S3 claim is released
@@ -380,22 +363,13 @@ class ModelTrainer:
         except Exception as e:  # the engine may be what failed
             log.debug("could not delete the adapter of %s: %s", self.name, e)
         if self.pusher is not None:
-            try:
-                await self.pusher.release()
-            except Exception as e:
-                log.warning("could not release the S3 claim on %s: %s", self.name, e)
-            self.pusher.close()
+            await self.pusher.release()
 
     async def close(self) -> None:
+        """The final push before the server exits (a failure is logged), then the claim goes."""
         if self._worker is not None:
             self._worker.cancel()
         if self.pusher is not None:
-            error = await self.final_push()  # the final push before the server exits
-            if error is not None:
-                log.error("final push of %s failed: %s", self.name, error)
-            try:
-                await self.pusher.release()
-            except Exception as e:
-                log.warning("could not release the S3 claim on %s: %s", self.name, e)
-            self.pusher.close()
+            await self.final_push()
+            await self.pusher.release()
 
