@@ -234,35 +234,39 @@ def _wire_items(messages_and_choices: Iterable[Any]) -> list[Any]:
             for item in messages_and_choices]
 
 
-class History(BaseModel):
-    """A further conversation inside one trajectory (a sub-agent's, a second player's): its choices are
-    trained on too, with the trajectory's reward. ART's `art.trajectories.History`."""
+class _Conversation(BaseModel):
+    """What History and Trajectory share: OpenAI objects among the messages, one line naming the fix for a
+    keyword they do not have."""
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
-
-    messages_and_choices: list[Any] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
 
     def __init__(self, **data: Any):
         _check_fields(type(self), data)
         super().__init__(**data)
 
     def messages(self) -> list[dict[str, Any]]:
-        return get_messages(self.messages_and_choices)
+        """The conversation as plain message dicts (choices become assistant messages), e.g. for a judge."""
+        return get_messages(self.messages_and_choices)  # type: ignore[attr-defined]
+
+
+class History(_Conversation):
+    """A further conversation inside one trajectory (a sub-agent's, a second player's): its choices are
+    trained on too, with the trajectory's reward. ART's `art.trajectories.History`."""
+
+    messages_and_choices: list[Any] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {"messages_and_choices": _wire_items(self.messages_and_choices), "tools": self.tools}
 
 
-class Trajectory(BaseModel):
+class Trajectory(_Conversation):
     """One rollout: the conversation, with the policy's own turns kept as OpenAI `Choice`s (token ids, logprobs).
 
     `messages_and_choices` mixes plain message dicts (context: system, user, tool results) with the
     `Choice` objects (or their dicts) that the server returned; only the choices are trained on, those of
     `additional_histories` too. `reward` defaults to 0, as in ART's newer releases.
     """
-
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
     messages_and_choices: list[Any] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
@@ -278,16 +282,8 @@ class Trajectory(BaseModel):
     # When the rollout began: `finish()` turns it into the `duration` metric.
     start_time: datetime = Field(default_factory=datetime.now, exclude=True, repr=False)
 
-    def __init__(self, **data: Any):
-        _check_fields(type(self), data)
-        super().__init__(**data)
-
     def __str__(self) -> str:
         return f"Trajectory(reward={self.reward}, metrics={self.metrics}, metadata={self.metadata})"
-
-    def messages(self) -> list[dict[str, Any]]:
-        """The conversation as plain message dicts (choices become assistant messages), e.g. for a judge."""
-        return get_messages(self.messages_and_choices)
 
     def log(self, message: str) -> None:
         self.logs.append(message)
