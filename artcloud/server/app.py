@@ -41,6 +41,7 @@ from artcloud.server.api_errors import ApiError, errors, field_path
 from artcloud.server.engines.base import GenerationRequest, SamplingParams
 from artcloud.server.jobs import Job, request_hash
 from artcloud.server.middleware import BodyLimit, TokenAuth
+from artcloud.server.models import ServedModel
 from artcloud.server.registry import Registry
 from artcloud.server.samples import build_samples
 
@@ -121,21 +122,13 @@ def create_app(registry: Registry, token: str) -> FastAPI:
 
     @app.get("/v1/models", operation_id="list_models", response_model=wire.ModelList)
     async def list_models() -> dict[str, Any]:
-        data = []
-        for m in registry.models.values():
-            data.append({"id": m.name, "object": "model", "owned_by": m.spec.project, "root": m.spec.base_model, "step": m.step})
-        for base in registry.hosts:
-            data.append({"id": base, "object": "model", "owned_by": "artcloud", "root": base})
+        data = [_card(m.name, m) for m in registry.models.values()] + [_card(base, None) for base in registry.hosts]
         return {"object": "list", "data": data}
 
     @app.get("/v1/models/{model_id:path}", operation_id="get_model", response_model=wire.ModelCard,
              responses=errors(400, 404, 503))
     async def get_model(model_id: str) -> dict[str, Any]:
-        target = registry.resolve(model_id)
-        if target.model is None:
-            return {"id": model_id, "object": "model", "owned_by": "artcloud", "root": model_id}
-        m = target.model
-        return {"id": model_id, "object": "model", "owned_by": m.spec.project, "root": m.spec.base_model, "step": m.step}
+        return _card(model_id, registry.resolve(model_id).model)
 
     @app.post("/v1/chat/completions", operation_id="chat_completions", response_model=wire.ChatCompletion,
               responses={200: CHAT_STREAM, **errors(400, 404, 503)})
@@ -299,6 +292,14 @@ def create_app(registry: Registry, token: str) -> FastAPI:
         return JSONResponse({"ok": True, "models": models}, background=BackgroundTask(registry.lifecycle.exit_soon))
 
     return app
+
+
+def _card(model_id: str, model: ServedModel | None) -> dict[str, Any]:
+    """An OpenAI model card: a registered model's (`model`), else a loaded base model's."""
+    if model is None:
+        return {"id": model_id, "object": "model", "owned_by": "artcloud", "root": model_id}
+    return {"id": model_id, "object": "model", "owned_by": model.spec.project, "root": model.spec.base_model,
+            "step": model.step}
 
 
 def _check_same(job: Job, body_hash: str) -> Job:

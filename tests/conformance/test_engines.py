@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from artcloud.server.engines.base import GenerationRequest, SamplingParams, TokenSink, TrainSample
+from artcloud.train import packing
 from artcloud.types import LoraConfig, TrainConfig
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -95,10 +96,13 @@ def engine_eos(engine) -> set[int]:
 
 
 def trainer_logprobs(engine, slot, samples: list[TrainSample]) -> list[list[float]]:
-    """The trainer's logprobs of each sample's completion (what the GRPO loop computes), on the trainer's turn
-    as a training step would be (on one shared GPU the trainer's weights come back first)."""
-    with engine._trainer_work():
-        return engine.trainer.logprobs(slot, samples)
+    """The trainer's logprobs of each sample's completion at its temperature (what the GRPO loop computes), on
+    the trainer's turn as a training step would be (on one shared GPU the trainer's weights come back first)."""
+    trainer = engine.trainer
+    with engine._trainer_work(), torch.no_grad():
+        batch = packing.pack(samples, trainer.pad_id).to(trainer.device)
+        lp = packing.completion_logprobs(trainer.activate(slot), batch, shared=None if trainer.packs_prompts else False)
+    return [lp[b, : len(s.completion_ids)].float().tolist() for b, s in enumerate(samples)]
 
 
 def assert_logprobs_close(got: list[list[float]], want: list[list[float]]) -> None:

@@ -129,10 +129,6 @@ class Trainer(abc.ABC):
     @abc.abstractmethod
     def set_rng_state(self, state: dict[str, Any]) -> None: ...
 
-    @abc.abstractmethod
-    def logprobs(self, slot: str | None, samples: list[TrainSample]) -> list[list[float]]:
-        """log pi(completion token) of each sample at its temperature, as training computes them."""
-
     def to_device(self) -> None:
         """Bring weights and optimizer state to the accelerator (before training on a shared GPU)."""
 

@@ -114,9 +114,6 @@ class PeftTrainer(Trainer):
         self.peft.set_adapter(self.names[slot])
         return self.peft
 
-    def has(self, slot: str) -> bool:
-        return slot in self.names
-
     # ------------------------------------------------------------------------------------- training
 
     def train_step(
@@ -143,19 +140,6 @@ class PeftTrainer(Trainer):
             vocab_size=self.vocab_size,
             device=self.device,
         )
-
-    @torch.no_grad()
-    def logprobs(self, slot: str | None, samples: list[TrainSample]) -> list[list[float]]:
-        """The policy's logprobs of each sample's completion, at its temperature (the conformance suite
-        compares them with a sampler's)."""
-        batch = packing.pack(samples, self.pad_id).to(self.device)
-        shared = None if self.packs_prompts else False
-        if slot is None:
-            with self.peft.disable_adapter() if self.peft is not None else _nothing():
-                lp = packing.completion_logprobs(self.peft or self.model, batch, shared=shared)
-        else:
-            lp = packing.completion_logprobs(self.activate(slot), batch, shared=shared)
-        return [lp[b, : len(s.completion_ids)].float().tolist() for b, s in enumerate(samples)]
 
     # ------------------------------------------------------------------------------------- placement
 
@@ -215,7 +199,7 @@ class PeftTrainer(Trainer):
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        if not self.has(slot):
+        if slot not in self.names:
             self.create_adapter(slot, lora)
         name = self.names[slot]
         state = load_file(folder / "adapter_model.safetensors")
@@ -228,9 +212,6 @@ class PeftTrainer(Trainer):
         if optimizer:
             opt = self._optimizer(slot)
             opt.load_state_dict(torch.load(folder / OPTIMIZER_FILE, map_location=self.device, weights_only=True))
-
-    def optimizer_state(self, slot: str) -> dict[str, Any]:
-        return self._optimizer(slot).state_dict()
 
     def rng_state(self) -> dict[str, Any]:
         return {"torch": torch.get_rng_state().tolist()}
@@ -250,7 +231,3 @@ def _cpu(obj: Any) -> Any:
         return [_cpu(v) for v in obj]
     return obj
 
-
-class _nothing:
-    def __enter__(self) -> None: ...
-    def __exit__(self, *exc: Any) -> None: ...
