@@ -38,29 +38,32 @@ def _completion_tokens(traj: Trajectory) -> int:
     return total
 
 
-class _State:
-    """One gather's counts, shown on its bar (a types.Tally). Rollouts started inside it (`await group` within a
-    group coroutine, too) find it through types.current_tally and report here."""
+class _Tally:
+    """One gather's counts (a types.Tally: rollouts started inside it, `await group` within a group coroutine
+    too, find it through types.current_tally and report here), shown on a rich progress bar: rollouts done
+    of all, the mean reward and metrics, failures, tokens."""
 
-    def __init__(self, bar: "_Bar", max_exceptions: int | float):
-        self.bar = bar
+    def __init__(self, description: str, enabled: bool, max_metrics: int | None, max_exceptions: int | float):
+        self.description, self.enabled, self.max_metrics = description, enabled, max_metrics
         self.max_exceptions = max_exceptions
+        self.total = self.done = self.tokens = 0
         self.errors: list[BaseException] = []
-        self.done = 0
-        self.tokens = 0
         self.sums: dict[str, float] = {}
         self.counts: dict[str, int] = {}
+        self.status = ""
         self._seen: set[int] = set()
+        self._progress: Any = None
+        self._task: Any = None
 
     def over_limit(self) -> bool:
         limit = self.max_exceptions
         if isinstance(limit, float) and limit < 1:
-            limit *= self.bar.total
+            limit *= self.total
         return len(self.errors) > limit
 
     def expect(self, n: int) -> None:
-        self.bar.total += n
-        self.bar.show(self)
+        self.total += n
+        self.show()
 
     def seen(self, traj: Trajectory) -> bool:
         return id(traj) in self._seen
@@ -74,13 +77,39 @@ class _State:
         for key, value in {"reward": traj.reward, **traj.metrics}.items():
             self.sums[key] = self.sums.get(key, 0.0) + float(value)
             self.counts[key] = self.counts.get(key, 0) + 1
-        self.bar.show(self)
+        self.show()
 
     def failed(self, e: BaseException) -> bool:
         """Counts a failed rollout; True when that is one too many (the caller raises)."""
         self.errors.append(e)
-        self.bar.show(self)
+        self.show()
         return self.over_limit()
+
+    def __enter__(self) -> "_Tally":
+        if self.enabled and self.total:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[status]}"), TimeElapsedColumn(), transient=True)
+            self._progress.start()
+            self._task = self._progress.add_task(self.description, total=self.total, status=self.status)
+        return self
+
+    def show(self) -> None:
+        means = [(k, self.sums[k] / self.counts[k]) for k in self.sums]
+        parts = [f"{k} {v:.3g}" for k, v in means[: self.max_metrics]]
+        if self.errors:
+            parts.append(f"exceptions {len(self.errors)}")
+        if self.tokens:
+            parts.append(f"{self.tokens} tokens")
+        self.status = ", ".join(parts)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=self.done + len(self.errors), total=self.total,
+                                  status=self.status)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._progress is not None:
+            self._progress.stop()
 
 
 async def gather_trajectory_groups(
@@ -110,7 +139,7 @@ async def gather_trajectory_groups(
         warnings.warn("pbar_total_completion_tokens is deprecated in ART and does nothing in artcloud: the bar "
                       "always shows the completion tokens", DeprecationWarning, stacklevel=2)
     items = list(groups)
-    state = _State(_Bar(pbar_desc if pbar_desc is not None else description, progress, max_metrics), max_exceptions)
+    state = _Tally(pbar_desc if pbar_desc is not None else description, progress, max_metrics, max_exceptions)
 
     async def finish(group: TrajectoryGroup) -> list[TrajectoryGroup]:
         if len(group.trajectories) < 2:
@@ -160,12 +189,12 @@ async def gather_trajectory_groups(
         tasks: list[asyncio.Future] = []
         for item in items:
             if isinstance(item, TrajectoryGroup):
-                state.bar.total += item.pending + len(item.trajectories)
+                state.total += item.pending + len(item.trajectories)
                 for traj in item.trajectories:
                     state.record(traj)
                 tasks.append(asyncio.ensure_future(from_group(item)))
             else:
-                state.bar.total += 1  # how many trajectories it holds is known when it is done
+                state.total += 1  # how many trajectories it holds is known when it is done
                 tasks.append(asyncio.ensure_future(from_awaitable(item)))
     finally:
         current_tally.reset(token)
@@ -194,8 +223,8 @@ async def gather_trajectories(
     if isinstance(trajectories, TrajectoryGroup):
         raise InvalidArgument("gather_trajectories takes rollouts, not a TrajectoryGroup: use gather_trajectory_groups")
     items = list(trajectories)
-    state = _State(_Bar(pbar_desc if pbar_desc is not None else description, progress, None), max_exceptions)
-    state.bar.total = len(items)
+    state = _Tally(pbar_desc if pbar_desc is not None else description, progress, None, max_exceptions)
+    state.total = len(items)
 
     async def one(task: asyncio.Future) -> Trajectory | list[Trajectory] | BaseException:
         try:
@@ -217,54 +246,17 @@ async def gather_trajectories(
     return await _settle(state, tasks, asyncio.gather(*(one(t) for t in tasks)))
 
 
-async def _settle(state: _State, tasks: list[asyncio.Future], everything: Awaitable[list[Any]]) -> list[Any]:
+async def _settle(state: _Tally, tasks: list[asyncio.Future], everything: Awaitable[list[Any]]) -> list[Any]:
     """Await `everything` (what gathers `tasks`) under the bar. Whatever ends it early (a failure too many, an
     after_each error, our own cancellation) first cancels every task and waits for it to end."""
-    with state.bar:
+    with state:
         try:
             return await everything
         except BaseException as e:
             await cancel_and_wait(tasks)
             if isinstance(e, Exception) and state.over_limit():
                 errors = state.errors
-                raise GatherError(f"{len(errors)} of {state.bar.total} rollouts failed (max_exceptions="
+                raise GatherError(f"{len(errors)} of {state.total} rollouts failed (max_exceptions="
                                   f"{state.max_exceptions}); the first: {type(errors[0]).__name__}: {errors[0]}",
                                   errors) from e
             raise
-
-
-class _Bar:
-    """A rich progress bar: rollouts done of all, the mean reward and metrics, failures, tokens."""
-
-    def __init__(self, description: str, enabled: bool, max_metrics: int | None):
-        self.description, self.enabled, self.max_metrics = description, enabled, max_metrics
-        self.total = 0
-        self.status = ""
-        self._progress: Any = None
-        self._task: Any = None
-
-    def __enter__(self) -> "_Bar":
-        if self.enabled and self.total:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TextColumn("{task.fields[status]}"), TimeElapsedColumn(), transient=True)
-            self._progress.start()
-            self._task = self._progress.add_task(self.description, total=self.total, status=self.status)
-        return self
-
-    def show(self, state: _State) -> None:
-        means = [(k, state.sums[k] / state.counts[k]) for k in state.sums]
-        parts = [f"{k} {v:.3g}" for k, v in means[: self.max_metrics]]
-        if state.errors:
-            parts.append(f"exceptions {len(state.errors)}")
-        if state.tokens:
-            parts.append(f"{state.tokens} tokens")
-        self.status = ", ".join(parts)
-        if self._progress is not None:
-            self._progress.update(self._task, completed=state.done + len(state.errors), total=self.total,
-                                  status=self.status)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._progress is not None:
-            self._progress.stop()

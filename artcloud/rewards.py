@@ -245,18 +245,14 @@ def resolve_judge(judge_model: str, *, client: Any, base_url: str | None, api_ke
         else:
             extra_body[key] = value  # sent to the endpoint as is (e.g. reasoning_effort)
     provider, slash, rest = judge_model.partition("/")
-    if not slash or not rest:
+    if not slash or not rest or (provider not in JUDGE_PROVIDERS and provider not in _NEEDS_ENDPOINT):
         return judge_model, base_url, api_key, settings, extra_body
     if client is not None or base_url is not None:  # LiteLLM's api_base: that endpoint, the id without its prefix
-        if provider in JUDGE_PROVIDERS or provider in _NEEDS_ENDPOINT:
-            return rest, base_url, api_key, settings, extra_body
-        return judge_model, base_url, api_key, settings, extra_body
+        return rest, base_url, api_key, settings, extra_body
     if provider in _NEEDS_ENDPOINT:
         raise InvalidArgument(f"judge_model {judge_model!r} is a LiteLLM id for {provider}, which has no fixed "
                               f"OpenAI-compatible endpoint: pass base_url= (its OpenAI-compatible URL) or client=, "
                               f"with judge_model={rest!r}", field="judge_model")
-    if provider not in JUDGE_PROVIDERS:
-        return judge_model, base_url, api_key, settings, extra_body
     url, env = JUDGE_PROVIDERS[provider]
     if api_key is None and url is not None:
         api_key = os.environ.get(env)

@@ -157,19 +157,19 @@ def test_gather_takes_group_awaitables_with_arts_keywords():
         return await art.TrajectoryGroup(rollout(r, delay=0.01, turns=scenario) for r in (0.0, 1.0))
 
     statuses: list[str] = []
-    shown = artcloud.gather._Bar.show
+    shown = artcloud.gather._Tally.show
 
-    def spy(self, state):
-        shown(self, state)
+    def spy(self):
+        shown(self)
         statuses.append(self.status)
 
     async def main() -> list[art.TrajectoryGroup]:
-        artcloud.gather._Bar.show = spy
+        artcloud.gather._Tally.show = spy
         try:
             return await art.gather_trajectory_groups((make_group(s) for s in range(4)), pbar_desc="gather",
                                                       max_exceptions=1, max_metrics=1)
         finally:
-            artcloud.gather._Bar.show = shown
+            artcloud.gather._Tally.show = shown
 
     groups = asyncio.run(main())
     assert [[t.metrics["turns"] for t in g] for g in groups] == [[0, 0], [1, 1], [3, 3]]
