@@ -31,7 +31,7 @@ def stage_model(
 
     Example: artcloud stage-model Qwen/Qwen2.5-7B-Instruct --s3 s3://my-bucket/runs
     """
-    from artcloud.storage.s3 import S3Config, StorageError
+    from artcloud.storage.s3 import S3Config, StorageError, transfer_bar
     from artcloud.storage.weights import WeightsStore, check_model_id
 
     uri = s3 or os.environ.get("ARTCLOUD_S3")
@@ -43,7 +43,8 @@ def stage_model(
         folder = _source(model, revision, from_folder)
         store = WeightsStore(config)
         store.check()  # credentials, bucket and write access, before hashing gigabytes
-        manifest = _stage_with_bar(store, model, folder, revision)
+        with transfer_bar(f"stage {model}") as update:
+            manifest = store.stage(model, folder, revision, progress=lambda done, total: update(completed=done, total=total))
     except StorageError as e:
         raise CLIError(str(e)) from e
     size = sum(f["size"] for f in manifest["files"])
@@ -82,12 +83,3 @@ def _source(model: str, revision: str, from_folder: Path | None) -> Path:
         raise CLIError(f"{model} ({revision}) is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
                        "HF_HUB_OFFLINE=1 forbids downloading it: unset HF_HUB_OFFLINE, or stage a folder with --from")
     return folder
-
-
-def _stage_with_bar(store, model: str, folder: Path, revision: str) -> dict:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-
-    with Progress(TextColumn(f"[bold]stage {model}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  transient=True) as bar:
-        task = bar.add_task("stage", total=None)
-        return store.stage(model, folder, revision, progress=lambda done, total: bar.update(task, completed=done, total=total))

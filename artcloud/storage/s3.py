@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -397,7 +398,13 @@ class CheckpointStore(Bucket):
         step = int(manifest["step"])
         result = PushResult(step=step)
         manifest_key = self._step_key(project, model, step, checkpoints.MANIFEST)
-        if self._remote_files(manifest_key, step) == manifest["files"]:
+        remote = self._get_json(manifest_key)
+        try:  # the files of this step's manifest already on S3, if any: the same files need no push
+            remote = remote and checkpoints.validate_manifest(remote[0], self._url(manifest_key), step)["files"]
+        except checkpoints.CorruptCheckpoint as e:
+            log.warning("%s; pushing over it", e)
+            remote = None
+        if remote == manifest["files"]:
             result.skipped_files = len(manifest["files"])
         else:
             from boto3.s3.transfer import TransferConfig
@@ -407,7 +414,7 @@ class CheckpointStore(Bucket):
 
             def upload(name: str, meta: dict[str, Any]) -> int:
                 key = self._step_key(project, model, step, name)
-                if self._remote_sha(key) == meta["sha256"]:
+                if (self._head(key) or {}).get("Metadata", {}).get("sha256") == meta["sha256"]:
                     return 0
                 try:
                     self._retry(self.s3.upload_file, str(folder / name), self.config.bucket, key,
@@ -428,21 +435,6 @@ class CheckpointStore(Bucket):
             self._put(self._key(project, model, LATEST), json.dumps({"step": step}).encode())
         result.seconds = time.monotonic() - t0
         return result
-
-    def _remote_files(self, manifest_key: str, step: int) -> dict[str, Any] | None:
-        """The files of the manifest already at `manifest_key`; None if absent or invalid (then overwritten)."""
-        found = self._get_json(manifest_key)
-        if found is None:
-            return None
-        try:
-            return checkpoints.validate_manifest(found[0], self._url(manifest_key), step)["files"]
-        except checkpoints.CorruptCheckpoint as e:
-            log.warning("%s; pushing over it", e)
-            return None
-
-    def _remote_sha(self, key: str) -> str | None:
-        head = self._head(key)
-        return None if head is None else head.get("Metadata", {}).get("sha256")
 
     def _step_objects(self, project: str, model: str) -> dict[int, list[str]]:
         """Every object key under checkpoints/, by step (keys that are not STEP/NAME are left out)."""
@@ -628,12 +620,16 @@ def pull_checkpoint(target: str, *, s3: str | None = None, step: int | None = No
     dest = to or Path("checkpoints") / project / model
     if not progress:
         return store.pull(project, model, step, dest)
+    with transfer_bar(f"pull {target}") as update:
+        return store.pull(project, model, step, dest, on_bytes=lambda n: update(advance=n),
+                          on_manifest=lambda m: update(total=sum(f["size"] for f in m["files"].values())))
+
+
+@contextmanager
+def transfer_bar(title: str) -> Iterator[Callable[..., None]]:
+    """A transient rich progress bar of bytes (rich is imported here); yields its task's update(**fields)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-    with Progress(TextColumn(f"[bold]pull {target}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True) as bar:
-        task = bar.add_task("pull", total=None)
-        return store.pull(
-            project, model, step, dest,
-            on_manifest=lambda m: bar.update(task, total=sum(f["size"] for f in m["files"].values())),
-            on_bytes=lambda n: bar.advance(task, n),
-        )
+    with Progress(TextColumn(f"[bold]{title}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True) as bar:
+        task = bar.add_task(title, total=None)
+        yield lambda **fields: bar.update(task, **fields)
