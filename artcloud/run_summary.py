@@ -19,7 +19,6 @@ __all__ = ["downsample", "format_seconds", "render_markdown", "sparkline", "writ
 _BARS = "▁▂▃▄▅▆▇█"
 _MAX_POINTS = 60  # past this a chart's data array stops being readable in the Markdown source
 _TABLE_STEPS = 10
-_UNKNOWN_COST = "unknown (pass --price-per-hour)"
 
 _STATUS = {
     "succeeded": "succeeded",
@@ -83,7 +82,9 @@ def sparkline(values: list[float]) -> str:
 def render_markdown(summary: dict) -> str:
     """A GitHub-flavoured Markdown report of one run: status, key facts, and one section a model."""
     name = summary.get("run") or "(unnamed)"
-    lines = [f"## artcloud run {_cell(name)}: {_status(summary)}", "", "| | |", "|---|---|"]
+    outcome = summary.get("outcome") or "unknown"
+    status = _STATUS.get(outcome, f"failed: {_cell(str(outcome))}")
+    lines = [f"## artcloud run {_cell(name)}: {status}", "", "| | |", "|---|---|"]
     for key, value in _facts(summary):
         lines.append(f"| {key} | {value} |")
     lines += _cold_start_section(summary.get("cold_start"))
@@ -126,11 +127,6 @@ def _atomic_write(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def _status(summary: dict) -> str:
-    outcome = summary.get("outcome") or "unknown"
-    return _STATUS.get(outcome, f"failed: {_cell(str(outcome))}")
 
 
 def _cell(value: object) -> str:
@@ -202,7 +198,7 @@ def _facts(s: dict) -> list[tuple[str, str]]:
 
 def _cost(s: dict) -> str:
     cost, budget, price = s.get("estimated_cost_usd"), s.get("budget_usd"), s.get("price_per_hour")
-    text = _usd(cost) if _finite(cost) else _UNKNOWN_COST
+    text = _usd(cost) if _finite(cost) else "unknown (pass --price-per-hour)"
     if _finite(budget):
         text += f" of {_usd(budget)} budget"
     if _finite(cost) and _finite(price):

@@ -21,7 +21,6 @@ and `artcloud down --all` do (README, "Nothing is left running"). `--detach` han
 from __future__ import annotations
 
 import asyncio
-import datetime as _dt
 import logging
 import os
 import shutil
@@ -248,8 +247,7 @@ class Runner:
             await asyncio.gather(start, return_exceptions=True)
             return ending
         if start.exception() is not None:
-            e = start.exception()
-            return Ending("launch_failed", EXIT_LAUNCH, f"the sandbox could not be started: {e}")
+            return Ending("launch_failed", EXIT_LAUNCH, f"the sandbox could not be started: {start.exception()}")
         price = self.price()
         self.say(f"server up at {backend.base_url}" + (f" (${price:.2f}/h)" if price else ""))
         return None
@@ -423,21 +421,22 @@ class Runner:
                 "final_checkpoint": points[-1]["uri"] if points else None,
             })
         cost = self.cost(ended) if self.backend is not None else 0.0
+        price = self.price() if self.backend is not None else None
+        local = self.opts.backend == "local"
         summary = {
             "schema": 1, "run": self.name, "script": str(self.opts.script), "args": list(self.opts.args),
-            "backend": self.opts.backend, "gpu": self.opts.gpu if self.opts.backend != "local" else None,
-            "sandbox": getattr(self.backend, "sandbox_name", None) if self.opts.backend != "local" else None,
+            "backend": self.opts.backend, "gpu": None if local else self.opts.gpu,
+            "sandbox": None if local else getattr(self.backend, "sandbox_name", None),
             "detached": self.opts.detached_inner or ending.outcome == "detached",
             "outcome": ending.outcome, "exit_code": ending.exit_code, "reason": ending.reason,
             "script_exit_code": self.script_exit,
             "started_at": _iso(self.started), "ended_at": _iso(ended), "wall_time_s": round(ended - self.started, 1),
-            "price_per_hour": self.price() if self.backend is not None else None,
+            "price_per_hour": price,
             "estimated_cost_usd": None if cost is None else round(cost, 4),
             "budget_usd": self.opts.budget_usd, "max_duration_s": self.opts.max_duration_s,
             "s3": self.opts.s3, "models": models, "teardown": teardown,
             "preemptions": list(getattr(self.backend, "replacements", None) or []),
-            "cold_start": cold_start_rows(getattr(self.backend, "cold_start_s", None) or {},
-                                          self.price() if self.backend is not None else None),
+            "cold_start": cold_start_rows(getattr(self.backend, "cold_start_s", None) or {}, price),
         }
         json_path, md_path = write_summary(summary, self.opts.summary)
         summary["_paths"] = (str(json_path), str(md_path))
@@ -483,4 +482,4 @@ def _upload_summary(s3: str, run: str, *paths: Path) -> None:
 
 
 def _iso(t: float) -> str:
-    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
