@@ -32,25 +32,18 @@ MAX_TEXT = 4000  # characters of one trajectory's text in that table
 _NOT_METRICS = ("step", "split", "time", "source", "job_id")
 
 
-def check_report_metrics(value: Any) -> list[str] | None:
-    """`report_metrics` as given, if valid: None (the default: W&B when WANDB_API_KEY is set) or a list
-    of names from REPORTERS."""
-    if value is None:
-        return None
-    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+def check_reporting(value: Any) -> list[str] | None:
+    """`report_metrics` as given, if valid: None (the default: W&B when WANDB_API_KEY is set) or a list of
+    names from REPORTERS; and wandb installed if W&B reporting is on: a missing package is one line now,
+    not an error after the first training step."""
+    if value is not None and (isinstance(value, str) or not isinstance(value, (list, tuple))):
         raise WrongType(f"report_metrics must be a list such as ['wandb'] (or [] for none), not {value!r}",
                         field="report_metrics")
-    unknown = [v for v in value if v not in REPORTERS]
+    unknown = [v for v in value or [] if v not in REPORTERS]
     if unknown:
         raise InvalidArgument(f"report_metrics: {unknown[0]!r} is not known; artcloud reports to {list(REPORTERS)}",
                               field="report_metrics")
-    return list(value)
-
-
-def check_reporting(report_metrics: Any) -> list[str] | None:
-    """`report_metrics`, checked (check_report_metrics), and wandb installed if W&B reporting is on: a
-    missing package is one line now, not an error after the first training step."""
-    value = check_report_metrics(report_metrics)
+    value = None if value is None else list(value)
     if wandb_enabled(value):
         _require_wandb()
     return value
@@ -107,7 +100,9 @@ def summarize(items: Iterable[Any] | None) -> Batch:
         exceptions += len(getattr(group, "exceptions", None) or [])
         for name, value in group.metrics.items():
             group_metrics.setdefault(f"group_metric_{name}", []).append(float(value))
-    batch.trajectories.extend(sample_order(groups))
+    # One trajectory from each group in turn, so a table of the first few shows several prompts.
+    for i in range(max((len(g.trajectories) for g in groups), default=0)):
+        batch.trajectories.extend(g.trajectories[i] for g in groups if i < len(g.trajectories))
     for t in batch.trajectories:
         batch.rewards.append(float(t.reward))
         for name, value in t.metrics.items():
@@ -203,11 +198,3 @@ class WandbReporter:
         if self._run is not None:
             self._run.finish()
             self._run = None
-
-
-def sample_order(groups: list[TrajectoryGroup]) -> list[Trajectory]:
-    """Trajectories taken one from each group in turn, so a table of a few shows several prompts."""
-    out: list[Trajectory] = []
-    for i in range(max((len(g.trajectories) for g in groups), default=0)):
-        out.extend(g.trajectories[i] for g in groups if i < len(g.trajectories))
-    return out
