@@ -1,6 +1,6 @@
 """The end-of-run report of `artcloud run`: the summary dict as JSON, and as Markdown for people and GitHub Actions.
 
-Stdlib only: the runner imports this on a laptop, where neither torch nor rich may be installed.
+Stdlib only (and artcloud's own): the runner imports this on a laptop, where neither torch nor rich may be installed.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import json
 import math
 import os
 import re
-import tempfile
 from pathlib import Path
 
 from artcloud.errors import InvalidArgument
+from artcloud.storage.checkpoints import write_atomic
 
 __all__ = ["downsample", "format_seconds", "render_markdown", "sparkline", "write_summary"]
 
@@ -107,26 +107,14 @@ def write_summary(summary: dict, path: str | Path) -> tuple[Path, Path]:
         raise InvalidArgument(f"{json_path} is the Markdown path: give the JSON path; the .md is written beside it")
     md_path = json_path.with_suffix(".md")
     markdown = render_markdown(summary)
-    _atomic_write(json_path, json.dumps(summary, indent=2, ensure_ascii=False, default=str) + "\n")
-    _atomic_write(md_path, markdown)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(json_path, json.dumps(summary, indent=2, ensure_ascii=False, default=str) + "\n")
+    write_atomic(md_path, markdown)
     step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if step_summary:
         with open(step_summary, "a", encoding="utf-8") as f:
             f.write(markdown + "\n")
     return json_path, md_path
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    # A reader (a CI step, a dashboard) must never see half a report, even if this process is killed mid-write.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _cell(value: object) -> str:

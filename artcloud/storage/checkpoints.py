@@ -74,11 +74,23 @@ def _fsync_dir(path: Path) -> None:
         pass
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """`text` at `path` all at once (a private temporary file beside it, fsynced, then renamed over it): a
+    reader never sees half of it, even if this process is killed mid-write."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-    _fsync_file(tmp)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True))
 
 
 def checkpoints_dir(model_dir: Path) -> Path:
