@@ -165,11 +165,11 @@ def completion_response(
             "message": message,
             "finish_reason": finish_reason,
             "logprobs": logprobs_content(tokenizer, c.token_ids, c.logprobs, c.top_logprobs) if want_logprobs else None,
+            "prompt_sha256": prompt_hash,
+            "temperature": c.temperature,
         }
         if want_token_ids:
             choice["token_ids"] = c.token_ids
-        choice["prompt_sha256"] = prompt_hash
-        choice["temperature"] = c.temperature
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in completions)
     body: dict[str, Any] = {
@@ -178,11 +178,8 @@ def completion_response(
         "created": int(time.time()),
         "model": served_as,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": completion_tokens,
-            "total_tokens": len(prompt_ids) + completion_tokens,
-        },
+        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                  "total_tokens": len(prompt_ids) + completion_tokens},
     }
     if want_token_ids:
         body["prompt_token_ids"] = prompt_ids

@@ -48,7 +48,7 @@ class Lifecycle:
         self.lease = lease or Lease()
         self.stopping = False  # POST /artcloud/shutdown has begun: no new training
         self.draining = False  # the server is ending: event streams end now, not at uvicorn's graceful timeout
-        # Set by serve.run (in-process, as in tests, the server is a stand-in or None).
+        # Set by main.run (in-process, as in tests, the server is a stand-in or None).
         self.server: Any = None  # the uvicorn.Server: its should_exit starts the graceful path
         self.parent_pid: int | None = None
         self.preemption: Watch | None = None

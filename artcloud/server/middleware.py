@@ -37,14 +37,9 @@ class TokenAuth:
                 # A websocket (or any other) scope: refuse the handshake (the client sees HTTP 403).
                 await receive()
                 return await send({"type": "websocket.close", "code": 1008})
-            code, message = (
-                ("missing_token", "this server needs 'Authorization: Bearer TOKEN' (the launch's token)")
-                if not given
-                else ("invalid_token", "the bearer token is wrong: use the token of this launch")
-            )
-            response = JSONResponse(
-                ApiError(401, code, message).body(), status_code=401, headers={"WWW-Authenticate": "Bearer"}
-            )
+            error = (ApiError(401, "missing_token", "this server needs 'Authorization: Bearer TOKEN' (the launch's token)")
+                     if not given else ApiError(401, "invalid_token", "the bearer token is wrong: use the token of this launch"))
+            response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
             return await response(scope, receive, send)
         with self.lease.request(scope["path"]):
             return await self.app(scope, receive, send)

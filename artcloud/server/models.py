@@ -69,21 +69,16 @@ class EngineHost:
             loaded_from = await self.call(self.weights.fetch, self.base_model) if self.weights else self.base_model
             args = (self.base_model, self.engine_args) if self.engine_args else (self.base_model,)
             self.engine = await self.call(self.factory, *args)
-        except EngineArgsError as e:
+        except BaseException as e:
             self.close()
-            raise ApiError(400, "invalid_engine_args", str(e), e.field or "engine_args") from e
-        except ModelNotFound as e:
-            self.close()
-            raise ApiError(400, "base_model_not_found", str(e), "base_model") from e
-        except CorruptWeights as e:
-            self.close()
-            raise ApiError(400, "corrupt_weights", str(e), "base_model") from e
-        except (OSError, ValueError) as e:  # e.g. a name too long for the filesystem, a broken config.json
-            self.close()
-            raise ApiError(400, "base_model_not_found",
-                           f"cannot load base model {self.base_model!r} ({type(e).__name__}: {e})", "base_model") from e
-        except BaseException:
-            self.close()
+            if isinstance(e, EngineArgsError):
+                raise ApiError(400, "invalid_engine_args", str(e), e.field or "engine_args") from e
+            if isinstance(e, (ModelNotFound, CorruptWeights)):
+                code = "corrupt_weights" if isinstance(e, CorruptWeights) else "base_model_not_found"
+                raise ApiError(400, code, str(e), "base_model") from e
+            if isinstance(e, (OSError, ValueError)):  # e.g. a name too long for the filesystem, a broken config.json
+                raise ApiError(400, "base_model_not_found",
+                               f"cannot load base model {self.base_model!r} ({type(e).__name__}: {e})", "base_model") from e
             raise
         if self.weights is not None:
             self.weights.stage_later(self.base_model, loaded_from)

@@ -44,11 +44,8 @@ def trajectory_turns(tokenizer: Any, vocab_size: int, traj: WireTrajectory, wher
     for h, history in enumerate(traj.additional_histories):
         turns += history_turns(tokenizer, vocab_size, history, f"{where}.additional_histories[{h}]")
     if not turns:
-        raise _bad(
-            f"{where}.messages_and_choices",
-            "has no assistant turn sampled by the policy: include the Choice objects returned by the "
-            "server (with token_ids and logprobs) among the messages",
-        )
+        raise _bad(f"{where}.messages_and_choices", "has no assistant turn sampled by the policy: include the Choice "
+                   "objects returned by the server (with token_ids and logprobs) among the messages")
     return turns
 
 
@@ -65,32 +62,21 @@ def history_turns(tokenizer: Any, vocab_size: int, traj: WireHistory, where: str
             raise _bad(f"{here}.message.role", "a sampled choice must be an assistant message")
         ids = item.token_ids
         if not ids:
-            raise _bad(
-                f"{here}.token_ids",
-                "missing: the token ids the policy sampled. Keep the Choice objects the artcloud "
-                "server returned (they carry token_ids) instead of rebuilding the message.",
-            )
+            raise _bad(f"{here}.token_ids", "missing: the token ids the policy sampled. Keep the Choice objects the "
+                       "artcloud server returned (they carry token_ids) instead of rebuilding the message.")
         if any(t < 0 or t >= vocab_size for t in ids):
             raise _bad(f"{here}.token_ids", f"token ids must lie in [0, {vocab_size}) for this model")
         content = item.logprobs.content if item.logprobs else None
         if not content:
-            raise _bad(
-                f"{here}.logprobs",
-                "missing: training needs the sampling policy's logprobs. Leave logprobs out of the "
-                "completion request (they come by default) or set it true.",
-            )
+            raise _bad(f"{here}.logprobs", "missing: training needs the sampling policy's logprobs. Leave logprobs out "
+                       "of the completion request (they come by default) or set it true.")
         if len(content) != len(ids):
-            raise _bad(
-                f"{here}.logprobs.content",
-                f"has {len(content)} entries for {len(ids)} sampled tokens: it must have one per token",
-            )
+            raise _bad(f"{here}.logprobs.content",
+                       f"has {len(content)} entries for {len(ids)} sampled tokens: it must have one per token")
         for name in ("prompt_sha256", "temperature"):
             if getattr(item, name) is None:
-                raise _bad(
-                    f"{here}.{name}",
-                    "missing: keep the Choice objects the artcloud server returned (they carry prompt_sha256 "
-                    "and temperature, which training checks) instead of rebuilding them.",
-                )
+                raise _bad(f"{here}.{name}", "missing: keep the Choice objects the artcloud server returned (they carry "
+                           "prompt_sha256 and temperature, which training checks) instead of rebuilding them.")
         try:
             prompt = chat.render_prompt(tokenizer, context, traj.tools)
         except Exception as e:  # a template error is the messages' fault
@@ -115,10 +101,8 @@ def build_samples(tokenizer: Any, vocab_size: int, request: TrainRequest) -> tup
     skipped: list[int] = []
     rewards_all: list[float] = []
     for g, group in enumerate(request.groups):
-        turns = [
-            trajectory_turns(tokenizer, vocab_size, t, f"groups[{g}].trajectories[{i}]")
-            for i, t in enumerate(group.trajectories)
-        ]
+        turns = [trajectory_turns(tokenizer, vocab_size, t, f"groups[{g}].trajectories[{i}]")
+                 for i, t in enumerate(group.trajectories)]
         rewards = [t.reward for t in group.trajectories]
         rewards_all.extend(rewards)
         advantages = group_advantages(rewards, scale=request.config.scale_rewards)
@@ -126,10 +110,8 @@ def build_samples(tokenizer: Any, vocab_size: int, request: TrainRequest) -> tup
             skipped.append(g)
             continue
         if not all(math.isfinite(a) and abs(a) < _FLOAT32_MAX for a in advantages):
-            raise _bad(
-                f"groups[{g}].trajectories",
-                "the rewards of this group are so large that their advantages overflow: rescale them",
-            )
+            raise _bad(f"groups[{g}].trajectories",
+                       "the rewards of this group are so large that their advantages overflow: rescale them")
         for traj_turns, adv in zip(turns, advantages):
             for t in traj_turns:
                 samples.append(TrainSample(t.prompt_ids, t.completion_ids, t.logprobs, adv, g, t.temperature))

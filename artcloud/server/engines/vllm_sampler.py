@@ -267,7 +267,7 @@ class VLLMSampler(Sampler):
             return
         _kill_group(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=5)  # within the server's own shutdown grace (serve.GRACEFUL_SHUTDOWN_S)
+            proc.wait(timeout=5)  # within the server's own shutdown grace (main.GRACEFUL_SHUTDOWN_S)
         except subprocess.TimeoutExpired:
             pass
         time.sleep(0.5)
