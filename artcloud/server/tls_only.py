@@ -13,27 +13,19 @@ import asyncio
 import json
 import ssl
 from asyncio import sslproto
+from functools import partial
 from typing import Any, Callable
+
+from artcloud.server.api_errors import ApiError
 
 FIRST_BYTE_TIMEOUT_S = 30.0
 TLS_HANDSHAKE = 0x16
 
 
 def https_required_response(hint: str) -> bytes:
-    body = json.dumps({
-        "error": {
-            "code": "https_required",
-            "message": f"this port speaks HTTPS only: use {hint}",
-            "type": "invalid_request_error",
-        }
-    }).encode()
-    head = (
-        "HTTP/1.1 400 Bad Request\r\n"
-        "Content-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        "Connection: close\r\n\r\n"
-    ).encode()
-    return head + body
+    body = json.dumps(ApiError(400, "https_required", f"this port speaks HTTPS only: use {hint}").body()).encode()
+    head = f"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    return (head + "Connection: close\r\n\r\n").encode() + body
 
 
 class TLSOnlyProtocol(asyncio.Protocol):
@@ -99,10 +91,7 @@ def wrap_uvicorn_protocol(config: Any, context: ssl.SSLContext, hint: str) -> No
     inner_cls = config.http_protocol_class
 
     def factory(config: Any, server_state: Any, app_state: Any, _loop: Any = None) -> asyncio.Protocol:
-        return TLSOnlyProtocol(
-            lambda: inner_cls(config=config, server_state=server_state, app_state=app_state, _loop=_loop),
-            context,
-            hint,
-        )
+        inner = partial(inner_cls, config=config, server_state=server_state, app_state=app_state, _loop=_loop)
+        return TLSOnlyProtocol(inner, context, hint)
 
     config.http_protocol_class = factory
