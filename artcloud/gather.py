@@ -33,8 +33,8 @@ def _completion_tokens(traj: Trajectory) -> int:
     total = 0
     for items in (traj.messages_and_choices, *(h.messages_and_choices for h in traj.additional_histories)):
         for item in items:
-            ids = item.get("token_ids") if isinstance(item, dict) else (getattr(item, "model_extra", None) or {}).get("token_ids")
-            total += len(ids or [])
+            fields = item if isinstance(item, dict) else getattr(item, "model_extra", None) or {}
+            total += len(fields.get("token_ids") or [])
     return total
 
 

@@ -348,12 +348,6 @@ async def _judge(
     return scores, usage
 
 
-def _cache_path(cache_dir: str | os.PathLike, judge_model: str, rubric: str, unique: Any, tools: Any) -> Path:
-    key = _canonical({"judge": judge_model, "rubric": rubric, "trajectories": unique, "tools": tools})
-    key = hashlib.sha256(key.encode()).hexdigest()
-    return Path(cache_dir) / f"ruler-{key}.json"
-
-
 def _cache_read(path: Path, n: int) -> list[RulerScore] | None:
     try:
         scores = [RulerScore.model_validate(s) for s in json.loads(path.read_text())["scores"]]
@@ -398,7 +392,10 @@ async def _score(
     which = [index[k] for k in keys]
     tool_list = list({_canonical(t): t for t in tools or []}.values())
 
-    path = _cache_path(cache_dir, judge_model, rubric, unique, tool_list) if cache_dir is not None else None
+    path = None
+    if cache_dir is not None:  # keyed by everything the answer depends on
+        key = _canonical({"judge": judge_model, "rubric": rubric, "trajectories": unique, "tools": tool_list})
+        path = Path(cache_dir) / f"ruler-{hashlib.sha256(key.encode()).hexdigest()}.json"
     cached = _cache_read(path, len(unique)) if path is not None else None
     if cached is not None:
         scores, usage = cached, {**_NO_USAGE, "cache_hits": 1}
