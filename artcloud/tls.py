@@ -109,17 +109,16 @@ def client_ssl_context(ca_cert: str | Path | None, *, check_hostname: bool = Tru
 
         # SSL_CERT_FILE, OpenSSL's own variable, wins (a company proxy's CA bundle, say).
         ctx = ssl.create_default_context(cafile=os.environ.get("SSL_CERT_FILE") or certifi.where())
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        return ctx
-    # A bare PROTOCOL_TLS_CLIENT context starts with an empty trust store (create_default_context
-    # would add the system CAs): only the launch's CA can vouch for the server.
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.check_hostname = check_hostname
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    text = str(ca_cert)
-    if "-----BEGIN CERTIFICATE-----" in text:
-        ctx.load_verify_locations(cadata=text)
     else:
-        ctx.load_verify_locations(cafile=text)
+        # A bare PROTOCOL_TLS_CLIENT context starts with an empty trust store (create_default_context
+        # would add the system CAs): only the launch's CA can vouch for the server.
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = check_hostname
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        text = str(ca_cert)
+        if "-----BEGIN CERTIFICATE-----" in text:
+            ctx.load_verify_locations(cadata=text)
+        else:
+            ctx.load_verify_locations(cafile=text)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     return ctx

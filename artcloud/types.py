@@ -343,20 +343,15 @@ class TrajectoryGroup(BaseModel):
                  exceptions: Iterable[BaseException | PydanticException | dict[str, Any]] = (), **data: Any):
         if trajectories is None:
             trajectories = data.pop("trajectories", None)
-        ready: list[Any] = []
-        pending: list[Any] = []
-        failed: list[Any] = []
+        items: dict[str, list[Any]] = {"ready": [], "pending": [], "failed": []}
         for item in trajectories or ():
-            if isinstance(item, BaseException):
-                failed.append(item)
-            elif inspect.isawaitable(item):
-                pending.append(item)
-            else:
-                ready.append(item)
-        failed = [PydanticException.of(e) if isinstance(e, BaseException) else e for e in [*failed, *exceptions]]
+            kind = "failed" if isinstance(item, BaseException) else "pending" if inspect.isawaitable(item) else "ready"
+            items[kind].append(item)
+        failed = [*items["failed"], *exceptions]
+        failed = [PydanticException.of(e) if isinstance(e, BaseException) else e for e in failed]
         _check_fields(type(self), data)
-        super().__init__(trajectories=ready, exceptions=failed, **data)
-        self._pending = pending
+        super().__init__(trajectories=items["ready"], exceptions=failed, **data)
+        self._pending = items["pending"]
 
     def __iter__(self) -> Iterator[Trajectory]:  # type: ignore[override]  # ART's groups iterate their trajectories
         return iter(self.trajectories)
