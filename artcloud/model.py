@@ -368,7 +368,7 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         if self._pending is not None:
             await self._pending
             self._pending = None
-        from artcloud.backends.remote import ServerGone
+        from artcloud.backends.client import ServerGone
 
         before = self.step
         while True:

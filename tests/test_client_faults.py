@@ -15,7 +15,7 @@ import time
 import pytest
 
 import artcloud
-from artcloud.backends.remote import ServerGone
+from artcloud.backends.client import ServerGone
 
 TINY = "artcloud/tiny-random"
 READ_TIMEOUT_S = 3.0

@@ -28,7 +28,7 @@ NOT_ARTCLOUD = {
                                        "from-imports and getattr defaults depend on it)",
     ("backends/sandbox.py", "NotImplementedError"): "the abstract methods of SandboxBackend, which Sky and Modal "
                                                     "override; reaching one is a bug in artcloud, not a user error",
-    ("backends/remote.py", "AssertionError"): "marks the end of a retry loop that always returns or raises (for "
+    ("backends/client.py", "AssertionError"): "marks the end of a retry loop that always returns or raises (for "
                                               "the type checker); reaching it is a bug",
     ("backends/sky_api.py", "ClusterDoesNotExist"): "SkyAPI.logs keeps SkyPilot's own contract (sky.tail_logs raises "
                                                     "it for a missing cluster); sky.py catches it like SkyPilot's",

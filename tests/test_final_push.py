@@ -16,7 +16,7 @@ import time
 import pytest
 
 import artcloud
-from artcloud.backends.remote import push_verdicts
+from artcloud.backends.client import push_verdicts
 from tests.seaweed import SeaweedS3
 from tests.sky_standin import leftover_processes
 from tests.test_modal import one_step

@@ -15,7 +15,8 @@ from helpers import gather_groups, rollout_groups, train
 from test_s3_server import s3_env, serve_pull, wait_pushed
 
 import artcloud
-from artcloud.backends.remote import RemoteBackend, ServerGone
+from artcloud.backends.client import ServerGone
+from artcloud.backends.remote import RemoteBackend
 from artcloud.storage import checkpoints
 
 TINY = "artcloud/tiny-random"

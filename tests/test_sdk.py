@@ -17,7 +17,9 @@ import pytest
 from helpers import TCPProxy
 
 import artcloud
-from artcloud.backends.remote import ArtcloudError, RemoteBackend, VersionMismatch
+from artcloud.backends.client import VersionMismatch
+from artcloud.backends.remote import RemoteBackend
+from artcloud.errors import ArtcloudError
 
 TINY = "artcloud/tiny-random"
 
@@ -120,7 +122,7 @@ def test_bad_calls_say_what_to_do(tmp_path):
 def test_version_mismatch_names_both_versions(tmp_path, monkeypatch):
     async def main():
         async with artcloud.LocalBackend(path=tmp_path / "local") as backend:
-            monkeypatch.setattr("artcloud.backends.remote.__version__", "0.0.1")
+            monkeypatch.setattr("artcloud.backends.client.__version__", "0.0.1")
             with pytest.raises(VersionMismatch, match=rf"{artcloud.__version__}.*0\.0\.1"):
                 await backend.health()
 

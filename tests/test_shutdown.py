@@ -14,7 +14,8 @@ import pytest
 from helpers import rollout_groups, train, wait_for
 from test_s3_server import s3_env
 
-from artcloud.backends.remote import RemoteBackend, ServerGone
+from artcloud.backends.client import ServerGone
+from artcloud.backends.remote import RemoteBackend
 from artcloud.storage.s3 import OWNER, CheckpointStore, S3Config
 from tests.seaweed import ACCESS_KEY, SECRET_KEY
 

@@ -146,7 +146,7 @@ def test_a_stopped_cluster_is_gone_and_torn_down(sky_env, tmp_path):
 
 def test_an_unhealthy_cluster_whose_head_is_dead_fails_the_client_at_once_and_is_torn_down(sky_env, tmp_path):
     """SkyPilot's refresh cancels the autostop of a broken cluster whose head is down: nothing would take it down."""
-    from artcloud.backends.remote import ServerGone
+    from artcloud.backends.client import ServerGone
 
     backend = detached(tmp_path, "broken")
     LocalSky().break_cluster("broken", head_alive=False)

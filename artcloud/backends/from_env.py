@@ -21,8 +21,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from artcloud.backends.remote import ArtcloudError, RemoteBackend, ServerGone, _first_line
-from artcloud.errors import InvalidArgument
+from artcloud.backends.client import ServerGone, _first_line
+from artcloud.backends.remote import RemoteBackend
+from artcloud.errors import ArtcloudError, InvalidArgument
 
 # Set by `artcloud run` for the script it starts (the token travels in a 0600 file, never in the env).
 ENV_URL = "ARTCLOUD_RUN_URL"
@@ -145,7 +146,7 @@ class RunnerBackend(RemoteBackend):
         if found.get("replacing") or found.get("generation", 0) != self._runner_generation:
             raise ServerGone(f"the server at {self.base_url} is being replaced by the runner", code="server_replaced")
         try:
-            await self._call("GET", "/health", retry=False, timeout=10.0)
+            await self.client.call("GET", "/health", retry=False, timeout=10.0)
         except ServerGone:
             raise
         except ArtcloudError:
@@ -169,7 +170,7 @@ class RunnerBackend(RemoteBackend):
         await self._close_http()
         self._publish(found["url"], token=found["token"], ca=found.get("ca_pem"),
                       check_hostname=bool(found.get("check_hostname", True)))
-        self._version_checked = False
+        self.client.version_checked = False
         self._runner_generation = found["generation"]
         log.warning("the runner replaced the server: now at %s", self.base_url)
         return {"at": time.time(), "url": self.base_url, "reason": _first_line(str(cause))}

@@ -8,7 +8,7 @@ import os
 import re
 from typing import Any, Iterable, Mapping
 
-from artcloud.backends.remote import ArtcloudError
+from artcloud.errors import ArtcloudError
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

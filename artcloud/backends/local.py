@@ -19,9 +19,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from artcloud.backends.remote import ArtcloudError, ServerGone
+from artcloud.backends.client import ServerGone
 from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
 from artcloud.backends.spec import SandboxSpec
+from artcloud.errors import ArtcloudError
 from artcloud.tls import make_launch_secrets
 
 DEFAULT_PATH = Path(".artcloud") / "local"
@@ -171,7 +172,7 @@ class LocalBackend(SandboxBackend):
 
     async def _destroy(self) -> None:
         # After a final push was answered the server exits by itself: give it that time before a SIGTERM.
-        await asyncio.get_running_loop().run_in_executor(None, self._stop_now, 30.0, 30.0 if self._shut_down else 0.0)
+        await asyncio.get_running_loop().run_in_executor(None, self._stop_now, 30.0, 30.0 if self.client.shut_down else 0.0)
 
     def _died_message(self, text: str) -> str:
         lines = [line for line in text.splitlines() if line.strip()]
@@ -183,7 +184,7 @@ class LocalBackend(SandboxBackend):
     async def _check_alive(self) -> None:
         if self._proc is None or self._proc.poll() is None:
             return
-        if not self._version_checked:  # it never answered: say why it would not start
+        if not self.client.version_checked:  # it never answered: say why it would not start
             raise ServerGone(self._died_message(self.tail(40)), code="server_exited")
         raise ServerGone(
             f"the local server exited (status {self._proc.returncode}) while we were talking to it; "
@@ -205,7 +206,7 @@ class LocalBackend(SandboxBackend):
         if self._forwarder is not None:
             forwarder, self._forwarder = self._forwarder, None
             forwarder.close()
-        self._http = None  # bound to the loop that ran it; the server it talks to goes now
+        self.client.forget_connection()  # bound to the loop that ran it; the server it talks to goes now
         self._stop_now()
 
     def _stop_now(self, timeout: float = 30.0, exiting_for: float = 0.0) -> None:

@@ -35,14 +35,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from artcloud._version import __version__
+from artcloud.backends.client import ServerGone
 from artcloud.backends.deps import require
 from artcloud.backends.launch import check_s3, user_secrets
-from artcloud.backends.remote import ArtcloudError, ServerGone
 from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
 from artcloud.backends.spec import SandboxSpec, renamed
 from artcloud.backends.state import SandboxRecord, StateDir
 from artcloud.durations import format_duration, parse_duration
-from artcloud.errors import InvalidArgument
+from artcloud.errors import ArtcloudError, InvalidArgument
 from artcloud.tls import new_token
 
 log = logging.getLogger("artcloud.modal")
@@ -238,7 +238,7 @@ class ModalBackend(SandboxBackend):
             raise ModalError(f"{self.name} is a live {record.provider} sandbox of this machine: choose another name",
                              code="name_taken", field="name")
         if record is not None and record.provider == PROVIDER and record.state != "down":
-            sandbox = await _lookup(record)
+            sandbox = await asyncio.to_thread(_lookup, record)
             if sandbox is not None and await sandbox.poll.aio() is None:
                 self._sandbox = sandbox
                 return True
@@ -271,7 +271,7 @@ class ModalBackend(SandboxBackend):
         if record is not None and record.state != "down":
             raise ModalError(f"{self.name} is a live sandbox of this machine: choose another name for the run",
                              code="name_taken", field="name")
-        self._shut_down = True  # no server of ours to ask for a final push: the loop pushes its own
+        self.client.shut_down = True  # no server of ours to ask for a final push: the loop pushes its own
         await self._launch(job=(script, run_args(None)))
 
     async def _provision(self, job: tuple[Path, list[str]] | None) -> None:
@@ -438,7 +438,8 @@ class ModalBackend(SandboxBackend):
         sandbox = self._sandbox
         if sandbox is None:
             record = self.state.load(self.name)
-            sandbox = await _lookup(record) if record is not None and record.extra.get("sandbox_id") else None
+            sandbox = (await asyncio.to_thread(_lookup, record) if record is not None and record.extra.get("sandbox_id")
+                       else None)
         return sandbox is None or await sandbox.poll.aio() is not None
 
     @property
@@ -446,19 +447,9 @@ class ModalBackend(SandboxBackend):
         return self.name
 
 
-async def _lookup(record: SandboxRecord):
-    """The sandbox of a registry record: by id, or by name in its app when the id was never saved."""
-    import modal
-
-    try:
-        if record.extra.get("sandbox_id"):
-            return await modal.Sandbox.from_id.aio(record.extra["sandbox_id"])
-        return await modal.Sandbox.from_name.aio(record.extra.get("app", "artcloud"), record.name)
-    except modal.exception.NotFoundError:
-        return None
-
-
-def _lookup_sync(record: SandboxRecord):
+def _lookup(record: SandboxRecord):
+    """The sandbox of a registry record: by id, or by name in its app when the id was never saved (modal's
+    blocking API: async code calls it in a thread)."""
     import modal
 
     try:
@@ -476,20 +467,20 @@ class ModalSandboxes:
         require("modal", "a Modal sandbox")
 
     def status(self, record: SandboxRecord) -> str | None:
-        sandbox = _lookup_sync(record)
+        sandbox = _lookup(record)
         if sandbox is None or sandbox.poll() is not None:
             return None
         return "RUNNING"
 
     def down(self, record: SandboxRecord) -> bool:
-        sandbox = _lookup_sync(record)
+        sandbox = _lookup(record)
         if sandbox is None or sandbox.poll() is not None:
             return False
         sandbox.terminate()
         return True
 
     def logs(self, record: SandboxRecord, *, follow: bool = False, tail: int = 0) -> Iterator[str]:
-        sandbox = _lookup_sync(record)
+        sandbox = _lookup(record)
         if sandbox is None:
             return iter(())
         if not follow and sandbox.poll() is None:

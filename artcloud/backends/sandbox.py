@@ -35,16 +35,11 @@ import os
 import time
 from typing import Any
 
-from artcloud.backends.remote import (
-    ArtcloudError,
-    RemoteBackend,
-    ServerGone,
-    _first_line,
-    check_version,
-    push_verdicts,
-)
+from artcloud.backends.client import ServerGone, _first_line, check_version, push_verdicts
+from artcloud.backends.remote import RemoteBackend
 from artcloud.backends.state import SandboxRecord, StateDir, launcher, launching_now
 from artcloud.durations import format_duration
+from artcloud.errors import ArtcloudError
 
 log = logging.getLogger("artcloud.client")  # what the client says about its sandbox
 
@@ -103,7 +98,7 @@ class SandboxBackend(RemoteBackend):
         return self._owns
 
     async def _start(self) -> None:
-        self._shut_down = False
+        self.client.shut_down = False
         record = self.state.load(self.sandbox_name) if self.state is not None else None
         if record is not None and launching_now(record) and record.launcher.get("pid") != os.getpid():
             raise self.error(f"{self.sandbox_name} is being launched by process {record.launcher['pid']} of this machine: "
@@ -219,7 +214,7 @@ class SandboxBackend(RemoteBackend):
                             if url != self.base_url or self._staged:
                                 await self._close_http()  # the HTTP client is bound to the old endpoint
                                 self._publish(url)
-                            self._version_checked = True
+                            self.client.version_checked = True
                             self._note_phases(body)
                             self._launch_began = None
                             return
@@ -322,9 +317,9 @@ class SandboxBackend(RemoteBackend):
                             else None)
         log.warning("%s was lost (%s): launching a new machine; training resumes from the last checkpoint on S3",
                     self.sandbox_name, lost["reason"])
-        self._shut_down = True  # nothing left to ask for a final push
+        self.client.shut_down = True  # nothing left to ask for a final push
         await self._teardown()
-        self._shut_down = False
+        self.client.shut_down = False
         await self._launch(show_bar=False)
         self._start_heartbeats()
         log.warning("%s is back at %s", self.sandbox_name, self.base_url)

@@ -34,14 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from artcloud.backends.client import ServerGone
 from artcloud.backends.launch import check_s3, user_secrets
-from artcloud.backends.remote import ArtcloudError, ServerGone
 from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
 from artcloud.backends.sky_api import ClusterInfo, GPUOffer, Launched, SkyAPI, sky_api
 from artcloud.backends.sky_task import SECRET_NAMES, SERVER_PORT, ServerTask, build_task, describe
 from artcloud.backends.spec import SandboxSpec, renamed
 from artcloud.backends.state import SandboxRecord, StateDir
-from artcloud.errors import InvalidArgument
+from artcloud.errors import ArtcloudError, InvalidArgument
 from artcloud.tls import make_launch_secrets
 
 log = logging.getLogger("artcloud.sky")
@@ -359,7 +359,7 @@ class SkyBackend(SandboxBackend):
         if self._owns or await asyncio.to_thread(self.api.status, self.cluster_name, refresh=True) is not None:
             raise SkyError(f"a cluster named {self.cluster_name} exists: choose another name for the run",
                            code="name_taken", field="cluster_name")
-        self._shut_down = True  # no server of ours to ask for a final push: the loop pushes its own
+        self.client.shut_down = True  # no server of ours to ask for a final push: the loop pushes its own
         await self._launch(job=(Path(script), run_args))
 
     async def _provision(self, job: tuple[Path, Callable[[float | None], list[str]]] | None) -> None:

@@ -72,47 +72,50 @@ def launch(
 
     Example: artcloud launch --gpu L4 --cloud gcp --s3 s3://my-bucket/runs --name mail-agent
     """
-    from artcloud.backends.sky import SkyBackend, SkyError
+    from artcloud.backends.modal import ModalBackend
+    from artcloud.backends.sky import SkyBackend
     from artcloud.durations import format_duration
+    from artcloud.errors import ArtcloudError
 
-    if provider == "modal":
-        sky_only = {"--cloud": cloud, "--region": region, "--spot": spot, "--image": image, "--disk": disk_size,
-                    "--retry-until-up": retry_until_up, "--idle-minutes": idle_minutes != 10}
-        used = [flag for flag, value in sky_only.items() if value]
-        if used:
-            raise CLIError(f"{', '.join(used)} {'is' if len(used) == 1 else 'are'} for --provider sky, not modal")
-        return _launch_modal(gpu=gpu, name=name, lease=lease, max_duration=max_duration, s3=s3, env=env_pairs(env),
-                             secrets=list(secret), engine=engine, startup_timeout=startup_timeout, dry_run=dry_run)
-    if provider != "sky":
+    spec = dict(gpu=gpu, name=name, lease=lease, max_duration=max_duration, s3=s3, env=env_pairs(env),
+                secrets=list(secret), engine=engine, startup_timeout=startup_timeout)
+    sky_only = {"--cloud": cloud, "--region": region, "--spot": spot, "--image": image, "--disk": disk_size,
+                "--retry-until-up": retry_until_up, "--idle-minutes": idle_minutes != 10}
+    if provider not in ("sky", "modal"):
         raise CLIError(f"--provider is sky or modal, not {provider!r}")
-
+    used = [flag for flag, value in sky_only.items() if value]
+    if provider == "modal" and used:
+        raise CLIError(f"{', '.join(used)} {'is' if len(used) == 1 else 'are'} for --provider sky, not modal")
     try:
-        backend = SkyBackend(
-            gpu=gpu, cloud=cloud, region=region, spot=spot, name=name, idle_minutes=idle_minutes,
-            lease=lease, max_duration=max_duration, s3=s3, env=env_pairs(env), secrets=list(secret), image=image,
-            disk=disk_size, engine=engine, startup_timeout=startup_timeout, retry_until_up=retry_until_up,
-        )
+        if provider == "sky":
+            backend = SkyBackend(cloud=cloud, region=region, spot=spot, idle_minutes=idle_minutes, image=image,
+                                 disk=disk_size, retry_until_up=retry_until_up, **spec)
+            ends = f"at most {format_duration(backend.max_duration_s)}); the machine goes {idle_minutes} min later"
+        else:
+            backend = ModalBackend(**spec)
+            ends = f"Modal ends the sandbox after {format_duration(backend.timeout_s)} at most)"
     except ValueError as e:
         raise CLIError(str(e)) from e
     out, err = _console(), _console(stderr=True)
-    teardown = (f"the server exits after {format_duration(backend.lease_s)} without a client "
-                f"(at most {format_duration(backend.max_duration_s)}); the machine goes {idle_minutes} min later")
+    label = backend.sandbox_name
+    teardown = f"the server exits after {format_duration(backend.lease_s)} without a client ({ends}"
     try:
         if dry_run:
-            _dry_run(backend, out, teardown)
+            (_dry_run if provider == "sky" else _dry_run_modal)(backend, out, teardown)
             return
         # No spinner here: the backend shows its own progress bar (the server's phase) on a terminal.
         if err.is_terminal:
-            err.print(f"launching {backend.cluster_name} ({gpu}): SkyPilot provisions the machine, then artcloud "
-                      "installs and starts; this takes minutes", markup=False)
+            err.print(f"launching {label} ({gpu}): " + ("SkyPilot provisions the machine, then artcloud installs and "
+                      "starts; this takes minutes" if provider == "sky" else "building the image the first time "
+                      "takes minutes"), markup=False)
         asyncio.run(_start_and_leave(backend))
-    except SkyError as e:
+    except ArtcloudError as e:
         raise CLIError(str(e)) from e
-    price = backend.price_per_hour
-    out.print(f"[bold green]{backend.cluster_name}[/] is up: {backend.base_url}  ({gpu}, {_money(price)}/h)")
-    out.print(f"  connect from Python:  backend = artcloud.SkyBackend(name={backend.cluster_name!r})", markup=False)
-    out.print(f"  teardown:             {teardown}; `artcloud down {backend.cluster_name}` ends it now", markup=False)
-    out.print(f"  logs:                 artcloud logs {backend.cluster_name} -f", markup=False)
+    where = f"{gpu}, {_money(backend.price_per_hour)}/h" if provider == "sky" else f"Modal, {gpu}"
+    out.print(f"[bold green]{label}[/] is up: {backend.base_url}  ({where})")
+    out.print(f"  connect from Python:  backend = artcloud.{type(backend).__name__}(name={label!r})", markup=False)
+    out.print(f"  teardown:             {teardown}; `artcloud down {label}` ends it now", markup=False)
+    out.print(f"  logs:                 artcloud logs {label} -f", markup=False)
     _print_cold_start(out, backend)
 
 
@@ -129,42 +132,20 @@ def _print_cold_start(out, backend) -> None:
     out.print(f"  cold start:           {', '.join(parts)}", markup=False)
 
 
-def _launch_modal(*, gpu: str, name: str | None, lease: str, max_duration: str, s3: str | None, env: dict,
-                  secrets: list, engine: str, startup_timeout: str, dry_run: bool) -> None:
+def _dry_run_modal(backend, out, teardown: str) -> None:
     from artcloud._version import __version__
-    from artcloud.backends.modal import ModalBackend, ModalError, server_command
-    from artcloud.durations import format_duration
+    from artcloud.backends.modal import server_command
 
-    try:
-        backend = ModalBackend(gpu=gpu, name=name, max_duration=max_duration, lease=lease, s3=s3, env=env, secrets=secrets,
-                               engine=engine, startup_timeout=startup_timeout)
-    except ValueError as e:
-        raise CLIError(str(e)) from e
-    out, err = _console(), _console(stderr=True)
-    teardown = (f"the server exits after {format_duration(backend.lease_s)} without a client; Modal ends the sandbox "
-                f"after {format_duration(backend.timeout_s)} at most")
-    if dry_run:
-        names = list(backend._launch_secrets("x" * 32))  # the names only; the values are never printed
-        command = server_command(lease_s=backend.lease_s, max_duration_s=backend.max_duration_s, s3=s3, engine=engine)
-        out.print("artcloud launch --provider modal --dry-run: nothing was created", markup=False)
-        out.print(f"  sandbox   {backend.name} in app {backend.app_name}, GPU {gpu}, HTTPS tunnel to port 8443", markup=False)
-        out.print(f"  image     debian-slim + this machine's artcloud {__version__} wheel + artcloud[gpu]", markup=False)
-        out.print(f"  command   {' '.join(command)}", markup=False)
-        out.print(f"  teardown  {teardown}", markup=False)
-        out.print(f"  secrets   {', '.join(names)} (one modal.Secret; values never shown)", markup=False)
-        return
-    try:
-        if err.is_terminal:  # then the backend's progress bar
-            err.print(f"creating the Modal sandbox {backend.name} ({gpu}): building the image the first time takes "
-                      "minutes", markup=False)
-        asyncio.run(_start_and_leave(backend))
-    except ModalError as e:
-        raise CLIError(str(e)) from e
-    out.print(f"[bold green]{backend.name}[/] is up: {backend.base_url}  (Modal, {gpu})")
-    out.print(f"  connect from Python:  backend = artcloud.ModalBackend(name={backend.name!r})", markup=False)
-    out.print(f"  teardown:             {teardown}; `artcloud down {backend.name}` ends it now", markup=False)
-    out.print(f"  logs:                 artcloud logs {backend.name} -f", markup=False)
-    _print_cold_start(out, backend)
+    names = list(backend._launch_secrets("x" * 32))  # the names only; the values are never printed
+    command = server_command(lease_s=backend.lease_s, max_duration_s=backend.max_duration_s, s3=backend.s3,
+                             engine=backend.engine)
+    out.print("artcloud launch --provider modal --dry-run: nothing was created", markup=False)
+    out.print(f"  sandbox   {backend.name} in app {backend.app_name}, GPU {backend.gpu}, HTTPS tunnel to port 8443",
+              markup=False)
+    out.print(f"  image     debian-slim + this machine's artcloud {__version__} wheel + artcloud[gpu]", markup=False)
+    out.print(f"  command   {' '.join(command)}", markup=False)
+    out.print(f"  teardown  {teardown}", markup=False)
+    out.print(f"  secrets   {', '.join(names)} (one modal.Secret; values never shown)", markup=False)
 
 
 async def _start_and_leave(backend) -> None:
@@ -429,21 +410,22 @@ def _final_push(state, record) -> tuple[bool, list[str], list[str]]:
     exit. Returns whether the server answered (and is exiting), one line per model (or a note on why
     there was no push; none when there was no server to ask), and NAME@STEP of each model whose push the
     answer does not confirm."""
-    from artcloud.backends.remote import FINAL_PUSH_WAIT_S, ArtcloudError, RemoteBackend, push_verdicts
+    from artcloud.backends.client import FINAL_PUSH_WAIT_S, Client, Endpoint, push_verdicts
+    from artcloud.errors import ArtcloudError
 
     creds = state.credentials(record.name)
     if record.state != "up" or not record.url or creds is None or record.extra.get("run"):
         return False, [], []  # a detached run's loop pushes its own checkpoints
     ca, token = creds
     # SkyPilot: the launch CA alone (a bare IP, so no host name check). Modal: the public CAs of its edge.
-    backend = RemoteBackend(record.url, token=token, ca_cert=ca or None, check_hostname=not ca)
+    client = Client(Endpoint(record.url, token, ca or None, check_hostname=not ca))
 
     async def push() -> dict:
         try:
-            # The server may spend protocol.FINAL_PUSH_DEADLINE_S on the push: wait for its verdict, not less.
-            return await backend.shutdown(timeout=FINAL_PUSH_WAIT_S)
+            # The server may spend wire.FINAL_PUSH_DEADLINE_S on the push: wait for its verdict, not less.
+            return await client.shutdown(timeout=FINAL_PUSH_WAIT_S)
         finally:
-            await backend.close()
+            await client.drop_connection()
 
     try:
         answer = asyncio.run(push())
