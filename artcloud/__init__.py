@@ -9,6 +9,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from artcloud._version import __version__
+from artcloud.errors import (
+    APIError,
+    ArtcloudError,
+    BadRequest,
+    Conflict,
+    InvalidArgument,
+    MissingDependency,
+    ModelLocked,
+    NotFound,
+    NotInArtcloud,
+    NotSupported,
+    RateLimited,
+    TimedOut,
+    Unauthorized,
+    Unavailable,
+    WrongState,
+    WrongType,
+)
 from artcloud.types import LoraConfig, TrainConfig, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -19,24 +37,6 @@ if TYPE_CHECKING:
     from artcloud.backends.remote import Backend, RemoteBackend, ServerGone, VersionMismatch
     from artcloud.backends.sky import SkyBackend, SkyError
     from artcloud.backends.spec import SandboxSpec
-    from artcloud.errors import (
-        APIError,
-        ArtcloudError,
-        BadRequest,
-        Conflict,
-        InvalidArgument,
-        MissingDependency,
-        ModelLocked,
-        NotFound,
-        NotInArtcloud,
-        NotSupported,
-        RateLimited,
-        TimedOut,
-        Unauthorized,
-        Unavailable,
-        WrongState,
-        WrongType,
-    )
     from artcloud.gather import GatherError, gather_trajectories, gather_trajectory_groups
     from artcloud.model import LinearTemperatureAnnealer, Model, TrainableModel, TrainResult
     from artcloud.rewards import RulerError, ruler, ruler_score_group
@@ -49,14 +49,12 @@ if TYPE_CHECKING:
 # Loaded on first use: module -> the names it gives `artcloud` ("utils" is the module itself).
 _LAZY = {name: module for module, names in {
     "artcloud.backends.local": ["LocalBackend"],
-    "artcloud.backends.remote": ["RemoteBackend", "Backend", "ServerGone", "VersionMismatch"],
+    "artcloud.backends.client": ["ServerGone", "VersionMismatch"],
+    "artcloud.backends.remote": ["RemoteBackend", "Backend"],
     "artcloud.backends.sky": ["SkyBackend", "SkyError"],
     "artcloud.backends.spec": ["SandboxSpec"],
     "artcloud.backends.modal": ["ModalBackend", "ModalError"],
     "artcloud.backends.from_env": ["backend_from_env"],
-    "artcloud.errors": ["ArtcloudError", "InvalidArgument", "WrongType", "NotSupported", "NotInArtcloud", "WrongState",
-                        "TimedOut", "MissingDependency", "APIError", "BadRequest", "Unauthorized", "NotFound",
-                        "Conflict", "ModelLocked", "RateLimited", "Unavailable"],
     "artcloud.storage.s3": ["StorageError", "pull_checkpoint"],
     "artcloud.storage.checkpoints": ["CorruptCheckpoint"],
     "artcloud.gather": ["gather_trajectory_groups", "GatherError", "gather_trajectories"],
@@ -101,8 +99,6 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         if name in _NOT_IN_ARTCLOUD:
-            from artcloud.errors import NotInArtcloud
-
             raise NotInArtcloud(f"art.{name} is OpenPipe ART's and artcloud has no counterpart: {_NOT_IN_ARTCLOUD[name]}")
         raise AttributeError(f"module 'artcloud' has no attribute {name!r}")
     import importlib
