@@ -165,14 +165,6 @@ def _given_token(token: str | None, token_file: str | None) -> str | None:
     return token
 
 
-def _proxy_token(token: str | None, token_file: str | None) -> str:
-    """Behind a proxy the server never makes its own token: the launcher must give one."""
-    token = _given_token(token, token_file)
-    if token is None:
-        raise ServeError(f"--behind-https-proxy needs the launcher's bearer token: set {ENV_TOKEN} or pass --token-file")
-    return token
-
-
 def _reuse_own(tls_dir: Path, token: str | None) -> TLSFiles | None:
     """A restarted `artcloud serve --path P` keeps the CA and token it made before, while the
     certificate has more than a day left, so clients that trust it keep working."""
@@ -194,29 +186,12 @@ def _reuse_own(tls_dir: Path, token: str | None) -> TLSFiles | None:
 
 
 def run(
-    *,
-    host: str,
-    port: int,
-    path: Path,
-    tls_cert: str | None = None,
-    tls_key: str | None = None,
-    token: str | None = None,
-    token_file: str | None = None,
-    engine: str = "cpu",
-    engine_args: dict | None = None,
-    vllm_python: str | None = None,
-    log_level: str = "info",
-    parent_pid: int | None = None,
-    s3: str | None = None,
-    keep_last: int = 0,
-    keep_best: str = "reward_mean",
-    lease_s: float | None = None,
-    max_duration_s: float | None = None,
-    behind_https_proxy: bool = False,
-    limits=None,
-    claim_timeout_s: float | None = None,
-    watch_preemption: bool = False,
-    preload: str | None = None,
+    *, host: str, port: int, path: Path, tls_cert: str | None = None, tls_key: str | None = None,
+    token: str | None = None, token_file: str | None = None, engine: str = "cpu", engine_args: dict | None = None,
+    vllm_python: str | None = None, log_level: str = "info", parent_pid: int | None = None, s3: str | None = None,
+    keep_last: int = 0, keep_best: str = "reward_mean", lease_s: float | None = None,
+    max_duration_s: float | None = None, behind_https_proxy: bool = False, limits=None,
+    claim_timeout_s: float | None = None, watch_preemption: bool = False, preload: str | None = None,
     announce=print,
 ) -> None:
     began = time.monotonic()  # --max-duration counts from here (loading a model is paid-for time too), /health's phases too
@@ -242,7 +217,9 @@ def run(
         if tls_cert or tls_key:
             raise ServeError("--behind-https-proxy serves plain HTTP to the proxy: drop --tls-cert / --tls-key")
         tls = None
-        token = _proxy_token(token, token_file)
+        token = _given_token(token, token_file)  # behind a proxy the server never makes its own token
+        if token is None:
+            raise ServeError(f"--behind-https-proxy needs the launcher's bearer token: set {ENV_TOKEN} or pass --token-file")
     else:
         tls = tls_setup(path, host, tls_cert, tls_key, token, token_file)
     # Before binding: an unknown --engine fails here, with nothing printed and nothing listening.
@@ -276,13 +253,8 @@ def run(
     # A bad cert/key pair fails here, before serving.
     context = server_context(str(tls.cert), str(tls.key)) if tls is not None else None
     # TLS is done by TLSOnlyProtocol (so plain HTTP gets a readable 400), on asyncio's own loop.
-    config = uvicorn.Config(
-        app,
-        loop="asyncio",
-        log_level=log_level,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        timeout_keep_alive=30,
-    )
+    config = uvicorn.Config(app, loop="asyncio", log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            timeout_keep_alive=30)
     config.load()
     if context is not None:
         wrap_uvicorn_protocol(config, context, hint=url)

@@ -156,16 +156,9 @@ class TorchSampler(Sampler):
             text = self.tokenizer.decode([t for t in tokens[b] if t not in special])
             if finish[b] == "stop":
                 text = stops[b].cut(text)
-            results[row_req[b]].append(
-                Completion(
-                    token_ids=tokens[b],
-                    logprobs=lps[b],
-                    top_logprobs=tops[b] if params[b].top_logprobs else None,
-                    finish_reason=finish[b],
-                    text=text,
-                    temperature=params[b].temperature,
-                )
-            )
+            results[row_req[b]].append(Completion(
+                token_ids=tokens[b], logprobs=lps[b], top_logprobs=tops[b] if params[b].top_logprobs else None,
+                finish_reason=finish[b], text=text, temperature=params[b].temperature))
         return results
 
     @staticmethod

@@ -413,15 +413,9 @@ class VLLMSampler(Sampler):
     def _one(self, model: str, req: GenerationRequest) -> list[Completion]:
         p = req.params
         payload: dict[str, Any] = {
-            "model": model,
-            "prompt": req.prompt_ids,
-            "n": req.n,
-            "max_tokens": p.max_tokens,
-            "temperature": p.temperature,
-            "top_p": p.top_p,
-            "logprobs": max(1, p.top_logprobs),
-            "return_token_ids": True,
-            "skip_special_tokens": True,
+            "model": model, "prompt": req.prompt_ids, "n": req.n, "max_tokens": p.max_tokens,
+            "temperature": p.temperature, "top_p": p.top_p, "logprobs": max(1, p.top_logprobs),
+            "return_token_ids": True, "skip_special_tokens": True,
         }
         if p.stop:
             payload["stop"] = p.stop
@@ -465,14 +459,9 @@ class VLLMSampler(Sampler):
             for d in lp.get("top_logprobs") or []:
                 pairs = sorted(((int(k.split(":", 1)[1]), float(v)) for k, v in (d or {}).items()), key=lambda kv: -kv[1])
                 tops.append(pairs[:top_k])
-        return Completion(
-            token_ids=ids,
-            logprobs=logprobs,
-            top_logprobs=tops,
-            finish_reason="stop" if choice.get("finish_reason") == "stop" else "length",
-            text=choice.get("text") or "",
-            temperature=temperature,
-        )
+        finish = "stop" if choice.get("finish_reason") == "stop" else "length"
+        return Completion(token_ids=ids, logprobs=logprobs, top_logprobs=tops, finish_reason=finish,
+                          text=choice.get("text") or "", temperature=temperature)
 
     # ------------------------------------------------------------------------------------- state
 
