@@ -31,10 +31,11 @@ from artcloud.types import LoraConfig, TrainConfig, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from artcloud import utils  # OpenPipe ART's names: artcloud.utils.iterate_dataset, ...
+    from artcloud.backends.client import ServerGone, VersionMismatch
     from artcloud.backends.from_env import backend_from_env
     from artcloud.backends.local import LocalBackend
     from artcloud.backends.modal import ModalBackend, ModalError
-    from artcloud.backends.remote import Backend, RemoteBackend, ServerGone, VersionMismatch
+    from artcloud.backends.remote import Backend, RemoteBackend
     from artcloud.backends.sky import SkyBackend, SkyError
     from artcloud.backends.spec import SandboxSpec
     from artcloud.gather import GatherError, gather_trajectories, gather_trajectory_groups
