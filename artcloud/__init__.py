@@ -85,7 +85,8 @@ __all__ = [
 _NOT_IN_ARTCLOUD = {
     "dev": "engine settings go in artcloud.TrainableModel(engine_args={...}), training options in "
            "TrainConfig(...) or train(_config={...})",
-    "ServerlessBackend": "train on a cloud GPU of your own with artcloud.SkyBackend(gpu=...) or artcloud.ModalBackend(...)",
+    "ServerlessBackend": "train on a cloud GPU of your own with artcloud.SkyBackend(gpu=...) or "
+                         "artcloud.ModalBackend(...)",
     "LocalTrainResult": "every backend's train() returns an artcloud.TrainResult",
     "TrainSFTConfig": "artcloud trains with RL (GRPO) only",
     "trajectory_group_batches": "batch the scenarios with artcloud.utils.iterate_dataset",
@@ -100,7 +101,8 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         if name in _NOT_IN_ARTCLOUD:
-            raise NotInArtcloud(f"art.{name} is OpenPipe ART's and artcloud has no counterpart: {_NOT_IN_ARTCLOUD[name]}")
+            raise NotInArtcloud(f"art.{name} is OpenPipe ART's and artcloud has no counterpart: "
+                                f"{_NOT_IN_ARTCLOUD[name]}")
         raise AttributeError(f"module 'artcloud' has no attribute {name!r}")
     import importlib
 

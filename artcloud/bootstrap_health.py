@@ -86,8 +86,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         if self.path.split("?", 1)[0] != "/health":
-            self._send(404, {"error": {"code": "not_found", "message": "artcloud is still installing: only GET /health answers",
-                                       "type": "not_found"}})
+            self._send(404, {"error": {"code": "not_found", "type": "not_found",
+                                       "message": "artcloud is still installing: only GET /health answers"}})
             return
         self._send(200, {"status": "ok", "version": self.server.version, "ready": False, "phase": "installing",
                          "elapsed_s": round(time.time() - self.server.started, 3)})

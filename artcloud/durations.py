@@ -22,11 +22,12 @@ def parse_duration(value: str | int | float | _dt.timedelta, *, what: str = "dur
     else:
         match = _PATTERN.match(str(value))
         if match is None:
-            raise InvalidArgument(f"{what} {value!r} is not a duration: write e.g. 90s, 15m, 8h or 1d", field=_field(what))
+            raise InvalidArgument(f"{what} {value!r} is not a duration: write e.g. 90s, 15m, 8h or 1d",
+                                  field=_field(what))
         if not match.group(2):
             number = match.group(1)
-            raise InvalidArgument(f"{what} {value!r} needs a unit: write {number}m for minutes or {number}s for seconds",
-                                  field=_field(what))
+            raise InvalidArgument(f"{what} {value!r} needs a unit: write {number}m for minutes or {number}s for "
+                                  "seconds", field=_field(what))
         seconds = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if seconds <= 0:
         raise InvalidArgument(f"{what} must be positive, not {value!r}", field=_field(what))

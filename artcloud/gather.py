@@ -154,7 +154,8 @@ async def gather_trajectory_groups(
         out = out if isinstance(out, list) else [out]
         for g in out:
             if not isinstance(g, TrajectoryGroup):
-                raise WrongType(f"after_each returned {type(g).__name__}: return a TrajectoryGroup, a list of them, or None")
+                raise WrongType(f"after_each returned {type(g).__name__}: return a TrajectoryGroup, a list of them, "
+                                "or None")
         return out
 
     async def from_group(group: TrajectoryGroup) -> list[TrajectoryGroup]:

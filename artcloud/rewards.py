@@ -145,7 +145,8 @@ def _common_prefix(lists: Sequence[Sequence[dict[str, Any]]]) -> int:
 
 def _judge_prompt(unique: list[list[dict[str, Any]]], tools: list[dict[str, Any]], rubric: str) -> list[dict[str, str]]:
     k = _common_prefix(unique) if len(unique) > 1 else max(0, len(unique[0]) - 1)
-    parts = [f"Below are {len(unique)} trajectories (ids 1 to {len(unique)}) by an agent, which all start from the same context."]
+    parts = [f"Below are {len(unique)} trajectories (ids 1 to {len(unique)}) by an agent, which all start from the "
+             "same context."]
     if k:
         parts.append("<context>\n" + "\n".join(_render_message(m) for m in unique[0][:k]) + "\n</context>")
     if tools:
@@ -224,7 +225,8 @@ _LITELLM_SETTINGS = {"temperature", "max_tokens", "timeout"}
 
 
 def resolve_judge(judge_model: str, *, client: Any, base_url: str | None, api_key: str | None,
-                  extra_litellm_params: dict[str, Any] | None) -> tuple[str, str | None, str | None, dict[str, Any], dict[str, Any]]:
+                  extra_litellm_params: dict[str, Any] | None,
+                  ) -> tuple[str, str | None, str | None, dict[str, Any], dict[str, Any]]:
     """(model id, base_url, api_key, settings, extra_body) for a judge named as artcloud does (a bare id at
     `base_url`/`client`, default OpenAI) or as ART does (a LiteLLM id, `extra_litellm_params`). Bare ids,
     and ids whose first part is not a LiteLLM provider ("Qwen/Qwen3-8B"), are sent unchanged."""
@@ -268,7 +270,8 @@ def _client(client: Any, base_url: str | None, api_key: str | None) -> "openai.A
         if base_url or api_key:
             raise InvalidArgument("pass either client or base_url/api_key, not both")
         return client.with_options(max_retries=0)  # tenacity owns the retries
-    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key or os.environ.get("OPENAI_API_KEY") or "none", max_retries=0)
+    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key or os.environ.get("OPENAI_API_KEY") or "none",
+                              max_retries=0)
 
 
 def _retryable(e: BaseException) -> bool:
@@ -401,9 +404,9 @@ async def _score(
         scores, usage = cached, {**_NO_USAGE, "cache_hits": 1}
     else:
         scores, usage = await _judge(unique, tool_list, judge_model, rubric=rubric, client=client, base_url=base_url,
-                                     api_key=api_key, timeout=timeout, max_attempts=max_attempts, retry_wait_s=retry_wait_s,
-                                     response_format=response_format, max_tokens=max_tokens, temperature=temperature,
-                                     extra_body=extra_body, debug=debug)
+                                     api_key=api_key, timeout=timeout, max_attempts=max_attempts,
+                                     retry_wait_s=retry_wait_s, response_format=response_format, max_tokens=max_tokens,
+                                     temperature=temperature, extra_body=extra_body, debug=debug)
         usage["cache_hits"] = 0
         if path is not None:
             _cache_write(path, scores)
@@ -478,10 +481,12 @@ async def ruler_score_group(
     the group in `gather_trajectory_groups(after_each=...)`). The other options are `ruler`'s.
     """
     # A judge that cannot be named is a mistake in the script, not a failed call: never swallowed.
-    resolve_judge(judge_model, client=client, base_url=base_url, api_key=api_key, extra_litellm_params=extra_litellm_params)
+    resolve_judge(judge_model, client=client, base_url=base_url, api_key=api_key,
+                  extra_litellm_params=extra_litellm_params)
     try:
         if group.pending:
-            raise WrongState("this group still has rollouts to run: use gather_trajectory_groups or await group.resolve()")
+            raise WrongState("this group still has rollouts to run: use gather_trajectory_groups or await "
+                             "group.resolve()")
         if not group.trajectories:
             return group
         tools = [t for traj in group.trajectories for t in (traj.tools or [])]

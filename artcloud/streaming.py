@@ -126,5 +126,6 @@ async def collect_stream(stream: AsyncIterable[Any] | Iterable[Any]) -> "ChatCom
         for chunk in stream:  # type: ignore[union-attr]
             collector.add(chunk)
     else:
-        raise WrongType(f"collect_stream takes a stream of chat completion chunks (stream=True), not a {type(stream).__name__}")
+        raise WrongType("collect_stream takes a stream of chat completion chunks (stream=True), not a "
+                        f"{type(stream).__name__}")
     return collector.completion()

@@ -377,7 +377,8 @@ class TrajectoryGroup(BaseModel):
 
     def to_wire(self) -> dict[str, Any]:
         if self._pending:
-            raise WrongState("this group still has rollouts to run: use gather_trajectory_groups or await group.resolve()")
+            raise WrongState("this group still has rollouts to run: use gather_trajectory_groups or await "
+                             "group.resolve()")
         return {"trajectories": [t.to_wire() for t in self.trajectories]}
 
 

@@ -127,7 +127,8 @@ def retry(
     return decorator
 
 
-def limit_concurrency(n: int, derive_key: Callable[..., str] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def limit_concurrency(n: int, derive_key: Callable[..., str] | None = None,
+                      ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator for async functions: at most `n` calls run at once (per `derive_key(*args, **kwargs)` when
     given, e.g. one limit per judge model)."""
     if n < 1:

@@ -101,8 +101,8 @@ def lock_from_wheel(wheel: Path, extras: str | Iterable[str]) -> str:
         if entry not in names:
             shipped = sorted(n[len("artcloud/locks/"):-4] for n in names
                              if n.startswith("artcloud/locks/") and n.endswith(".txt"))
-            raise NoLock(f"{wheel.name} ships no lock for the extras {name!r} (it has: {', '.join(shipped) or 'none'}): "
-                         "build the wheel from an artcloud with one (`make lock`), or use extras it has a lock for",
+            raise NoLock(f"{wheel.name} ships no lock for the extras {name!r} (it has: {', '.join(shipped) or 'none'}"
+                         "): build the wheel from an artcloud with one (`make lock`), or use extras it has a lock for",
                          code="no_lock", field="extras")
         return zf.read(entry).decode()
 
