@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from artcloud.errors import ArtcloudError, InvalidArgument, WrongState, WrongType
-from artcloud.types import Trajectory, TrajectoryGroup
+from artcloud.types import TrajectoryGroup
 
 if TYPE_CHECKING:
     import openai
@@ -502,8 +502,7 @@ async def ruler_score_group(
         return None
 
     out = group.model_copy(deep=True)
-    trajectories: list[Trajectory] = out.trajectories
-    for traj, s in zip(trajectories, scores):
+    for traj, s in zip(out.trajectories, scores):
         traj.metrics["independent_reward"] = traj.reward
         traj.metrics["ruler_score"] = s.score
         traj.reward = s.score

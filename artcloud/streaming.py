@@ -53,10 +53,9 @@ class StreamCollector:
                                 code=error.get("code") or "stream_error", field=error.get("field"))
         self.chunks += 1
         for key, value in data.items():
-            if key == "usage":
-                if value is not None:
-                    self.head["usage"] = value
-            elif key not in ("choices", "object") and value is not None:
+            if key == "usage" and value is not None:  # the last chunk's usage counts the whole completion
+                self.head["usage"] = value
+            elif key not in ("choices", "object", "usage") and value is not None:
                 self.head.setdefault(key, value)
         for choice in data.get("choices") or []:
             self._add_choice(choice)

@@ -35,13 +35,8 @@ class DatasetBatch(Generic[T]):
         return iter((self.items, self.epoch, self.step, self.epoch_step))
 
 
-def iterate_dataset(
-    dataset: Sequence[T],
-    groups_per_step: int = 1,
-    num_epochs: int = 1,
-    initial_step: int = 0,
-    use_tqdm: bool = True,
-) -> Iterator[DatasetBatch[T]]:
+def iterate_dataset(dataset: Sequence[T], groups_per_step: int = 1, num_epochs: int = 1, initial_step: int = 0,
+                    use_tqdm: bool = True) -> Iterator[DatasetBatch[T]]:
     """Batches of `groups_per_step` items over `num_epochs` epochs, each epoch shuffled the same way on every
     run (seeded with the epoch number, as ART does: ART's scripts resume on the same batches). Steps before
     `initial_step` are skipped, for resuming at `await model.get_step()`. The last batch of an epoch may be
@@ -53,12 +48,10 @@ def iterate_dataset(
     if size == 0:
         return
     steps_per_epoch = math.ceil(size / groups_per_step)
-    bar = None
-    if use_tqdm:
-        from tqdm.auto import tqdm
+    from tqdm.auto import tqdm
 
-        bar = tqdm(initial=initial_step, total=steps_per_epoch * num_epochs, desc="Iterating dataset", unit="batch")
-    try:
+    with tqdm(initial=initial_step, total=steps_per_epoch * num_epochs, desc="Iterating dataset", unit="batch",
+              disable=not use_tqdm) as bar:
         for epoch in range(max(0, initial_step // steps_per_epoch), num_epochs):
             indices = list(range(size))
             random.Random(epoch).shuffle(indices)  # ART's order (random.seed(epoch)), global random untouched
@@ -68,11 +61,7 @@ def iterate_dataset(
                     continue
                 chunk = indices[epoch_step * groups_per_step:(epoch_step + 1) * groups_per_step]
                 yield DatasetBatch(items=[dataset[i] for i in chunk], step=step, epoch=epoch, epoch_step=epoch_step)
-                if bar is not None:
-                    bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
+                bar.update(1)
 
 
 def retry(
