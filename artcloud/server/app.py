@@ -160,14 +160,9 @@ def create_app(registry: Registry, token: str) -> FastAPI:
         temperature = req.temperature
         if temperature is None:
             temperature = target.model.temperature if target.model is not None else 1.0
-        params = SamplingParams(
-            temperature=temperature,
-            top_p=req.top_p if req.top_p is not None else 1.0,
-            max_tokens=max_tokens,
-            stop=req.stop,
-            seed=req.seed,
-            top_logprobs=(req.top_logprobs or 0) if want_logprobs else 0,
-        )
+        params = SamplingParams(temperature=temperature, top_p=req.top_p if req.top_p is not None else 1.0,
+                                max_tokens=max_tokens, stop=req.stop, seed=req.seed,
+                                top_logprobs=(req.top_logprobs or 0) if want_logprobs else 0)
         if req.stream:
             return await chat_stream.stream(
                 batcher=target.host.batcher, key=target.key, request=GenerationRequest(prompt, req.n, params),
@@ -304,11 +299,8 @@ def _card(model_id: str, model: ServedModel | None) -> dict[str, Any]:
 
 def _check_same(job: Job, body_hash: str) -> Job:
     if job.meta.get("request_sha256") != body_hash:
-        raise ApiError(
-            409, "idempotency_conflict",
-            f"idempotency key already used for job {job.id} with a different request; use a new key for new data",
-            "idempotency_key",
-        )
+        raise ApiError(409, "idempotency_conflict", f"idempotency key already used for job {job.id} with a different "
+                       "request; use a new key for new data", "idempotency_key")
     return job
 
 

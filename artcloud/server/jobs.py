@@ -126,15 +126,9 @@ class Job:
                     yield None
 
     def summary(self) -> dict[str, Any]:
-        last = self.events[-1] if self.events else None
-        return {
-            "job_id": self.id,
-            "model": self.model,
-            "status": self.status,
-            "events": len(self.events),
-            "last_event": last.model_dump() if last else None,
-            "created_at": self.meta.get("created_at"),
-        }
+        last = self.events[-1].model_dump() if self.events else None
+        return {"job_id": self.id, "model": self.model, "status": self.status, "events": len(self.events),
+                "last_event": last, "created_at": self.meta.get("created_at")}
 
 
 def request_hash(body: dict[str, Any]) -> str:
@@ -171,12 +165,8 @@ class JobStore:
                 # Rewrite without a torn tail, so new events continue a clean file.
                 events_path.write_text("".join(e.model_dump_json() + "\n" for e in job.events))
             if not job.done:
-                job.emit(
-                    "error",
-                    code="interrupted",
-                    message="the server stopped while this job ran; its step was not committed. "
-                    "Post the training request again to retry.",
-                )
+                job.emit("error", code="interrupted", message="the server stopped while this job ran; its step was not "
+                         "committed. Post the training request again to retry.")
             self.jobs[job.id] = job
             if meta.get("idempotency_key"):
                 self.by_key[meta["idempotency_key"]] = job.id
@@ -202,13 +192,8 @@ class JobStore:
     def create(self, *, idempotency_key: str | None, body_hash: str) -> Job:
         self.folder.mkdir(parents=True, exist_ok=True)
         job_id = "job-" + uuid.uuid4().hex[:20]
-        meta = {
-            "job_id": job_id,
-            "model": self.model,
-            "idempotency_key": idempotency_key,
-            "request_sha256": body_hash,
-            "created_at": time.time(),
-        }
+        meta = {"job_id": job_id, "model": self.model, "idempotency_key": idempotency_key, "request_sha256": body_hash,
+                "created_at": time.time()}
         (self.folder / f"{job_id}.json").write_text(json.dumps(meta))
         job = Job(job_id, self.model, self.folder, meta)
         self.jobs[job_id] = job

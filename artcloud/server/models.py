@@ -152,15 +152,7 @@ class ServedModel:
             await self.host.call(self.engine.delete_adapter, slot)
 
     def info(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "project": self.spec.project,
-            "base_model": self.spec.base_model,
-            "lora": self.spec.lora.model_dump(),
-            "step": self.step,
-            "served_as": self.served_as,
-            "temperature": self.temperature,
-            "training": self.lock.writing,
-            "checkpoints": checkpoints.committed_steps(self.folder),
-            "history": self.history,
-        }
+        return {"name": self.name, "project": self.spec.project, "base_model": self.spec.base_model,
+                "lora": self.spec.lora.model_dump(), "step": self.step, "served_as": self.served_as,
+                "temperature": self.temperature, "training": self.lock.writing,
+                "checkpoints": checkpoints.committed_steps(self.folder), "history": self.history}

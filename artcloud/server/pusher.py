@@ -240,15 +240,8 @@ class Pusher:
         return None
 
     def status(self) -> dict[str, Any]:
-        return {
-            "uri": self.store.config.uri,
-            "pushed_step": self.pushed_step,
-            "pushed_bytes": self.pushed_bytes,
-            "pending": self.pending,
-            "errors": self.errors,
-            "last_error": self.last_error,
-            "claim_lost": self.lost,
-        }
+        return {"uri": self.store.config.uri, "pushed_step": self.pushed_step, "pushed_bytes": self.pushed_bytes,
+                "pending": self.pending, "errors": self.errors, "last_error": self.last_error, "claim_lost": self.lost}
 
     def close(self) -> None:
         for task in (self._task, self._renewer):

@@ -162,13 +162,9 @@ class Registry:
             current = self.models.get(spec.name) or self.prompted.get(spec.name)
             if current is not None:
                 if current.spec != spec:
-                    raise ApiError(
-                        409, "model_conflict",
-                        f"a model named {spec.name!r} is already registered with project "
-                        f"{current.spec.project!r}, base model {current.spec.base_model!r} and its LoRA "
-                        "settings; register it with the same settings, or pick another name",
-                        "name",
-                    )
+                    raise ApiError(409, "model_conflict", f"a model named {spec.name!r} is already registered with "
+                                   f"project {current.spec.project!r}, base model {current.spec.base_model!r} and its "
+                                   "LoRA settings; register it with the same settings, or pick another name", "name")
                 return {**(self.trainers.get(spec.name) or current).info(), "resumed": True}
             # Prompted models (a history each, no adapter) count apart: many baselines never crowd out a LoRA.
             kind = "prompted " if spec.base_model is None else ""
@@ -182,12 +178,9 @@ class Registry:
                 saved = RegisterRequest.model_validate_json(spec_path.read_text())
                 if saved != spec:
                     field = "base_model" if saved.base_model != spec.base_model else "lora"
-                    raise ApiError(
-                        409, "model_conflict",
-                        f"{spec.project}/{spec.name} already exists with base model {saved.base_model!r} "
-                        f"and lora {saved.lora.model_dump()}; register it the same way, or pick another name",
-                        field,
-                    )
+                    raise ApiError(409, "model_conflict", f"{spec.project}/{spec.name} already exists with base model "
+                                   f"{saved.base_model!r} and lora {saved.lora.model_dump()}; register it the same way, "
+                                   "or pick another name", field)
             if spec.base_model is None:
                 return await self._register_prompted(spec, folder, take_over)
             host = await self._host(spec.base_model, spec.engine_args)
@@ -299,8 +292,7 @@ class Registry:
     def status(self) -> dict[str, Any]:
         """GET /artcloud/status: what /health used to tell anyone, now for the token holder only."""
         return {
-            "version": __version__,
-            "ready": self.ready,
+            "version": __version__, "ready": self.ready,
             "models": [
                 {"name": m.name, "project": m.spec.project, "base_model": m.spec.base_model, "step": m.step,
                  "training": m.lock.writing, "s3": self.trainers[m.name].s3_status()}

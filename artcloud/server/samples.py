@@ -116,14 +116,9 @@ def build_samples(tokenizer: Any, vocab_size: int, request: TrainRequest) -> tup
             for t in traj_turns:
                 samples.append(TrainSample(t.prompt_ids, t.completion_ids, t.logprobs, adv, g, t.temperature))
     stats = {
-        "groups": len(request.groups),
-        "groups_skipped_equal_rewards": len(skipped),
-        "skipped_groups": skipped,
-        "trajectories": len(rewards_all),
-        "samples": len(samples),
-        "reward_mean": statistics.fmean(rewards_all),
+        "groups": len(request.groups), "groups_skipped_equal_rewards": len(skipped), "skipped_groups": skipped,
+        "trajectories": len(rewards_all), "samples": len(samples), "reward_mean": statistics.fmean(rewards_all),
         "reward_std": statistics.pstdev(rewards_all) if len(rewards_all) > 1 else 0.0,
-        "reward_min": min(rewards_all),
-        "reward_max": max(rewards_all),
+        "reward_min": min(rewards_all), "reward_max": max(rewards_all),
     }
     return samples, stats

@@ -184,10 +184,8 @@ class ModelTrainer:
         model = self.model
         job.emit("start", step=model.step, **stats)
         if not samples:
-            job.emit(
-                "end", step=model.step, served_as=model.served_as, trained=False, metrics=stats,
-                message="every group had equal rewards, so there was nothing to learn: the adapter and step are unchanged",
-            )
+            job.emit("end", step=model.step, served_as=model.served_as, trained=False, metrics=stats, message="every "
+                     "group had equal rewards, so there was nothing to learn: the adapter and step are unchanged")
             return
         loop = asyncio.get_running_loop()
         next_step = model.step + 1
@@ -248,12 +246,8 @@ class ModelTrainer:
     async def _commit(self, step: int) -> Any:
         model = self.model
         records = list(model.history)  # as of this commit: a log may append while the files are written
-        state = {
-            "rng": model.engine.rng_state(),
-            "base_model": model.spec.base_model,
-            "lora": model.spec.lora.model_dump(),
-            "temperature": model.temperature,
-        }
+        state = {"rng": model.engine.rng_state(), "base_model": model.spec.base_model,
+                 "lora": model.spec.lora.model_dump(), "temperature": model.temperature}
         save = partial(model.engine.save_adapter, model.slot, optimizer=True)
 
         def write(folder: Any) -> list[str]:
