@@ -37,14 +37,11 @@ def _context(cert_pem: str, key_pem: str) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     with tempfile.TemporaryDirectory(prefix="artcloud-boot-") as tmp:
-        paths = []
-        for name, text in (("cert.pem", cert_pem), ("key.pem", key_pem)):
-            path = os.path.join(tmp, name)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
+        cert, key = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
+        for path, text in ((cert, cert_pem), (key, key_pem)):
+            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
                 f.write(text)
-            paths.append(path)
-        ctx.load_cert_chain(paths[0], paths[1])
+        ctx.load_cert_chain(cert, key)
     return ctx
 
 

@@ -53,10 +53,8 @@ class PackedBatch:
 def pack(samples: Sequence[Any], pad_id: int) -> PackedBatch:
     """`samples` have prompt_ids, completion_ids, old_logprobs, advantage and temperature
     (see engines.base.TrainSample)."""
-    unique: dict[tuple[int, ...], int] = {}
-    prompt_of = []
-    for s in samples:
-        prompt_of.append(unique.setdefault(tuple(s.prompt_ids), len(unique)))
+    unique: dict[tuple[int, ...], int] = {}  # each distinct prompt -> its row in `prompts`
+    prompt_of = [unique.setdefault(tuple(s.prompt_ids), len(unique)) for s in samples]
     P = max(len(p) for p in unique)
     C = max(len(s.completion_ids) for s in samples)
     U, B = len(unique), len(samples)
