@@ -79,7 +79,7 @@ def run(
         raise CLIError(str(e)) from e
     try:
         if detach:
-            from artcloud.run_detached import launch_detached
+            from artcloud.runner import launch_detached
 
             code = asyncio.run(launch_detached(opts))
         else:
