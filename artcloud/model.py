@@ -22,6 +22,7 @@ from artcloud.types import LoraConfig, TrainConfig, TrajectoryGroup, is_choice
 
 if TYPE_CHECKING:
     from artcloud.backends.remote import RemoteBackend
+    from artcloud.wire import Event
 
 log = logging.getLogger("artcloud")
 
@@ -198,7 +199,7 @@ class Model(BaseModel, Generic[ModelConfig]):
         history there, for `log`, as ART's backend keeps one; it is still sampled at its own endpoint."""
         lora = self._lora().model_dump() if self.base_model is not None else {}
         info = await backend.register(self.name, self.project, self.base_model, lora, engine_args=self.engine_args)
-        self.step = info["step"]
+        self.step = info.step
         if self.base_model is not None:
             self.inference_model_name = self.name  # the bare name is always the newest step
         self._backend = backend
@@ -240,7 +241,7 @@ class Model(BaseModel, Generic[ModelConfig]):
     async def get_step(self) -> int:
         if not self._served:
             return self.step
-        self.step = (await self.backend.model_info(self.name))["step"]
+        self.step = (await self.backend.model_info(self.name)).step
         return self.step
 
     async def log(self, trajectories: Iterable[Any] | None = None, split: str = "val", *,
@@ -253,7 +254,7 @@ class Model(BaseModel, Generic[ModelConfig]):
 
         batch = report.summarize(trajectories)
         body = {"split": split, "step": step, "metrics": {**batch.metrics, **report.check_metrics(metrics)}}
-        record = await self.backend.log(self.name, body)
+        record = (await self.backend.log(self.name, body)).model_dump()
         self._report(record, batch)
         return record
 
@@ -329,9 +330,9 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         steps kept and deleted. A metric that no step has keeps the latest step alone, with a warning (as ART).
         Copies already on S3 stay (S3's own retention: `--keep-last`)."""
         answer = await self.backend.delete_checkpoints(self.name, best_checkpoint_metric)
-        if answer.get("note"):  # a metric nothing logged (ART's default val/reward without model.log(..., "val"))
-            log.warning("%s", answer["note"])
-        return answer
+        if answer.note:  # a metric nothing logged (ART's default val/reward without model.log(..., "val"))
+            log.warning("%s", answer.note)
+        return answer.model_dump()
 
     async def _train_on(self, backend: RemoteBackend, groups: Iterable[TrajectoryGroup], config: TrainConfig | None,
                         options: Mapping[str, Any], *, verbose: bool, progress: bool) -> TrainResult:
@@ -376,7 +377,7 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
             try:
                 job = await backend.start_train(self.name, body)
                 with _Progress(self.name, config.gradient_steps, enabled=progress, verbose=verbose) as bar:
-                    events = await backend.follow_job(job["job_id"], on_event=bar.update)
+                    events = await backend.follow_job(job.job_id, on_event=bar.update)
                 break
             except ServerGone as e:
                 # A preempted spot machine: the backend brings up a new one, which resumes from S3 at the last
@@ -386,27 +387,26 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
                 if not await backend.recover(e, generation):
                     raise
                 info = await backend.model_info(self.name)
-                if info["step"] > before:
-                    self.step = info["step"]
+                if info.step > before:
+                    self.step = info.step
                     log.warning("%s: step %d was pushed before the machine went; not training it again",
                                 self.name, self.step)
                     await self._push_temperature()
-                    history = {h.get("step"): h for h in info.get("history", []) if h.get("source") == "train"}
+                    history = {h.get("step"): h for h in info.history if h.get("source") == "train"}
                     result = TrainResult(step=self.step, trained=True, metrics=_numbers(history.get(self.step, {})),
                                          events=[])
                     self._report_train(groups, result)  # the step's record, as if it had been followed to its end
                     return result
                 log.warning("%s: training step %d again on the new machine", self.name, before + 1)
                 body["idempotency_key"] = uuid.uuid4().hex
-        last = events[-1]
-        if last["type"] == "error":
-            raise ArtcloudError(f"training {self.name} failed: {last['data'].get('message')}", code=last["data"].get("code", "error"))
-        self.step = last["data"]["step"]
-        result = TrainResult(step=self.step, trained=last["data"].get("trained", False),
-                             metrics=_numbers(last["data"].get("metrics", {})), events=events,
-                             checkpoint_path=last["data"].get("checkpoint"))
+        last = events[-1].data
+        if events[-1].type == "error":
+            raise ArtcloudError(f"training {self.name} failed: {last.get('message')}", code=last.get("code", "error"))
+        self.step = last["step"]
+        result = TrainResult(step=self.step, trained=last.get("trained", False), metrics=_numbers(last.get("metrics", {})),
+                             events=[e.model_dump() for e in events], checkpoint_path=last.get("checkpoint"))
         if result.trained:  # kept until S3 has it: a machine lost before its push trains it again on the next
-            backend.note_trained(self.name, self.step, body, last["data"].get("s3"))
+            backend.note_trained(self.name, self.step, body, last.get("s3"))
         await self._push_temperature()
         self._report_train(groups, result)
         return result
@@ -500,20 +500,20 @@ class _Progress:
             self._task = self._progress.add_task("train", total=self.total, name=self.name, status="queued")
         return self
 
-    def update(self, event: dict[str, Any]) -> None:
-        data = event["data"]
+    def update(self, event: Event) -> None:
+        data = event.data
         if self.verbose:
             from rich.console import Console
 
             shown = {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
-            Console(stderr=True).print(f"[dim]train {self.name}[/dim] {event['type']}: "
+            Console(stderr=True).print(f"[dim]train {self.name}[/dim] {event.type}: "
                                        + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()),
                                        markup=True, highlight=False)
         if self._progress is None:
             return
-        if event["type"] == "start":
+        if event.type == "start":
             self._progress.update(self._task, status=f"{data.get('samples', 0)} samples, reward {data.get('reward_mean', 0):.3f}")
-        elif event["type"] == "step":
+        elif event.type == "step":
             self._progress.update(self._task, completed=data["gradient_step"], total=data["gradient_steps"],
                                   status=f"loss {data['loss']:.4f}, grad norm {data['grad_norm']:.3f}")
 

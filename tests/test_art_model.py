@@ -163,7 +163,7 @@ def test_a_prompted_model_logs_to_a_history_of_its_own_on_the_server(tiny_server
         later = await baseline.log(trajectories[:1], split="val", step=3)  # at a trained model's step, to compare
         assert (val["step"], val["split"], val["reward_mean"], later["step"]) == (0, "val", pytest.approx(0.4), 3)
         info = await backend.model_info("gpt-baseline")
-        assert info["prompted"] and info["base_model"] is None and info["history"] == [val, later]
+        assert info.prompted and info.base_model is None and info.history == [val, later]
         on_disk = (tiny_server.path / "art" / "gpt-baseline" / "history.jsonl").read_text().splitlines()
         assert [json.loads(line) for line in on_disk] == [val, later]
 
@@ -178,7 +178,7 @@ def test_a_prompted_model_logs_to_a_history_of_its_own_on_the_server(tiny_server
         assert baseline.backend is backend and again.inference_api_key == secret  # its endpoint is copied
         await again.register(backend)
         assert (await again.log(metrics={"accuracy": 0.5}))["step"] == 0
-        assert len((await backend.model_info("gpt-baseline"))["history"]) == 3
+        assert len((await backend.model_info("gpt-baseline")).history) == 3
 
         # It is served elsewhere: nothing here samples or trains it, and the answers say why.
         with pytest.raises(ArtcloudError) as e:
@@ -229,7 +229,7 @@ def test_a_prompted_models_history_reaches_s3_and_a_fresh_server(seaweed, start_
         live = seaweed.client().get_object(Bucket=bucket, Key="team/art/baseline/history.jsonl")["Body"].read()
         return [json.loads(line) for line in live.decode().splitlines()]
 
-    async def on(server, *rewards: float, shut_down: bool = False) -> dict:
+    async def on(server, *rewards: float, shut_down: bool = False) -> Any:
         backend = backend_for(server)
         baseline = artcloud.Model(name="baseline", project="art", inference_base_url="http://127.0.0.1:9/v1")
         await baseline.register(backend)
@@ -238,16 +238,16 @@ def test_a_prompted_models_history_reaches_s3_and_a_fresh_server(seaweed, start_
         info = await backend.model_info("baseline")
         if shut_down:  # as backend.down() does before the machine goes: S3 has the history once it answers
             await backend.shutdown()
-            assert on_s3() == info["history"]
+            assert on_s3() == info.history
         await backend.close()
         return info
 
     a = start_server(tmp_path / "a", "--s3", uri, env=env)
-    before = asyncio.run(on(a, 0.1, 0.2, shut_down=True))["history"]
+    before = asyncio.run(on(a, 0.1, 0.2, shut_down=True)).history
     a.stop()
     assert on_s3() == before and len(before) == 2
     b = start_server(tmp_path / "b", "--s3", uri, env=env)  # a fresh machine: its history comes from S3
-    after = asyncio.run(on(b, 0.3))["history"]
+    after = asyncio.run(on(b, 0.3)).history
     assert after[:2] == before and after[2]["reward_mean"] == 0.3
 
 
@@ -293,7 +293,7 @@ def test_plain_openai_clients_reach_the_model_through_the_loopback_endpoint(tiny
         # backend.train, then the job's NDJSON event stream through the endpoint (a chunked route).
         groups = [await trajectories(model, plain, [0.0, 1.0, 0.5])]
         result = await backend.train(model, groups, learning_rate=1e-3, progress=False)
-        job = (await backend.model_info(model.name))["history"][-1]["job_id"]
+        job = (await backend.model_info(model.name)).history[-1]["job_id"]
         async with httpx.AsyncClient(base_url=url.removesuffix("/v1"), headers={"Authorization": f"Bearer {key}"}) as h:
             async with h.stream("GET", f"/artcloud/jobs/{job}/events", params={"follow": "true"}) as r:
                 assert r.headers.get("transfer-encoding") == "chunked" and "content-length" not in r.headers
@@ -413,11 +413,11 @@ def test_backend_train_and_delete_checkpoints(tiny_server):
             assert path is not None and Path(path).name == str(step) and (Path(path) / "manifest.json").exists()
             assert metrics["reward_mean"] == pytest.approx(sum(rewards) / 2)
         assert step == 3 == model.step
-        assert (await backend.model_info("prune"))["checkpoints"] == [0, 1, 2, 3]
+        assert (await backend.model_info("prune")).checkpoints == [0, 1, 2, 3]
 
         answer_ = await model.delete_checkpoints(best_checkpoint_metric="reward_mean")
         assert (answer_["best_step"], answer_["kept"], answer_["deleted"]) == (1, [1, 3], [0, 2])
-        assert (await backend.model_info("prune"))["checkpoints"] == [1, 3]
+        assert (await backend.model_info("prune")).checkpoints == [1, 3]
         served = await client.chat.completions.create(model="prune@1", messages=MESSAGES, max_tokens=2)
         assert served.model == "prune@1"  # the best step, kept, still serves
         # ART's default metric, which nothing logged here: as ART, the latest step alone stays, with a warning

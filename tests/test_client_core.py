@@ -48,7 +48,7 @@ def test_two_models_registering_at_once_launch_one_machine_and_status_meanwhile_
             assert launches() == 1
             record = StateDir().load("racing")
             assert record.state == "up" and StateDir().credentials("racing") == (backend.ca_cert, backend._token)
-            assert [(await backend.model_info(n))["name"] for n in ("a", "b")] == ["a", "b"]
+            assert [(await backend.model_info(n)).name for n in ("a", "b")] == ["a", "b"]
         finally:
             hold.unlink(missing_ok=True)
             await backend.down()

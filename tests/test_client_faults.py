@@ -62,18 +62,18 @@ def test_server_stopped_mid_train_raises_server_gone_within_the_read_timeout(tmp
                 bound = READ_TIMEOUT_S + PROBE_TIMEOUT_S + 1.0
                 with pytest.raises(ServerGone) as gone:
                     # wait_for turns a hang (no read timeout) into a failure of this test, not of the suite.
-                    await asyncio.wait_for(backend.follow_job(job["job_id"]), bound + 20.0)
+                    await asyncio.wait_for(backend.follow_job(job.job_id), bound + 20.0)
                 elapsed = time.monotonic() - started
                 assert elapsed < bound + 3.0, elapsed
                 message = str(gone.value)
-                assert job["job_id"] in message and gone.value.code == "server_unreachable"
+                assert job.job_id in message and gone.value.code == "server_unreachable"
                 assert f"no event nor keep-alive for {READ_TIMEOUT_S:.0f} s" in message
                 assert f"GET /health did not answer within {PROBE_TIMEOUT_S:.0f} s" in message
             finally:
                 os.kill(pid, signal.SIGCONT)
             # The server was only paused: the same job, followed again from the start, ends normally.
-            events = await asyncio.wait_for(backend.follow_job(job["job_id"]), 120)
-            assert [e["seq"] for e in events] == list(range(1, len(events) + 1)) and events[-1]["type"] == "end"
+            events = await asyncio.wait_for(backend.follow_job(job.job_id), 120)
+            assert [e.seq for e in events] == list(range(1, len(events) + 1)) and events[-1].type == "end"
             return pid
 
     pid = asyncio.run(main())
@@ -94,14 +94,14 @@ def test_a_quiet_stream_from_a_live_server_reconnects_and_loses_nothing(tmp_path
                      for i in range(3)]
             second = await backend.start_train("queued", train_body(groups, "after-1", gradient_steps=1))
             with caplog.at_level(logging.INFO, logger="artcloud.client"):
-                events = await asyncio.wait_for(backend.follow_job(second["job_id"]), 300)
-            first_events = await backend.follow_job(ahead[0]["job_id"])
+                events = await asyncio.wait_for(backend.follow_job(second.job_id), 300)
+            first_events = await backend.follow_job(ahead[0].job_id)
             return events, first_events
 
     events, first_events = asyncio.run(main())
-    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
-    assert [e["type"] for e in events] == ["queued", "start", "step", "end"]
-    assert first_events[-1]["type"] == "end"
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert [e.type for e in events] == ["queued", "start", "step", "end"]
+    assert first_events[-1].type == "end"
     assert any("/health answers 200: reconnecting" in r.getMessage() for r in caplog.records), \
         "the queued job's stream was never silent for 1 s: make the first job longer"
 

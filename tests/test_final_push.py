@@ -17,6 +17,7 @@ import pytest
 
 import artcloud
 from artcloud.backends.client import push_verdicts
+from artcloud.wire import ShutdownAnswer
 from tests.seaweed import SeaweedS3
 from tests.sky_standin import leftover_processes
 from tests.test_modal import one_step
@@ -40,7 +41,7 @@ async def launch_and_train(name: str, s3: str, before_training=None) -> int:
                                         lora=artcloud.LoraConfig(rank=4))  # as one_step registers it
         await model.register(backend)
         deadline = time.monotonic() + 60
-        while ((await backend.model_info("agent")).get("s3") or {}).get("pushed_step") != 0:
+        while getattr((await backend.model_info("agent")).s3, "pushed_step", None) != 0:
             assert time.monotonic() < deadline, "step 0 never reached S3"
             await asyncio.sleep(0.2)
         if before_training is not None:
@@ -82,17 +83,22 @@ def test_down_confirms_a_push_that_landed_and_exits_6_for_one_that_did_not(sky_e
 
 
 def test_push_verdicts_judge_each_model_of_a_shutdown_answer():
-    s3 = {"uri": "s3://b/p", "pending": False, "last_error": None}
-    answer = {"models": [
-        {"name": "safe", "step": 3, "s3": {**s3, "pushed_step": 3}},
-        {"name": "behind", "step": 3, "s3": {**s3, "pushed_step": 2}},
-        {"name": "failed", "step": 2, "s3": {**s3, "pushed_step": 1, "last_error": "EndpointConnectionError: refused\nmore"},
-         "error": "RuntimeError: the push of failed failed 3 times"},
-        {"name": "erred", "step": 2, "s3": {**s3, "pushed_step": 1, "last_error": "EndpointConnectionError: refused\nmore"}},
-        {"name": "running", "step": 4, "s3": {**s3, "pushed_step": 4, "pending": True}},
-        {"name": "never", "step": 0, "s3": {**s3, "pushed_step": None}},
-        {"name": "local", "step": 5, "s3": None, "training": True},
-    ]}
+    s3 = {"uri": "s3://b/p", "pending": False, "last_error": None, "pushed_bytes": 0, "errors": 0}
+
+    def model(name: str, step: int, **rest) -> dict:  # a shutdown answer's entry, the fields every one has
+        return {"name": name, "step": step, "project": "p", "base_model": "m", "lora": {}, "served_as": f"{name}@{step}",
+                "temperature": 1.0, "training": False, "checkpoints": [step], "history": [], **rest}
+
+    answer = ShutdownAnswer.model_validate({"ok": True, "models": [
+        model("safe", 3, s3={**s3, "pushed_step": 3}),
+        model("behind", 3, s3={**s3, "pushed_step": 2}),
+        model("failed", 2, s3={**s3, "pushed_step": 1, "last_error": "EndpointConnectionError: refused\nmore"},
+              error="RuntimeError: the push of failed failed 3 times"),
+        model("erred", 2, s3={**s3, "pushed_step": 1, "last_error": "EndpointConnectionError: refused\nmore"}),
+        model("running", 4, s3={**s3, "pushed_step": 4, "pending": True}),
+        model("never", 0, s3={**s3, "pushed_step": None}),
+        model("local", 5, s3=None, training=True),
+    ]})
     lines = {v.name: (v.status, v.line(on_sandbox=True)) for v in push_verdicts(answer)}
     assert lines == {
         "safe": ("pushed", "last checkpoint pushed (safe@3)"),

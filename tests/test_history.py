@@ -72,7 +72,7 @@ def test_log_and_training_steps_land_in_the_history_beside_the_checkpoints(tiny_
     assert trained.step == 1 and "reward_mean" in trained.metrics
     assert all(type(v) in (int, float) for v in trained.metrics.values()) and "step" not in trained.metrics
     assert val1["step"] == 1 and val1["reward_mean"] == 0.9  # the user's metrics win over the aggregates
-    history = info["history"]
+    history = info.history
     assert [(r["split"], r["source"], r["step"]) for r in history] == [
         ("val", "log", 0), ("test", "log", 0), ("train", "train", 1), ("val", "log", 1)]
     assert history[2]["reward_mean"] == pytest.approx(0.25) and "loss" in history[2]

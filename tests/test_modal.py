@@ -286,7 +286,7 @@ def test_create_train_terminate_and_what_modal_was_sent(fake, tmp_path, monkeypa
             row = json.loads(status.stdout.splitlines()[0])
             assert row["name"] == "m1" and row["provider"] == "modal" and row["status"] == "RUNNING", status.stderr
             for _ in range(100):  # the push to S3 runs in the background
-                if ((await backend.model_info("agent")).get("s3") or {}).get("pushed_step") == 1:
+                if getattr((await backend.model_info("agent")).s3, "pushed_step", None) == 1:
                     break
                 await asyncio.sleep(0.2)
             token = backend._token
@@ -380,7 +380,7 @@ def test_start_up_waits_inside_create_for_a_gpu_being_scheduled(fake):
 
     async def main():
         async with ModalBackend(gpu="H100", name="sched", tunnel_ca=fake.edge_ca_path) as backend:
-            assert (await backend.health())["ready"]
+            assert (await backend.health()).ready
             return backend
 
     backend = asyncio.run(main())
@@ -535,7 +535,7 @@ def test_cli_launch_status_and_down_all_on_modal(fake, monkeypatch):
     async def attach():  # reconnect by name: no second sandbox
         backend = ModalBackend(name="cli1", tunnel_ca=fake.edge_ca_path)
         await backend.start()
-        assert (await backend.health())["ready"] and backend.sandbox_id == sandbox["id"]
+        assert (await backend.health()).ready and backend.sandbox_id == sandbox["id"]
         await backend.close()
 
     asyncio.run(attach())
@@ -557,7 +557,7 @@ def test_a_cpu_only_sandbox_takes_modals_other_path(fake):
 
     async def main():
         async with ModalBackend(gpu=None, name="cpu1", tunnel_ca=fake.edge_ca_path) as backend:
-            assert (await backend.health())["ready"]
+            assert (await backend.health()).ready
             return backend
 
     backend = asyncio.run(main())

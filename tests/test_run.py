@@ -257,7 +257,7 @@ UNSAFE = textwrap.dedent("""
         async with artcloud.backend_from_env() as backend:
             model = artcloud.TrainableModel(name="unsafe", project="ci", base_model="artcloud/tiny-random")
             await model.register(backend)
-            while ((await backend.model_info("unsafe")).get("s3") or {}).get("pushed_step") != 0:
+            while getattr((await backend.model_info("unsafe")).s3, "pushed_step", None) != 0:
                 await asyncio.sleep(0.2)
             print("step 0 on S3", flush=True)
             while not os.path.exists(sys.argv[1]):

@@ -80,7 +80,7 @@ def test_annealer_sets_the_default_temperature_and_explicit_wins(tmp_path):
             model = artcloud.TrainableModel(name="cool", project="sdk", base_model=TINY)
             model.set_temperature_annealer(artcloud.LinearTemperatureAnnealer(start=0.0, end=1.0, steps=2))
             await model.register(backend)
-            assert (await backend.model_info("cool"))["temperature"] == 0.0
+            assert (await backend.model_info("cool")).temperature == 0.0
             client = model.openai_client()
             msgs = [{"role": "user", "content": "same?"}]
             greedy = [(await client.chat.completions.create(model="cool", messages=msgs, max_tokens=10)).choices[0].message.content for _ in range(2)]
@@ -90,7 +90,7 @@ def test_annealer_sets_the_default_temperature_and_explicit_wins(tmp_path):
             groups = await artcloud.gather_trajectory_groups(groups_for(client, model, ["a"], n=3), progress=False)
             groups[0].trajectories[0].reward += 1.0  # never all equal
             await model.train(groups, progress=False)
-            assert (await backend.model_info("cool"))["temperature"] == pytest.approx(0.5)
+            assert (await backend.model_info("cool")).temperature == pytest.approx(0.5)
 
     asyncio.run(main())
 
@@ -165,8 +165,8 @@ def test_cut_connection_during_training_loses_no_event_and_trains_once(tmp_path)
 
             async def follow_and_cut(job_id, on_event=None, **kw):
                 def cut_after_first(event):
-                    seen.append(event["seq"])
-                    if event["seq"] == 1:
+                    seen.append(event.seq)
+                    if event.seq == 1:
                         proxy.cut()  # the stream (and every pooled connection) dies mid-job
                     if on_event:
                         on_event(event)
@@ -221,7 +221,7 @@ def test_server_dying_mid_training_is_a_clear_error(tmp_path):
 
             async def follow_and_kill(job_id, on_event=None, **kw):
                 def kill_on_start(event):
-                    if event["type"] == "start":
+                    if event.type == "start":
                         backend._proc.kill()  # the server dies mid-job
                 return await original(job_id, kill_on_start, **kw)
 

@@ -9,6 +9,7 @@ import json
 import threading
 import time
 import uuid
+from typing import Any
 
 import pytest
 from helpers import rollout_groups, train, wait_for
@@ -30,7 +31,7 @@ def test_shutdown_pushes_the_last_checkpoint_answers_and_exits_0(seaweed, start_
         assert c.post("/artcloud/models", json={"name": "agent", "project": "bye", "base_model": TINY}).status_code == 200
         train(c, "agent", rollout_groups(c, "agent", ["x", "y"], n=4), learning_rate=1e-3)
 
-    async def shut() -> tuple[dict, float]:
+    async def shut() -> tuple[Any, float]:
         remote = RemoteBackend(s.url, token=s.token, ca_cert=s.ca, heartbeat_every_s=0)
         try:
             t0 = time.monotonic()
@@ -40,11 +41,11 @@ def test_shutdown_pushes_the_last_checkpoint_answers_and_exits_0(seaweed, start_
             await remote.close()
 
     answer, took = asyncio.run(shut())
-    assert answer["ok"] is True and took < 30
-    [model] = answer["models"]
-    assert (model["name"], model["project"], model["step"], model["training"]) == ("agent", "bye", 1, False)
-    assert model["s3"]["pushed_step"] == 1 and not model["s3"]["pending"] and model["s3"]["last_error"] is None
-    assert model["s3"]["uri"] == f"s3://{bucket}/runs"
+    assert answer.ok is True and took < 30
+    [model] = answer.models
+    assert (model.name, model.project, model.step, model.training) == ("agent", "bye", 1, False)
+    assert model.s3.pushed_step == 1 and not model.s3.pending and model.s3.last_error is None
+    assert model.s3.uri == f"s3://{bucket}/runs"
 
     deadline = time.monotonic() + 10
     while s.proc.poll() is None:

@@ -262,17 +262,17 @@ def test_launch_train_checkpoint_to_s3_reconnect_and_down(sky_env, monkeypatch, 
             again = SkyBackend(cluster_name="e2e")
             await again.start()
             assert again.base_url == backend.base_url
-            assert (await again.model_info("agent"))["step"] == 1
+            assert (await again.model_info("agent")).step == 1
             await again.close()
             assert len(list((sky_env / "clusters").iterdir())) == 1
 
             # The server pushed step 1 to S3 (the push is in the background: wait for it).
             for _ in range(100):
                 info = await backend.model_info("agent")
-                if (info.get("s3") or {}).get("pushed_step") == 1:
+                if info.s3 is not None and info.s3.pushed_step == 1:
                     break
                 await asyncio.sleep(0.2)
-            assert info["s3"]["pushed_step"] == 1, info["s3"]
+            assert info.s3 is not None and info.s3.pushed_step == 1, info.s3
         return backend
 
     backend = asyncio.run(main())
@@ -405,7 +405,7 @@ def test_a_cluster_that_vanishes_mid_training_is_reported_at_once(sky_env):
         assert await asyncio.to_thread(backend.api.down, "vanish")  # the cloud takes the machine away
         started = time.monotonic()
         with pytest.raises(artcloud.ServerGone, match="the cluster vanish is gone .*resumes from the last checkpoint"):
-            await backend.follow_job(job["job_id"])
+            await backend.follow_job(job.job_id)
         assert time.monotonic() - started < 30
         await backend.down()  # idempotent: nothing left to tear down
 

@@ -77,7 +77,7 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
             # (the new machine may get the old one's port back: the URL proves nothing, the replacement does)
             assert len(backend.replacements) == 1
             preemption.join(timeout=90)
-            assert (await backend.model_info("agent"))["step"] == 1  # resumed from S3
+            assert (await backend.model_info("agent")).step == 1  # resumed from S3
             step2 = await model.train(batch, progress=False)
             assert step2.step == 2 and step2.trained
 
@@ -88,7 +88,7 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
 
             async def follow(job_id, on_event=None, **kw):
                 def seen(event):
-                    if event["type"] == "start":
+                    if event.type == "start":
                         loop.call_soon_threadsafe(started.set)
                     if on_event is not None:
                         on_event(event)
@@ -101,7 +101,7 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
             step3 = await training
             assert step3.step == 3 and len(backend.replacements) == 2
 
-            history = (await backend.model_info("agent"))["history"]
+            history = (await backend.model_info("agent")).history
             assert [h["step"] for h in history] == [1, 2, 3]  # none lost, none trained twice
             assert screen.getvalue() == ""
         return backend
@@ -176,7 +176,7 @@ def test_a_preemption_at_any_phase_loses_no_step_and_trains_none_twice(sky_env, 
         await asyncio.to_thread(wait_for, "step 1 on S3", lambda: on_s3(1), 60)
         await asyncio.to_thread(go_now)
         batch = await groups()
-        assert len(backend.replacements) == 1 and (await backend.model_info("agent"))["step"] == 1
+        assert len(backend.replacements) == 1 and (await backend.model_info("agent")).step == 1
         assert (await model.train(batch, config=config, progress=False)).step == 2
 
         # 2. Inside the train call of step 3, step 2 on S3: frozen at its first gradient step (of 64).
@@ -186,7 +186,7 @@ def test_a_preemption_at_any_phase_loses_no_step_and_trains_none_twice(sky_env, 
 
         async def follow(job_id, on_event=None, **kw):
             def seen(event):
-                if event["type"] == "step" and not frozen.is_set():
+                if event.type == "step" and not frozen.is_set():
                     for pid in cluster_pids(sky_env, "spot"):
                         os.kill(pid, signal.SIGSTOP)
                     frozen.set()
@@ -212,7 +212,7 @@ def test_a_preemption_at_any_phase_loses_no_step_and_trains_none_twice(sky_env, 
         await asyncio.to_thread(go_now)
         held.release(forward=False)  # the machine that sent it is gone
         batch = await groups()  # finds it gone; the new machine trains step 4 again
-        assert len(backend.replacements) == 3 and (await backend.model_info("agent"))["step"] == 4
+        assert len(backend.replacements) == 3 and (await backend.model_info("agent")).step == 4
         assert (await model.train(batch, config=config, progress=False)).step == 5
 
         # 4. Step 6 committed and returned, step 5 on S3; step 6's files pushed, its manifest held.
@@ -227,7 +227,7 @@ def test_a_preemption_at_any_phase_loses_no_step_and_trains_none_twice(sky_env, 
         assert (await model.train(batch, config=config, progress=False)).step == 7  # 6 again, then this one
         assert len(backend.replacements) == 4
 
-        history = (await backend.model_info("agent"))["history"]
+        history = (await backend.model_info("agent")).history
         assert [h["step"] for h in history if h.get("source", "train") == "train"] == list(range(1, 8))
 
     async def main() -> SkyBackend:

@@ -14,7 +14,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable
 
 import httpx
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
@@ -22,11 +22,22 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from artcloud._version import __version__
 from artcloud.errors import ArtcloudError, api_error
 from artcloud.tls import client_ssl_context
-from artcloud.wire import FINAL_PUSH_DEADLINE_S
+from artcloud.wire import (
+    FINAL_PUSH_DEADLINE_S,
+    Event,
+    Health,
+    HistoryRecord,
+    JobSummary,
+    ModelInfo,
+    PromptedInfo,
+    Pruned,
+    ShutdownAnswer,
+    parse,
+)
 
 log = logging.getLogger("artcloud.client")
 
-EventCallback = Callable[[dict[str, Any]], None]
+EventCallback = Callable[[Event], None]
 
 KEEPALIVE_S = 15.0  # the server writes a blank line on a quiet event stream this often (server/jobs.py heartbeat_s)
 EVENT_READ_TIMEOUT_S = 3 * KEEPALIVE_S  # three missed keep-alives: ask /health whether the server is still there
@@ -52,9 +63,8 @@ class ServerGone(ArtcloudError):
     code = "server_gone"
 
 
-def check_version(health: Mapping[str, Any]) -> None:
-    """VersionMismatch unless a /health answer says this client's artcloud version."""
-    server_version = health.get("version")
+def check_version(server_version: Any) -> None:
+    """VersionMismatch unless a /health answer's `version` is this client's artcloud version."""
     if server_version != __version__:
         raise VersionMismatch(
             f"the server runs artcloud {server_version} and this client artcloud {__version__}: "
@@ -85,8 +95,8 @@ def _answer(response: httpx.Response) -> dict[str, Any]:
     return body
 
 
-def _event(line: str) -> dict[str, Any]:
-    """One line of a job's event stream: a JSON object with an int `seq` and a str `type`, or an ArtcloudError."""
+def _event(line: str) -> Event:
+    """One line of a job's event stream as an Event, or an ArtcloudError."""
     try:
         event = json.loads(line)
     except ValueError:
@@ -94,7 +104,7 @@ def _event(line: str) -> dict[str, Any]:
     if not (isinstance(event, dict) and isinstance(event.get("seq"), int) and isinstance(event.get("type"), str)):
         raise ArtcloudError(f"the event stream sent {line[:80]!r}, which is not an artcloud event: something between "
                             "here and the server answered in its place", code="not_artcloud")
-    return event
+    return parse(Event, event, "an event of the job stream")
 
 
 def _raise_for(response: httpx.Response) -> None:
@@ -154,25 +164,24 @@ class PushVerdict:
         return text + ("; a training step in flight was dropped" if self.dropped_training else "")
 
 
-def push_verdicts(answer: dict[str, Any]) -> list[PushVerdict]:
+def push_verdicts(answer: ShutdownAnswer) -> list[PushVerdict]:
     """Judge each model of a POST /artcloud/shutdown answer. A push is confirmed only when S3 holds the
     newest committed step (`pushed_step == step`), no push is pending and neither the pusher
     (`last_error`) nor the shutdown (`error`) reported a failure. Anything else is not confirmed, with
     the reason and the newest step that is on S3."""
     verdicts = []
-    for model in answer.get("models", []):
-        name, step, s3 = model["name"], model["step"], model.get("s3")
-        dropped = bool(model.get("training"))
+    for model in answer.models:
+        name, step, s3, dropped = model.name, model.step, model.s3, model.training
         if s3 is None:
             verdicts.append(PushVerdict(name, step, "no_s3", dropped_training=dropped))
             continue
-        pushed = s3.get("pushed_step")
+        pushed = s3.pushed_step
         # The first reason that applies, most telling first (a failed push also leaves it pending).
-        if model.get("error"):
-            reason = f"the final push failed: {_first_line(model['error'])}"
-        elif s3.get("last_error"):
-            reason = f"S3 error: {_first_line(s3['last_error'])}"
-        elif s3.get("pending"):
+        if model.error:
+            reason = f"the final push failed: {_first_line(model.error)}"
+        elif s3.last_error:
+            reason = f"S3 error: {_first_line(s3.last_error)}"
+        elif s3.pending:
             reason = "a push was still running"
         elif pushed != step:
             reason = f"S3 has step {pushed}, not {step}" if pushed is not None else "no step of it reached S3"
@@ -187,6 +196,10 @@ def _first_line(text: str, limit: int = 200) -> str:
     line = str(text).strip().splitlines()[0] if str(text).strip() else ""
     return line if len(line) <= limit else line[:limit - 3] + "..."
 
+
+
+def _model(body: dict[str, Any], what: str) -> ModelInfo | PromptedInfo:
+    return parse(PromptedInfo if body.get("prompted") else ModelInfo, body, what)
 
 
 class Client:
@@ -253,17 +266,17 @@ class Client:
                              code="server_unreachable") from e
         raise AssertionError("unreachable")
 
-    async def health(self, *, retry: bool = True) -> dict[str, Any]:
+    async def health(self, *, retry: bool = True) -> Health:
         body = await self.call("GET", "/health", retry=retry)
-        check_version(body)
+        check_version(body.get("version"))  # first: another version's answer may have another shape
         self.version_checked = True
-        return body
+        return parse(Health, body, "GET /health")
 
-    async def wait_ready(self, timeout: float = 600.0) -> dict[str, Any]:
+    async def wait_ready(self, timeout: float = 600.0) -> Health:
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             body = await self.health()
-            if body.get("ready"):
+            if body.ready:
                 return body
             if asyncio.get_running_loop().time() > deadline:
                 raise ArtcloudError(f"the server at {self.endpoint.url} was not ready after {timeout:.0f} s",
@@ -271,45 +284,49 @@ class Client:
             await asyncio.sleep(0.5)
 
     async def register(self, name: str, project: str, base_model: str | None, lora: dict[str, Any],
-                       engine_args: dict[str, Any] | None = None, *, take_over: bool = False) -> dict[str, Any]:
+                       engine_args: dict[str, Any] | None = None, *,
+                       take_over: bool = False) -> ModelInfo | PromptedInfo:
         if not self.version_checked:
             await self.health()
         # The first model on a base model loads it, and a vLLM engine starts its process: minutes for a 14B model.
-        return await self.call("POST", "/artcloud/models", timeout=REGISTER_TIMEOUT_S,
-                               json_body={"name": name, "project": project, "base_model": base_model, "lora": lora,
-                                          **({"engine_args": engine_args} if engine_args else {}),
-                                          **({"take_over": True} if take_over else {})})
+        return _model(await self.call("POST", "/artcloud/models", timeout=REGISTER_TIMEOUT_S,
+                                      json_body={"name": name, "project": project, "base_model": base_model,
+                                                 "lora": lora, **({"engine_args": engine_args} if engine_args else {}),
+                                                 **({"take_over": True} if take_over else {})}), "POST /artcloud/models")
 
-    async def model_info(self, name: str) -> dict[str, Any]:
-        return await self.call("GET", f"/artcloud/models/{name}")
+    async def model_info(self, name: str) -> ModelInfo | PromptedInfo:
+        return _model(await self.call("GET", f"/artcloud/models/{name}"), f"GET /artcloud/models/{name}")
 
-    async def log(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def log(self, name: str, body: dict[str, Any]) -> HistoryRecord:
         """Record a split's metrics in the model's history (model.log). Not retried: a retry could record twice."""
-        return await self.call("POST", f"/artcloud/models/{name}/log", json_body=body, retry=False)
+        return parse(HistoryRecord, await self.call("POST", f"/artcloud/models/{name}/log", json_body=body, retry=False),
+                     f"POST /artcloud/models/{name}/log")
 
     async def set_temperature(self, name: str, temperature: float) -> None:
         await self.call("PUT", f"/artcloud/models/{name}/temperature", json_body={"temperature": temperature})
 
-    async def delete_checkpoints(self, name: str, best_metric: str) -> dict[str, Any]:
+    async def delete_checkpoints(self, name: str, best_metric: str) -> Pruned:
         """Delete `name`'s checkpoints on the server but the latest and the best by `best_metric`."""
-        return await self.call("POST", f"/artcloud/models/{name}/checkpoints/prune", json_body={"best_metric": best_metric})
+        path = f"/artcloud/models/{name}/checkpoints/prune"
+        return parse(Pruned, await self.call("POST", path, json_body={"best_metric": best_metric}), f"POST {path}")
 
     async def heartbeat(self) -> None:
         await self.call("POST", "/artcloud/heartbeat", retry=False)
 
-    async def start_train(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def start_train(self, name: str, body: dict[str, Any]) -> JobSummary:
         """POST a training job. The body's idempotency_key makes a retried POST return the same job."""
         assert body.get("idempotency_key"), "training posts must carry an idempotency key"
-        return await self.call("POST", f"/artcloud/models/{name}/train", json_body=body)
+        path = f"/artcloud/models/{name}/train"
+        return parse(JobSummary, await self.call("POST", path, json_body=body), f"POST {path}")
 
     async def follow_job(self, job_id: str, on_event: EventCallback | None = None,
-                         reconnect_for_s: float = 300.0) -> list[dict[str, Any]]:
+                         reconnect_for_s: float = 300.0) -> list[Event]:
         """Every event of a job, in order, until it ends. A dropped stream reconnects from its cursor.
 
         A stream silent for `event_read_timeout_s` (no event, no keep-alive) asks GET /health once: a
         server that does not answer within `health_probe_timeout_s` is gone (a preempted VM, a partition,
         a stopped process) and raises ServerGone at once; one that answers gets the stream reopened."""
-        events: list[dict[str, Any]] = []
+        events: list[Event] = []
         loop = asyncio.get_running_loop()
         failing_since: float | None = None
         delay = 0.5
@@ -326,13 +343,13 @@ class Client:
                         if not line.strip():
                             continue  # keep-alive
                         event = _event(line)
-                        if event["seq"] != len(events) + 1:
+                        if event.seq != len(events) + 1:
                             continue  # never count an event twice
                         events.append(event)
                         failing_since, delay = None, 0.5
                         if on_event is not None:
                             on_event(event)
-                        if event["type"] in ("end", "error"):
+                        if event.type in ("end", "error"):
                             return events
             except (httpx.TransportError, ArtcloudError) as e:
                 if isinstance(e, ArtcloudError) and not _retryable(e):
@@ -365,7 +382,7 @@ class Client:
         log.info("event stream of %s silent for %.0f s (%s) but /health answers %d: reconnecting",
                  job_id, self.event_read_timeout_s, type(cause).__name__, response.status_code)
 
-    async def shutdown(self, wait_for_training_s: float = 0.0, timeout: float | None = None) -> dict[str, Any]:
+    async def shutdown(self, wait_for_training_s: float = 0.0, timeout: float | None = None) -> ShutdownAnswer:
         """Ask the server to end itself gracefully: POST /artcloud/shutdown.
 
         Once this returns, the server takes no new training jobs (409 shutting_down), has waited up to
@@ -380,12 +397,12 @@ class Client:
         pushes included: the default covers the server's own bounds, its wait for training and its final push.
         """
         timeout = timeout if timeout is not None else wait_for_training_s + FINAL_PUSH_WAIT_S
-        async def post() -> dict[str, Any]:
+        async def post() -> ShutdownAnswer:
             # Its own timeout: the server may wait for training and pushes far longer than self.timeout.
             response = await self._client().post("/artcloud/shutdown", json={"wait_for_training_s": wait_for_training_s},
                                                   timeout=httpx.Timeout(timeout, connect=30.0))
             _raise_for(response)
-            return _answer(response)
+            return parse(ShutdownAnswer, _answer(response), "POST /artcloud/shutdown")
 
         try:
             answer = await asyncio.wait_for(post(), timeout)

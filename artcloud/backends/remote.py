@@ -28,6 +28,7 @@ from artcloud.backends.client import (
 )
 from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported
 from artcloud.tls import client_ssl_context
+from artcloud.wire import Event, Health, HistoryRecord, JobSummary, ModelInfo, PromptedInfo, Pruned, ShutdownAnswer
 
 log = logging.getLogger("artcloud.client")
 
@@ -125,12 +126,12 @@ class RemoteBackend:
         """Check the server: its version must equal this client's."""
         await self.health()
 
-    async def health(self, *, retry: bool = True) -> dict[str, Any]:
+    async def health(self, *, retry: bool = True) -> Health:
         return await self.client.health(retry=retry)
 
-    def _note_phases(self, body: Mapping[str, Any]) -> None:
-        """Take the server's own phase durations from a /health answer (numbers only: it is the network's)."""
-        phases = body.get("phases")
+    def _note_phases(self, phases: Any) -> None:
+        """Take the server's own phase durations from a /health answer's `phases` (numbers only: it is the
+        network's)."""
         if not isinstance(phases, Mapping):
             return
         for ours, theirs in COLD_START_PHASES:
@@ -144,12 +145,12 @@ class RemoteBackend:
         figures are read again from GET /health when it answers)."""
         if not self.client.shut_down:
             try:
-                self._note_phases(await self.health(retry=False))
+                self._note_phases((await self.health(retry=False)).phases)
             except ArtcloudError:
                 pass  # gone, or never up: what was measured stays
         return cold_start_rows(self.cold_start_s, self.price_per_hour)
 
-    async def wait_ready(self, timeout: float = 600.0) -> dict[str, Any]:
+    async def wait_ready(self, timeout: float = 600.0) -> Health:
         return await self.client.wait_ready(timeout)
 
     async def close(self) -> None:
@@ -171,11 +172,11 @@ class RemoteBackend:
         """A RemoteBackend does not own its server: this only closes the connection."""
         await self.close()
 
-    async def shutdown(self, wait_for_training_s: float = 0.0, timeout: float | None = None) -> dict[str, Any]:
+    async def shutdown(self, wait_for_training_s: float = 0.0, timeout: float | None = None) -> ShutdownAnswer:
         """The server pushes its last checkpoints and exits: Client.shutdown."""
         return await self.client.shutdown(wait_for_training_s, timeout)
 
-    async def final_push(self, timeout: float = FINAL_PUSH_WAIT_S) -> dict[str, Any] | None:
+    async def final_push(self, timeout: float = FINAL_PUSH_WAIT_S) -> ShutdownAnswer | None:
         """`shutdown()` once, for a server that has answered: its answer, or None when there was nothing to
         ask (never reached, or already asked). Launchers call it before a machine is torn down."""
         if self.client.shut_down or not self.client.version_checked:
@@ -246,7 +247,7 @@ class RemoteBackend:
             try:
                 for kwargs in self._registrations.values():  # the lost server never released its S3 claims
                     info = await RemoteBackend.register(self, **kwargs, take_over=True)
-                    await self._replay(kwargs["name"], int(info["step"]))
+                    await self._replay(kwargs["name"], info.step)
                 for name, temperature in self._temperatures.items():
                     await RemoteBackend.set_temperature(self, name, temperature)
             except ServerGone as gone:
@@ -280,11 +281,11 @@ class RemoteBackend:
             log.warning("%s: step %d was committed on the lost machine but never reached S3: training it again on "
                         "the new one, from the same groups", name, step)
             job = await self.start_train(name, {**body, "idempotency_key": uuid.uuid4().hex})
-            last = (await self.follow_job(job["job_id"]))[-1]
-            data = last.get("data", {})
-            if last["type"] != "end" or data.get("step") != step:
+            last = (await self.follow_job(job.job_id))[-1]
+            data = last.data
+            if last.type != "end" or data.get("step") != step:
                 raise ArtcloudError(f"training step {step} of {name} again on the new machine failed: "
-                                    f"{data.get('message') or last['type']}", code=data.get("code", "replay_failed"))
+                                    f"{data.get('message') or last.type}", code=data.get("code", "replay_failed"))
             self.note_trained(name, step, body, data.get("s3"))
 
     async def _replace_server(self, cause: BaseException) -> dict[str, Any] | None:
@@ -307,24 +308,25 @@ class RemoteBackend:
     # ------------------------------------------------------------------------------------- models
 
     async def register(self, name: str, project: str, base_model: str | None, lora: dict[str, Any],
-                       engine_args: dict[str, Any] | None = None, *, take_over: bool = False) -> dict[str, Any]:
+                       engine_args: dict[str, Any] | None = None, *,
+                       take_over: bool = False) -> ModelInfo | PromptedInfo:
         info = await self.client.register(name, project, base_model, lora, engine_args, take_over=take_over)
         self._registrations[name] = dict(name=name, project=project, base_model=base_model, lora=lora,
                                          engine_args=engine_args)
         self._start_heartbeats()
         return info
 
-    async def model_info(self, name: str) -> dict[str, Any]:
+    async def model_info(self, name: str) -> ModelInfo | PromptedInfo:
         return await self.client.model_info(name)
 
-    async def log(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def log(self, name: str, body: dict[str, Any]) -> HistoryRecord:
         return await self.client.log(name, body)
 
     async def set_temperature(self, name: str, temperature: float) -> None:
         await self.client.set_temperature(name, temperature)
         self._temperatures[name] = temperature
 
-    async def delete_checkpoints(self, name: str, best_metric: str) -> dict[str, Any]:
+    async def delete_checkpoints(self, name: str, best_metric: str) -> Pruned:
         return await self.client.delete_checkpoints(name, best_metric)
 
     async def _experimental_push_to_s3(self, *args: Any, **kwargs: Any) -> None:
@@ -390,11 +392,11 @@ class RemoteBackend:
         return await train_on(self, trajectory_groups, config, options, verbose=verbose, progress=progress)
 
 
-    async def start_train(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def start_train(self, name: str, body: dict[str, Any]) -> JobSummary:
         return await self.client.start_train(name, body)
 
     async def follow_job(self, job_id: str, on_event: EventCallback | None = None,
-                         reconnect_for_s: float = 300.0) -> list[dict[str, Any]]:
+                         reconnect_for_s: float = 300.0) -> list[Event]:
         return await self.client.follow_job(job_id, on_event, reconnect_for_s)
 
 

@@ -207,7 +207,7 @@ class SandboxBackend(RemoteBackend):
                             self._staged.get("ca", self.ca_cert), check_hostname=self.check_hostname))
                     body = await _health_of(probe)  # one try: this loop is the retry, and asks _check_alive between
                     if body is not None:
-                        check_version(body)
+                        check_version(body.get("version"))
                         self._first_answer(body)
                         bar.show(body)
                         if body.get("ready"):
@@ -215,7 +215,7 @@ class SandboxBackend(RemoteBackend):
                                 await self._close_http()  # the HTTP client is bound to the old endpoint
                                 self._publish(url)
                             self.client.version_checked = True
-                            self._note_phases(body)
+                            self._note_phases(body.get("phases"))
                             self._launch_began = None
                             return
                 await self._check_alive()
@@ -284,7 +284,7 @@ class SandboxBackend(RemoteBackend):
             log.warning("%s: no final push (the server at %s did not answer: %s); tearing down anyway",
                         self.sandbox_name, self.base_url, e)
         else:
-            for verdict in push_verdicts(answer or {}):
+            for verdict in push_verdicts(answer) if answer is not None else []:
                 (log.info if verdict.confirmed else log.warning)("%s: %s", self.sandbox_name, verdict.line(on_sandbox=True))
         await self._teardown()
         await self.close()  # and the loopback endpoint
