@@ -42,9 +42,15 @@ from artcloud.types import FiniteFloat, LoraConfig, Seed, TrainConfig
 
 
 class _Open(BaseModel):
-    """An answer (or event): keys it does not name pass through."""
+    """An answer, an event or a sampled turn: keys it does not name pass through."""
 
     model_config = ConfigDict(extra="allow")
+
+
+class _Strict(BaseModel):
+    """A request body of artcloud's own: a key it does not name is refused (a typo must not pass unseen)."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -65,9 +71,7 @@ BASE_MODEL_PATTERN = (
 )
 
 
-class RegisterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class RegisterRequest(_Strict):
     name: str = Field(min_length=1, max_length=128, pattern=NAME_PATTERN)
     project: str = Field(min_length=1, max_length=128, pattern=NAME_PATTERN)
     base_model: str | None = Field(
@@ -97,16 +101,12 @@ class RegisterRequest(BaseModel):
         return value
 
 
-class TemperatureRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TemperatureRequest(_Strict):
     temperature: float = Field(ge=0.0, le=5.0)
 
 
-class PruneRequest(BaseModel):
+class PruneRequest(_Strict):
     """Delete a model's checkpoints but the latest and the best by `best_metric` (ART's delete_checkpoints)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     best_metric: str = Field("val/reward", min_length=1, max_length=200,
                              description="a key of the model's history, averaged per step; the highest step is kept")
@@ -115,9 +115,7 @@ class PruneRequest(BaseModel):
 # ---------------------------------------------------------------------------------------------- chat
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class Message(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -178,25 +176,19 @@ class ChatCompletionRequest(BaseModel):
 # ---------------------------------------------------------------------------------------------- training
 
 
-class TokenLogprob(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class TokenLogprob(_Open):
     token: str = ""
     # JSON from Python may carry NaN: a NaN logprob would train a NaN adapter.
     logprob: FiniteFloat
 
 
-class ChoiceLogprobs(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChoiceLogprobs(_Open):
     content: list[TokenLogprob] | None = None
 
 
-class Choice(BaseModel):
+class Choice(_Open):
     """A turn the policy sampled, as the server returned it (an OpenAI `Choice` plus `token_ids`,
     `prompt_sha256` and `temperature`)."""
-
-    model_config = ConfigDict(extra="allow")
 
     index: int = 0
     finish_reason: str | None = None
@@ -244,9 +236,7 @@ class WireGroup(BaseModel):
     trajectories: list[WireTrajectory] = Field(min_length=1)
 
 
-class TrainRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TrainRequest(_Strict):
     groups: list[WireGroup] = Field(min_length=1)
     config: TrainConfig = Field(default_factory=TrainConfig)
     # A retried POST with the same key returns the first job instead of training twice.
@@ -263,10 +253,8 @@ MAX_METRICS = 64  # per logged record
 MetricName = Annotated[str, StringConstraints(pattern=METRIC_PATTERN)]
 
 
-class LogRequest(BaseModel):
+class LogRequest(_Strict):
     """POST /artcloud/models/{name}/log: one split's metrics at a step (what `model.log` sends)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     split: str = Field("val", pattern=SPLIT_PATTERN, description="e.g. val, train, test")
     step: int | None = Field(None, ge=0, lt=2**53, description="the step the metrics describe; default: the model's step")
@@ -298,9 +286,7 @@ answers within it (after any wait_for_training_s), and so does the lifespan exit
 that answer derives its own wait from this (plus a margin for the answer to travel), never less."""
 
 
-class ShutdownRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ShutdownRequest(_Strict):
     wait_for_training_s: float = Field(0.0, ge=0.0, le=86_400.0, allow_inf_nan=False)
 
 

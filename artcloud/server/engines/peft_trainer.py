@@ -76,11 +76,9 @@ class PeftTrainer(Trainer):
             warnings.simplefilter("ignore", UserWarning)  # peft's notes about renamed base paths
             if self.peft is None:
                 self.peft, name = self._first_adapter(slot, lora)
-            elif slot in self.names:
-                self.peft.delete_adapter(self.names[slot])
-                self.peft.add_adapter(slot, self._peft_config(lora))
-                name = slot
             else:
+                if slot in self.names:
+                    self.peft.delete_adapter(self.names[slot])
                 self.peft.add_adapter(slot, self._peft_config(lora))
                 name = slot
         self.names[slot] = name
