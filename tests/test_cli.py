@@ -159,7 +159,7 @@ def test_cli_modules_import_each_other_in_no_cycle():
         assert graph[name] <= {"artcloud.cli._app"}, (name, graph[name])
 
 
-@pytest.mark.parametrize("module", ["artcloud.cli._app", "artcloud.cli.run", "artcloud.cli.sandbox", "artcloud.cli.serve",
+@pytest.mark.parametrize("module", ["artcloud.cli._app", "artcloud.cli.run", "artcloud.cli.cloud", "artcloud.cli.serve",
                                     "artcloud.cli.stage_model"])
 def test_each_cli_module_imports_alone_registers_every_command_and_stays_light(module):
     code = (f"import sys, importlib, typer.main; importlib.import_module({module!r}); from artcloud.cli import app; "

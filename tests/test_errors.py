@@ -34,7 +34,7 @@ NOT_ARTCLOUD = {
                                                     "it for a missing cluster); sky.py catches it like SkyPilot's",
     ("types.py", "CancelledError"): "asyncio's cancellation, passed on so the caller's task is cancelled",
     ("cli/run.py", "Exit"): "typer.Exit sets the process's exit status; it is not an error",
-    ("cli/sandbox.py", "Exit"): "typer.Exit sets the process's exit status; it is not an error",
+    ("cli/cloud.py", "Exit"): "typer.Exit sets the process's exit status; it is not an error",
     ("server/preemption.py", "OSError"): "a metadata endpoint's HTTP failure, caught by the poller in the same "
                                          "module next to the OSErrors of the socket itself; it never leaves it",
     ("backends/forwarder.py", "RemoteProtocolError"): "h11's own error for a request that ends early, caught by "
