@@ -35,16 +35,8 @@ class ApiError(HTTPException):
         return {"error": error}
 
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    422: "invalid_request_error",
-    503: "unavailable_error",
-}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 409: "conflict_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 422: "invalid_request_error", 503: "unavailable_error"}
 
 
 def field_path(loc: tuple[Any, ...] | list[Any]) -> str:

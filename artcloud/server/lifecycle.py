@@ -108,10 +108,8 @@ class Lifecycle:
         for trainer in trainers:
             await trainer.freeze()
         errors = await self.push_all()
-        out = []
-        for trainer, error in zip(trainers, errors):
-            out.append({**trainer.info(), "training": trainer.busy, **({"error": error} if error else {})})
-        return out
+        return [{**trainer.info(), "training": trainer.busy, **({"error": error} if error else {})}
+                for trainer, error in zip(trainers, errors)]
 
     async def push_all(self, close: bool = False) -> list[str | None]:
         """The final pushes: every model's newest committed step and every prompted model's history, all at once,

@@ -145,18 +145,19 @@ class Engine:
         `optimizer=False`: an older step to serve only; the trainer never holds it."""
         if optimizer:
             self.trainer.load_adapter(slot, lora, folder, optimizer=True)
-            if self.sampler.shares_trainer_weights:
-                return
-        with self._gate:
-            self._sampler_turn()
-        self.sampler.serve_adapter(slot, lora, folder)
+            self.publish(slot, lora, folder)
+            return
+        self._serve(slot, lora, folder)
 
     def publish(self, slot: str, lora: LoraConfig, folder: Path) -> None:
         """A step of `slot` was committed to `folder`: serve it."""
         if not self.sampler.shares_trainer_weights:
-            with self._gate:
-                self._sampler_turn()
-            self.sampler.serve_adapter(slot, lora, folder)
+            self._serve(slot, lora, folder)
+
+    def _serve(self, slot: str, lora: LoraConfig, folder: Path) -> None:
+        with self._gate:
+            self._sampler_turn()
+        self.sampler.serve_adapter(slot, lora, folder)
 
     # ------------------------------------------------------------------------------------- work
 
