@@ -472,25 +472,10 @@ async def _stop_group(proc: asyncio.subprocess.Process, waiting: asyncio.Future,
     await waiting
 
 
-def inner_args(opts: RunOptions, name: str, launched_at: float, price: float | None) -> list[str]:
-    """The sandbox's own `artcloud run` arguments, after the script's name."""
-    args = ["--backend", "local", "--engine", opts.engine or "auto", "--s3", opts.s3 or "", "--name", name,
-            "--max-duration", f"{round(opts.max_duration_s)}s", "--summary", "artcloud-run.json",
-            "--detached-inner", "--billing-since", f"{launched_at:.0f}"]
-    if opts.budget_usd is not None:
-        if price is None:
-            raise RunError(f"the price of {opts.gpu or 'this GPU'} is unknown here, so --budget-usd cannot be enforced: "
-                           "pass --price-per-hour")
-        args += ["--budget-usd", f"{opts.budget_usd}"]
-    if price is not None:
-        args += ["--price-per-hour", f"{price}"]
-    return args + (["--", *opts.args] if opts.args else [])
-
-
 async def launch_detached(opts: RunOptions) -> int:
     """`artcloud run --detach`: the training loop goes to the sandbox, and the CI runner may go home.
 
-    The sandbox (SkyPilot cluster or Modal Sandbox) runs `artcloud run SCRIPT --backend local` itself (inner_args):
+    The sandbox (SkyPilot cluster or Modal Sandbox) runs `artcloud run SCRIPT --backend local` itself (run_args):
     the same runner, with its server on the same machine, its own clock and budget (counted from this launch),
     its final checkpoint push and its summary, which it uploads to S3/runs/NAME/. When the loop ends the sandbox
     goes: its command exits (Modal), or SkyPilot's autodown takes the cluster a minute after the job (sky).
@@ -507,8 +492,19 @@ async def launch_detached(opts: RunOptions) -> int:
     launched_at = time.time()
 
     def run_args(catalog_price: float | None) -> list[str]:
+        """The sandbox's own `artcloud run` arguments, after the script's name."""
         price = opts.price_per_hour if opts.price_per_hour is not None else catalog_price
-        return inner_args(opts, name, launched_at, price)
+        args = ["--backend", "local", "--engine", opts.engine or "auto", "--s3", opts.s3 or "", "--name", name,
+                "--max-duration", f"{round(opts.max_duration_s)}s", "--summary", "artcloud-run.json",
+                "--detached-inner", "--billing-since", f"{launched_at:.0f}"]
+        if opts.budget_usd is not None:
+            if price is None:
+                raise RunError(f"the price of {opts.gpu or 'this GPU'} is unknown here, so --budget-usd cannot be "
+                               "enforced: pass --price-per-hour")
+            args += ["--budget-usd", f"{opts.budget_usd}"]
+        if price is not None:
+            args += ["--price-per-hour", f"{price}"]
+        return args + (["--", *opts.args] if opts.args else [])
 
     runner.say(f"launching {name} ({opts.backend}, {opts.gpu or 'default GPU'}) to run {opts.script.name} there")
     try:

@@ -567,9 +567,7 @@ class CheckpointStore(Bucket):
                 checkpoints.verify(tmp, step=step)  # sizes and sha256: a corrupted object is refused here
             except checkpoints.CorruptCheckpoint as e:
                 raise CorruptRemoteCheckpoint(f"step {step} of {project}/{model} under {self.config.uri}: {e}") from e
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
+            _swap_into_place(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -603,6 +601,25 @@ def _check_free_space(dest: Path, needed: int, what: str) -> None:
     if needed > free:
         raise StorageError(f"{what} needs {needed / 1e9:.1f} GB but {dest} has {free / 1e9:.1f} GB free: "
                            "free some space or pull elsewhere (--to)")
+
+
+def _swap_into_place(tmp: Path, dest: Path) -> None:
+    """Rename the complete `tmp` to `dest`; an older `dest` is moved aside first, then removed."""
+    old = None
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}-{threading.get_ident()}")
+        os.rename(dest, old)
+    try:
+        os.rename(tmp, dest)
+    except OSError:
+        if old is not None and not dest.exists():
+            os.rename(old, dest)
+            old = None
+        if not dest.is_dir():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process put a complete copy there first: use theirs
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def pull_checkpoint(target: str, *, s3: str | None = None, step: int | None = None, to: Path | None = None,

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from artcloud.storage.checkpoints import check_file, check_header, sha256_file
-from artcloud.storage.s3 import Bucket, S3Config, StorageError, _check_free_space, _not_found
+from artcloud.storage.s3 import Bucket, S3Config, StorageError, _check_free_space, _not_found, _swap_into_place
 
 log = logging.getLogger("artcloud.storage")
 
@@ -468,21 +468,3 @@ def _reuse(old: Path, target: Path, entry: dict[str, Any]) -> bool:
     except OSError:
         return False
 
-
-def _swap_into_place(tmp: Path, dest: Path) -> None:
-    """Rename the complete `tmp` to `dest`; an older `dest` is moved aside first, then removed."""
-    old = None
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}-{threading.get_ident()}")
-        os.rename(dest, old)
-    try:
-        os.rename(tmp, dest)
-    except OSError:
-        if old is not None and not dest.exists():
-            os.rename(old, dest)
-            old = None
-        if not dest.is_dir():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)  # another process put a complete copy there first: use theirs
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
