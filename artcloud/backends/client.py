@@ -20,7 +20,7 @@ import httpx
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from artcloud._version import __version__
-from artcloud.errors import ArtcloudError, api_error
+from artcloud.errors import ArtcloudError, api_error, first_line
 from artcloud.tls import client_ssl_context
 from artcloud.wire import (
     FINAL_PUSH_DEADLINE_S,
@@ -178,9 +178,9 @@ def push_verdicts(answer: ShutdownAnswer) -> list[PushVerdict]:
         pushed = s3.pushed_step
         # The first reason that applies, most telling first (a failed push also leaves it pending).
         if model.error:
-            reason = f"the final push failed: {_first_line(model.error)}"
+            reason = f"the final push failed: {first_line(model.error)}"
         elif s3.last_error:
-            reason = f"S3 error: {_first_line(s3.last_error)}"
+            reason = f"S3 error: {first_line(s3.last_error)}"
         elif s3.pending:
             reason = "a push was still running"
         elif pushed != step:
@@ -190,11 +190,6 @@ def push_verdicts(answer: ShutdownAnswer) -> list[PushVerdict]:
         verdicts.append(PushVerdict(name, step, "pushed" if reason is None else "not_pushed", on_s3=pushed,
                                     reason=reason, dropped_training=dropped))
     return verdicts
-
-
-def _first_line(text: str, limit: int = 200) -> str:
-    line = str(text).strip().splitlines()[0] if str(text).strip() else ""
-    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 

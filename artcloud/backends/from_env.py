@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from artcloud.backends.client import ServerGone, _first_line
+from artcloud.backends.client import ServerGone
 from artcloud.backends.remote import RemoteBackend
-from artcloud.errors import ArtcloudError, InvalidArgument
+from artcloud.errors import ArtcloudError, InvalidArgument, first_line
 
 # Set by `artcloud run` for the script it starts (the token travels in a 0600 file, never in the env).
 ENV_URL = "ARTCLOUD_RUN_URL"
@@ -173,4 +173,4 @@ class RunnerBackend(RemoteBackend):
         self.client.version_checked = False
         self._runner_generation = found["generation"]
         log.warning("the runner replaced the server: now at %s", self.base_url)
-        return {"at": time.time(), "url": self.base_url, "reason": _first_line(str(cause))}
+        return {"at": time.time(), "url": self.base_url, "reason": first_line(cause)}

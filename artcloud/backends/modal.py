@@ -42,7 +42,7 @@ from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
 from artcloud.backends.spec import SandboxSpec, renamed
 from artcloud.backends.state import SandboxRecord, StateDir
 from artcloud.durations import format_duration, parse_duration
-from artcloud.errors import ArtcloudError, InvalidArgument
+from artcloud.errors import ArtcloudError, InvalidArgument, first_line
 from artcloud.tls import new_token
 
 log = logging.getLogger("artcloud.modal")
@@ -521,7 +521,7 @@ def _lines(sandbox) -> Iterator[str]:
 
 def _modal_hint(e: BaseException) -> str:
     """Modal's error, with what to do about the common ones."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = first_line(e) or type(e).__name__
     name = type(e).__name__
     if name == "AuthError" or "token" in text.lower():
         return f"{text}: run `modal token new` (or set MODAL_TOKEN_ID and MODAL_TOKEN_SECRET)"

@@ -35,11 +35,11 @@ import os
 import time
 from typing import Any
 
-from artcloud.backends.client import ServerGone, _first_line, check_version, push_verdicts
+from artcloud.backends.client import ServerGone, check_version, push_verdicts
 from artcloud.backends.remote import RemoteBackend
 from artcloud.backends.state import SandboxRecord, StateDir, launcher, launching_now
 from artcloud.durations import format_duration
-from artcloud.errors import ArtcloudError
+from artcloud.errors import ArtcloudError, first_line
 
 log = logging.getLogger("artcloud.client")  # what the client says about its sandbox
 
@@ -61,6 +61,7 @@ class SandboxBackend(RemoteBackend):
     startup_timeout_s: float
     state: StateDir | None = None  # the registry (None: this sandbox is not registered, e.g. a local child)
     teardown_word = "torn down"
+    launched_by = ""  # who could not launch it, in a failed launch's message ("SkyPilot ")
     poll_s = (0.5, 5.0)  # the ready poll's first and longest wait
     progress = True  # a progress bar (phase, N/M GB) while the server comes up, on a terminal only
     progress_console: Any = None  # where the bar draws (None: stderr, if a terminal)
@@ -310,7 +311,7 @@ class SandboxBackend(RemoteBackend):
             return None
         record, now = self._record, time.time()
         price = self.price_per_hour
-        lost = {"at": now, "sandbox": self.sandbox_name, "reason": _first_line(str(cause)) or type(cause).__name__,
+        lost = {"at": now, "sandbox": self.sandbox_name, "reason": first_line(cause) or type(cause).__name__,
                 "machine": (record.extra.get("resources") if record is not None else None), "price_per_hour": price,
                 "up_s": round(now - record.launched_at, 1) if record is not None else None}
         lost["cost_usd"] = (round(price * lost["up_s"] / 3600.0, 4) if price is not None and lost["up_s"] is not None
@@ -354,10 +355,9 @@ class SandboxBackend(RemoteBackend):
         return []
 
     def _failure(self, cause: BaseException, launching: bool) -> tuple[str, str]:
-        text = str(cause).strip().splitlines()
-        what = f"{type(cause).__name__}: {text[0] if text else ''}".rstrip(": ")
+        what = f"{type(cause).__name__}: {first_line(cause)}".rstrip(": ")
         if launching:
-            return f"could not launch {self.sandbox_name}: {what}", "launch_failed"
+            return f"{self.launched_by}could not launch {self.sandbox_name}: {what}", "launch_failed"
         return f"the server on {self.sandbox_name} did not come up: {what}", "startup_failed"
 
 

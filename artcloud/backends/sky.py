@@ -178,6 +178,7 @@ class SkyBackend(SandboxBackend):
 
     provider = PROVIDER
     error = SkyError
+    launched_by = "SkyPilot "
     RENAMED = {"cluster_name": "name", "use_spot": "spot", "disk_size": "disk"}
 
     def __init__(
@@ -417,11 +418,6 @@ class SkyBackend(SandboxBackend):
                 code="endpoint_unusable", field="cloud")
         return f"https://{endpoint}" if endpoint else None
 
-    def _failure(self, cause: BaseException, launching: bool) -> tuple[str, str]:
-        if launching:
-            return f"SkyPilot could not launch {self.cluster_name}: {_one_line(cause)}", "launch_failed"
-        return f"the server on {self.cluster_name} did not come up: {_one_line(cause)}", "startup_failed"
-
     async def _last_lines(self, lines: int) -> list[str]:
         return await asyncio.to_thread(self.log_tail, lines)
 
@@ -529,8 +525,3 @@ class SkyBackend(SandboxBackend):
     @property
     def sandbox_name(self) -> str:
         return self.cluster_name
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")

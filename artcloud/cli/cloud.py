@@ -22,6 +22,7 @@ from typing import List, Optional
 import typer
 
 from artcloud.cli._app import CLIError, app, env_pairs
+from artcloud.errors import first_line
 
 
 def _console(stderr: bool = False):
@@ -339,7 +340,7 @@ def logs(
     except KeyboardInterrupt:
         pass
     except Exception as e:
-        raise CLIError(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
+        raise CLIError(first_line(e) or type(e).__name__) from e
 
 
 @app.command()
@@ -390,7 +391,7 @@ def down(
         try:
             existed = provider.down(record)
         except Exception as e:
-            failed.append(f"{record.name} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            failed.append(f"{record.name} ({type(e).__name__}: {first_line(e)})")
             continue
         state.mark_down(record.name)
         # A Modal sandbox ends with its server's exit, which the final push asked for: still our teardown.
@@ -431,7 +432,7 @@ def _final_push(state, record) -> tuple[bool, list[str], list[str]]:
         answer = asyncio.run(push())
     except ArtcloudError as e:
         # Most often the server already left by itself (its lease ran out, after its own final push).
-        return False, [f"no final push ({str(e).splitlines()[0]}); tearing down anyway"], []
+        return False, [f"no final push ({first_line(e)}); tearing down anyway"], []
     verdicts = push_verdicts(answer)
     if not verdicts:
         return True, ["server stopped (no models)"], []
