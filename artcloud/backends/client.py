@@ -192,7 +192,6 @@ def push_verdicts(answer: ShutdownAnswer) -> list[PushVerdict]:
     return verdicts
 
 
-
 def _model(body: dict[str, Any], what: str) -> ModelInfo | PromptedInfo:
     return parse(PromptedInfo if body.get("prompted") else ModelInfo, body, what)
 
@@ -243,6 +242,8 @@ class Client:
 
     async def call(self, method: str, path: str, *, json_body: Any = None, retry: bool = True,
                    params: dict[str, Any] | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """One request and its answer's JSON object, raw (the typed calls below parse it); retried, unless
+        retry=False, on a lost connection or a 5xx. A server that does not answer at all is ServerGone."""
         attempts = AsyncRetrying(
             stop=stop_after_attempt(self.retries if retry else 1),
             wait=wait_exponential_jitter(initial=0.5, max=15.0),
