@@ -20,7 +20,8 @@ from artcloud.tls import make_launch_secrets
 class Portal:
     """Answers every request with `status` and an HTML page, and counts the heartbeats it saw."""
 
-    def __init__(self, status: int = 200, body: bytes = b"<html>please log in</html>", beats_wanted: int = 3):
+    def __init__(self, status: int = 200, body: bytes = b"<html>please log in</html>", beats_wanted: int = 3,
+                 content_type: str = "text/html"):
         self.secrets = make_launch_secrets()
         self.beats = 0
         self.enough_beats = threading.Event()
@@ -33,7 +34,7 @@ class Portal:
                     if portal.beats >= beats_wanted:
                         portal.enough_beats.set()
                 self.send_response(status)
-                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -82,6 +83,28 @@ def test_a_non_json_200_is_an_artcloud_error_that_says_what_answered(portal):
     assert error.code == "not_artcloud" and error.status == 200
     assert "200 from GET /artcloud/models/agent is not an artcloud answer (text/html" in str(error)
     assert "a proxy, a captive portal" in str(error)
+
+
+def test_a_json_answer_of_another_shape_is_an_artcloud_error_naming_the_field():
+    """JSON, but not the protocol's (another service on the port, a changed server): the client reads every answer
+    into its wire model, and says which field is wrong instead of failing later on a missing key."""
+    other = Portal(body=b'{"step": "three", "name": "agent"}', content_type="application/json")
+
+    async def main():
+        backend = other.backend()
+        try:
+            with pytest.raises(ArtcloudError) as caught:
+                await backend.model_info("agent")
+        finally:
+            await backend.close()
+        return caught.value
+
+    try:
+        error = asyncio.run(main())
+    finally:
+        other.close()
+    assert error.code == "not_artcloud"
+    assert str(error).startswith("GET /artcloud/models/agent is not an artcloud answer: ")
 
 
 def test_the_heartbeat_goes_on_after_an_answer_that_is_not_artcloud(portal):
