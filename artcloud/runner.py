@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from artcloud.durations import format_duration
-from artcloud.errors import ArtcloudError, check_s3_url
+from artcloud.errors import ArtcloudError, check_s3_url, first_line
 
 log = logging.getLogger("artcloud.runner")
 
@@ -359,7 +359,7 @@ class Runner:
             answer = await backend.final_push()  # None: the server never answered (nothing to push)
         except Exception as e:
             answer = None
-            notes.append(f"the final push was not confirmed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            notes.append(f"the final push was not confirmed ({type(e).__name__}: {first_line(e)})")
             if self.opts.s3:
                 # Unknown is not safe: the steps since the last snapshot's push may be on the server only.
                 unpushed = [f"{name}@{info['step']}" for name, info in self.models.items()]

@@ -65,6 +65,7 @@ def _source(model: str, revision: str, from_folder: Path | None) -> Path:
     except ImportError as e:
         raise CLIError("reading the Hugging Face cache needs huggingface_hub: pip install huggingface_hub "
                        "(or stage a local folder with --from FOLDER)") from e
+    from artcloud.errors import first_line
     from artcloud.storage.weights import local_snapshot
 
     offline = bool(constants.HF_HUB_OFFLINE)
@@ -77,8 +78,7 @@ def _source(model: str, revision: str, from_folder: Path | None) -> Path:
     except Exception as e:  # no network (huggingface_hub's httpx errors), a proxy, a full disk
         if not isinstance(e, (HfHubHTTPError, OSError)) and not type(e).__module__.startswith("httpx"):
             raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CLIError(f"cannot download {model} ({revision}) from the hub: {first}") from e
+        raise CLIError(f"cannot download {model} ({revision}) from the hub: {first_line(e) or type(e).__name__}") from e
     if folder is None:
         raise CLIError(f"{model} ({revision}) is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
                        "HF_HUB_OFFLINE=1 forbids downloading it: unset HF_HUB_OFFLINE, or stage a folder with --from")
