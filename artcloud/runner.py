@@ -283,7 +283,7 @@ class Runner:
         """A spot machine taken back: a new one in its place (the models resume from S3), and the script
         told where (connection.json; its backend waits for it). At most every REPLACE_CHECK_S."""
         from artcloud.backends import from_env as E
-        from artcloud.backends.remote import ServerGone
+        from artcloud.backends.client import ServerGone
 
         backend = self.backend
         if self._connection is None or time.monotonic() - self._checked_at < REPLACE_CHECK_S:
@@ -333,9 +333,9 @@ class Runner:
         backend = self.backend
         try:
             # The authenticated status: /health says only status, version and readiness to the world.
-            status = await asyncio.wait_for(backend._call("GET", "/artcloud/status", retry=False), 15.0)
+            status = await asyncio.wait_for(backend.client.call("GET", "/artcloud/status", retry=False), 15.0)
             for model in status.get("models", []):
-                info = await asyncio.wait_for(backend._call("GET", f"/artcloud/models/{model['name']}", retry=False), 15.0)
+                info = await asyncio.wait_for(backend.client.call("GET", f"/artcloud/models/{model['name']}", retry=False), 15.0)
                 self.models[model["name"]] = info
         except Exception as e:  # the server may be busy or going: the last snapshot stands
             log.debug("progress snapshot failed: %s", e)
@@ -345,7 +345,7 @@ class Runner:
     async def _teardown(self, ending: Ending | None) -> dict[str, Any]:
         """Final push, then teardown. `ok` is whether the sandbox is confirmed gone; `unpushed` names
         each model (NAME@STEP) whose newest step S3 is not confirmed to hold, when the run has S3."""
-        from artcloud.backends.remote import push_verdicts
+        from artcloud.backends.client import push_verdicts
 
         backend = self.backend
         if backend is None:
