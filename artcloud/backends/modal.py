@@ -426,7 +426,7 @@ class ModalBackend(SandboxBackend):
             return
         code = await self._sandbox.poll.aio()
         if code is not None:
-            tail = "\n".join("  " + line for line in await self.log_tail(20))
+            tail = await self._tail_text()
             raise ServerGone(f"the Modal sandbox {self.name} ended (exit code {code}); training resumes from the last "
                              f"checkpoint on S3 in a new one. Its last lines:\n{tail}", code="server_exited")
 
@@ -460,8 +460,8 @@ def _lookup(record: SandboxRecord):
         return None
 
 
-class ModalSandboxes:
-    """What the CLI asks of Modal for a registry record (sync; `artcloud status/logs/down`)."""
+class ModalProvisioner:
+    """What Modal says of a sandbox of the registry: providers.Provisioner's face (modal's blocking API)."""
 
     def __init__(self) -> None:
         require("modal", "a Modal sandbox")
@@ -472,7 +472,7 @@ class ModalSandboxes:
             return None
         return "RUNNING"
 
-    def down(self, record: SandboxRecord) -> bool:
+    def destroy(self, record: SandboxRecord) -> bool:
         sandbox = _lookup(record)
         if sandbox is None or sandbox.poll() is not None:
             return False

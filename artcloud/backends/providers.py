@@ -1,8 +1,9 @@
-"""What `artcloud status / logs / down` ask of a provider about a sandbox this machine launched.
+"""A provider's face on one sandbox of the registry (backends/state.py): is it alive, its output, tear it down.
 
-Each provider answers three questions about a registry record (backends/state.py): is it alive (its
-status, or None when gone), tear it down (False if nothing was left), and its output. SkyPilot's answers
-go through the one SkyPilot seam (sky_api.py); Modal's through the modal client. Both import lazily.
+The same object answers SkyBackend or ModalBackend (their `provisioner`: teardown and the output an error message
+quotes) and `artcloud status / logs / down` (`provisioner(record.provider)`), so a sandbox is asked about one way
+whoever asks. Launching is the backend's (sandbox.py): it alone holds the spec, the credentials and the progress.
+Blocking calls (async code runs them in a thread); each provider's SDK is imported lazily.
 """
 
 from __future__ import annotations
@@ -13,36 +14,24 @@ from artcloud.backends.state import SandboxRecord
 from artcloud.errors import InvalidArgument
 
 
-class Sandboxes(Protocol):
-    def status(self, record: SandboxRecord) -> str | None: ...
-
-    def down(self, record: SandboxRecord) -> bool: ...
-
-    def logs(self, record: SandboxRecord, *, follow: bool = False, tail: int = 0) -> Iterator[str]: ...
-
-
-class SkySandboxes:
-    def __init__(self) -> None:
-        from artcloud.backends.sky_api import sky_api
-
-        self.api = sky_api()
-
+class Provisioner(Protocol):
     def status(self, record: SandboxRecord) -> str | None:
-        info = self.api.status(record.name, refresh=True)  # the registry marks it down on None: not from a cache
-        return None if info is None else info.status
+        """The provider's status of it (RUNNING, UP, STOPPED, ...), or None when it is gone."""
 
-    def down(self, record: SandboxRecord) -> bool:
-        return self.api.down(record.name)
+    def destroy(self, record: SandboxRecord) -> bool:
+        """Tear it down; False when nothing of it was left."""
 
     def logs(self, record: SandboxRecord, *, follow: bool = False, tail: int = 0) -> Iterator[str]:
-        return self.api.logs(record.name, follow=follow, tail=tail)
+        """Its output, line by line (the last `tail` lines; 0: all), following new lines if asked."""
 
 
-def sandboxes(provider: str) -> Sandboxes:
+def provisioner(provider: str) -> Provisioner:
     if provider == "sky":
-        return SkySandboxes()
-    if provider == "modal":
-        from artcloud.backends.modal import ModalSandboxes
+        from artcloud.backends.sky import SkyProvisioner
 
-        return ModalSandboxes()
+        return SkyProvisioner()
+    if provider == "modal":
+        from artcloud.backends.modal import ModalProvisioner
+
+        return ModalProvisioner()
     raise InvalidArgument(f"unknown provider {provider!r} in the state registry")

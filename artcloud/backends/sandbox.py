@@ -354,6 +354,10 @@ class SandboxBackend(RemoteBackend):
     async def _last_lines(self, lines: int) -> list[str]:
         return []
 
+    async def _tail_text(self, lines: int = 20) -> str:
+        """The server's last lines, indented, for an error message."""
+        return "\n".join("  " + line for line in await self._last_lines(lines))
+
     def _failure(self, cause: BaseException, launching: bool) -> tuple[str, str]:
         what = f"{type(cause).__name__}: {first_line(cause)}".rstrip(": ")
         if launching:

@@ -32,7 +32,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from artcloud.backends.client import ServerGone
 from artcloud.backends.launch import check_s3, user_secrets
@@ -157,6 +157,23 @@ class Plan:
                 + (f" ({self.note})" if self.note else ""))
 
 
+class SkyProvisioner:
+    """What SkyPilot says of a cluster, through the one seam (sky_api.py): providers.Provisioner's face."""
+
+    def __init__(self, api: SkyAPI | None = None):
+        self.api = api or sky_api()
+
+    def status(self, record: SandboxRecord) -> str | None:
+        info = self.api.status(record.name, refresh=True)  # the registry marks it down on None: not from a cache
+        return None if info is None else info.status
+
+    def destroy(self, record: SandboxRecord) -> bool:
+        return self.api.down(record.name)
+
+    def logs(self, record: SandboxRecord, *, follow: bool = False, tail: int = 0) -> Iterator[str]:
+        return self.api.logs(record.name, follow=follow, tail=tail)
+
+
 class SkyBackend(SandboxBackend):
     """The training server on a SkyPilot cluster of its own, reached over HTTPS.
 
@@ -233,6 +250,7 @@ class SkyBackend(SandboxBackend):
         self.retry_until_up = retry_until_up
         self.state = StateDir(Path(state_dir) if state_dir is not None else None)
         self.api: SkyAPI = api or sky_api()
+        self.provisioner = SkyProvisioner(self.api)
         self.price_per_hour: float | None = None
         self.offer: GPUOffer | None = None  # the catalog's guess before launching
         self.resources: str | None = None  # what SkyPilot launched, e.g. "1x AWS(p5.4xlarge, {'H100': 1})"
@@ -422,11 +440,15 @@ class SkyBackend(SandboxBackend):
         return await asyncio.to_thread(self.log_tail, lines)
 
     async def _destroy(self) -> None:
-        await asyncio.to_thread(self.api.down, self.cluster_name)
+        await asyncio.to_thread(self.provisioner.destroy, self._named())
+
+    def _named(self) -> SandboxRecord:
+        """What the provisioner finds the cluster by (its name): the registry's record, or one made for it."""
+        return self._record or SandboxRecord(name=self.cluster_name, provider=PROVIDER)
 
     def log_tail(self, lines: int = 40) -> list[str]:
         try:
-            return list(self.api.logs(self.cluster_name, tail=lines))[-lines:]
+            return list(self.provisioner.logs(self._named(), tail=lines))[-lines:]
         except Exception as e:  # the cluster may not exist at all: the error itself is the news
             log.debug("no logs for %s: %s", self.cluster_name, e)
             return []
@@ -450,7 +472,7 @@ class SkyBackend(SandboxBackend):
     async def _reap(self, reason: str) -> None:
         """Down a cluster of ours that is dead but may bill. Not `keep`-able: nothing is left to debug."""
         log.warning("the cluster %s is %s: tearing it down", self.cluster_name, reason)
-        await asyncio.to_thread(self.api.down, self.cluster_name)
+        await asyncio.to_thread(self.provisioner.destroy, self._named())
         self.state.mark_down(self.cluster_name)
         self._owns = False
 
@@ -462,7 +484,7 @@ class SkyBackend(SandboxBackend):
                              "launch again; training resumes from the last checkpoint pushed to S3", code="cluster_gone")
         reason = self._dead(info)
         if reason is not None:
-            tail = "\n".join("  " + line for line in await asyncio.to_thread(self.log_tail, 20))
+            tail = await self._tail_text()
             await self._reap(reason)
             raise ServerGone(f"the cluster {name} was {reason}: torn down; launch again, training resumes from the "
                              "last checkpoint pushed to S3" + (f". Its last lines:\n{tail}" if tail else ""),
@@ -471,12 +493,12 @@ class SkyBackend(SandboxBackend):
         if status == "FAILED_SETUP":
             await self._raise_setup_failed()
         if status in FAILED_JOB:
-            tail = "\n".join("  " + line for line in await asyncio.to_thread(self.log_tail, 20))
+            tail = await self._tail_text()
             raise ServerGone(f"the server job on {name} ended ({status}); its last lines:\n{tail}", code="server_exited")
 
     async def _raise_setup_failed(self) -> None:
         """The install failed (the task's setup, inside the job: FAILED_SETUP): a launch failure, with its lines."""
-        tail = "\n".join("  " + line for line in await asyncio.to_thread(self.log_tail, 20))
+        tail = await self._tail_text()
         raise ServerGone(f"could not launch {self.cluster_name}: installing artcloud on it failed (SkyPilot job "
                           f"FAILED_SETUP); the setup's last lines:\n{tail}", code="setup_failed")
 

@@ -231,7 +231,7 @@ def status(
 
     Sandboxes that went away by themselves (lease, autodown) are marked down here as they are found gone.
     """
-    from artcloud.backends.providers import sandboxes
+    from artcloud.backends.providers import provisioner
     from artcloud.backends.state import StateDir, launching_now
     from artcloud.durations import format_duration
 
@@ -240,7 +240,7 @@ def status(
     rows, gone, asked, missing = [], [], {}, {}
     for record in state.live():
         try:
-            provider = asked.setdefault(record.provider, sandboxes(record.provider))
+            provider = asked.setdefault(record.provider, provisioner(record.provider))
             live = provider.status(record)
         except Exception as e:  # the provider cannot be asked: say so, forget nothing
             if getattr(e, "code", None) == "missing_dependency":  # the table still lists it; stderr says what to install
@@ -324,11 +324,11 @@ def logs(
 ) -> None:
     """The server's output: the setup (installing artcloud) and the run (`artcloud serve`)."""
     from artcloud.backends.deps import MissingDependency
-    from artcloud.backends.providers import sandboxes
+    from artcloud.backends.providers import provisioner
 
     record = _known(name)
     try:
-        provider = sandboxes(record.provider)
+        provider = provisioner(record.provider)
     except MissingDependency as e:
         raise CLIError(str(e)) from e
     if provider.status(record) is None:
@@ -357,7 +357,7 @@ def down(
     lines say which step is on S3), 2 when a sandbox could not be torn down.
     Example: artcloud down mail-agent
     """
-    from artcloud.backends.providers import sandboxes
+    from artcloud.backends.providers import provisioner
     from artcloud.backends.state import StateDir
     from artcloud.runner import EXIT_PUSH_UNCONFIRMED
 
@@ -380,7 +380,7 @@ def down(
     failed, unconfirmed, asked = [], [], {}
     for record in records:
         try:  # before the final push: a server asked to stop that cannot then be torn down helps nobody
-            provider = asked.setdefault(record.provider, sandboxes(record.provider))
+            provider = asked.setdefault(record.provider, provisioner(record.provider))
         except MissingDependency as e:
             failed.append(f"{record.name} ({e})")
             continue
@@ -389,7 +389,7 @@ def down(
             print(f"{record.name}: {line}", flush=True)
         unconfirmed += [f"{record.name}/{label}" for label in not_pushed]
         try:
-            existed = provider.down(record)
+            existed = provider.destroy(record)
         except Exception as e:
             failed.append(f"{record.name} ({type(e).__name__}: {first_line(e)})")
             continue
