@@ -69,7 +69,8 @@ def portal():
     p.close()
 
 
-def test_a_non_json_200_is_an_artcloud_error_that_says_what_answered(portal):
+def model_info_error(portal: Portal) -> ArtcloudError:
+    """What GET /artcloud/models/agent raises when `portal` answers it."""
     async def main():
         backend = portal.backend()
         try:
@@ -79,7 +80,11 @@ def test_a_non_json_200_is_an_artcloud_error_that_says_what_answered(portal):
             await backend.close()
         return caught.value
 
-    error = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_non_json_200_is_an_artcloud_error_that_says_what_answered(portal):
+    error = model_info_error(portal)
     assert error.code == "not_artcloud" and error.status == 200
     assert "200 from GET /artcloud/models/agent is not an artcloud answer (text/html" in str(error)
     assert "a proxy, a captive portal" in str(error)
@@ -89,18 +94,8 @@ def test_a_json_answer_of_another_shape_is_an_artcloud_error_naming_the_field():
     """JSON, but not the protocol's (another service on the port, a changed server): the client reads every answer
     into its wire model, and says which field is wrong instead of failing later on a missing key."""
     other = Portal(body=b'{"step": "three", "name": "agent"}', content_type="application/json")
-
-    async def main():
-        backend = other.backend()
-        try:
-            with pytest.raises(ArtcloudError) as caught:
-                await backend.model_info("agent")
-        finally:
-            await backend.close()
-        return caught.value
-
     try:
-        error = asyncio.run(main())
+        error = model_info_error(other)
     finally:
         other.close()
     assert error.code == "not_artcloud"
