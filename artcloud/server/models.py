@@ -83,6 +83,12 @@ class EngineHost:
         if self.weights is not None:
             self.weights.stage_later(self.base_model, loaded_from)
 
+    async def stop(self) -> None:
+        """Answer every request still waiting for this engine (503), then `close`."""
+        if self.batcher is not None:
+            await self.batcher.stop()
+        self.close()
+
     def close(self) -> None:
         # Do not wait for a running generation or training step: whatever it was doing is not committed
         # (checkpoints are renamed into place only when complete), and a server asked to stop must stop.

@@ -123,9 +123,7 @@ class Registry:
     async def _unload(self, host: EngineHost) -> None:
         log.info("unloading base model %s (no model registered on it)", host.base_model)
         self.hosts.pop(host.base_model, None)
-        if host.batcher is not None:
-            await host.batcher.stop()
-        host.close()
+        await host.stop()
 
     # ------------------------------------------------------------------------------------- models
 
@@ -320,9 +318,7 @@ class Registry:
 
         await self.lifecycle.push_all(close=True)  # every model at once, within FINAL_PUSH_DEADLINE_S
         for host in list(self.hosts.values()):
-            if host.batcher is not None:
-                await host.batcher.stop()
-            host.close()
+            await host.stop()
         await asyncio.to_thread(SYNCER.sync)
 
 
