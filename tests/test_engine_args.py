@@ -134,7 +134,8 @@ def test_arts_engine_args_on_a_local_backend_take_effect_or_are_refused_by_name(
             assert "\n" not in str(e.value)
             model = artcloud.TrainableModel(name="short", project="p", base_model=TINY, engine_args={"max_model_len": 64})
             await model.register(backend)
-            r = await model.openai_client().chat.completions.create(model=model.name, messages=MESSAGES, max_tokens=500)
+            r = await model.openai_client().chat.completions.create(model=model.name, messages=MESSAGES, max_tokens=500,
+                                                                     temperature=0)  # greedy: no EOS drawn by chance
             assert r.usage.total_tokens == 64 and r.choices[0].finish_reason == "length", r.usage
             await backend.down()
 

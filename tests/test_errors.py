@@ -142,6 +142,8 @@ def resolve(target: ast.expr, enclosing: list[ast.AST], module: Any) -> Any:
 def annotated_class(annotation: ast.expr | None, namespace: dict[str, Any]) -> Any:
     if isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value) == "type":
         return eval(ast.unparse(annotation.slice), namespace)
+    if isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value) == "Callable":  # a factory passed in
+        return eval(ast.unparse(annotation.slice.elts[-1]), namespace)  # `bad: Callable[[str], ArtcloudError]`
     return None  # an exception instance passed in: a re-raise
 
 

@@ -137,7 +137,7 @@ def short_repr(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def check_header(manifest: Any, bad: Callable[[str], Exception], fmt: int = FORMAT) -> None:
+def check_header(manifest: Any, bad: Callable[[str], ArtcloudError], fmt: int = FORMAT) -> None:
     """What a checkpoint's manifest and staged weights' share: a JSON object of format `fmt` whose
     `created_at`, if any, is a number; else bad(what is wrong)."""
     if not isinstance(manifest, dict):
@@ -149,7 +149,7 @@ def check_header(manifest: Any, bad: Callable[[str], Exception], fmt: int = FORM
         raise bad(f"'created_at' must be a number, not {short_repr(created)}")
 
 
-def check_file(bad: Callable[[str], Exception], label: str, name: str, meta: Any, seen: set[str]) -> int:
+def check_file(bad: Callable[[str], ArtcloudError], label: str, name: str, meta: Any, seen: set[str]) -> int:
     """One manifest entry (`label` names it in errors): `name` not listed before in `seen` ignoring case (a
     case-insensitive disk, macOS, would merge the two), `meta` an object with an int `size` in
     [0, MAX_FILE_SIZE) and a `sha256` of 64 lowercase hex digits. Returns the size."""
