@@ -40,7 +40,7 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: lock install test test-engines test-laptop test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-s3 bench-client bench-load bench-cold-start clean
+.PHONY: lock install test test-main test-engines test-laptop test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-s3 bench-client bench-load bench-cold-start clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -63,15 +63,20 @@ $(VLLM_STAMP): pyproject.toml .ci/vllm_venv.sh
 
 install: $(STAMP) $(LAPTOP_STAMP) $(VLLM_STAMP)
 
-# test-engines, test-pythons and test-laptop run side by side: the Python venvs' build is mostly downloads and
-# unpacking, and the laptop suite mostly waits on subprocesses, while the engine suite computes; each target's
-# output is printed whole when it ends.
-# The three venvs are built side by side (unpacking wheels mostly waits on the disk): about 1.5 minutes saved cold.
-# Their editable installs of this checkout take turns (EDITABLE: each writes artcloud.egg-info here).
+# make test, in three stages, each running its parts side by side (a part's output is printed whole when it ends):
+# 1. the three venvs (unpacking wheels mostly waits on the disk); their editable installs of this checkout take
+#    turns (EDITABLE: each writes artcloud.egg-info here);
+# 2. the .venv suite (test-main), the vLLM conformance suite (test-engines) and the extra Pythons' venvs: the .venv
+#    suite leaves about 30% of the 2 cores idle (its tests wait on server starts, S3 and subprocesses: measured
+#    with /proc/stat over a whole run), which the engine suite's computing and the venvs' downloads fill;
+# 3. tests/pythons and tests/laptop.
 test:
 	$(MAKE) --no-print-directory -j3 $(STAMP) $(LAPTOP_STAMP) $(VLLM_STAMP)
+	$(MAKE) --no-print-directory -j3 --output-sync=target test-main test-engines $(PYTHON_STAMPS)
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-pythons test-laptop
+
+test-main: $(STAMP)
 	$(BIN)/python -m pytest -q -ra $(PYTEST_PAR) --ignore=tests/laptop
-	$(MAKE) --no-print-directory -j3 --output-sync=target test-engines test-pythons test-laptop
 
 test-laptop: $(LAPTOP_STAMP)
 	$(LAPTOP)/bin/python -m pytest -q -ra tests/laptop
