@@ -66,14 +66,13 @@ install: $(STAMP) $(LAPTOP_STAMP) $(VLLM_STAMP)
 # make test, in three stages, each running its parts side by side (a part's output is printed whole when it ends):
 # 1. the three venvs (unpacking wheels mostly waits on the disk); their editable installs of this checkout take
 #    turns (EDITABLE: each writes artcloud.egg-info here);
-# 2. the .venv suite (test-main), the vLLM conformance suite (test-engines) and the extra Pythons' venvs: the .venv
-#    suite leaves about 30% of the 2 cores idle (its tests wait on server starts, S3 and subprocesses: measured
-#    with /proc/stat over a whole run), which the engine suite's computing and the venvs' downloads fill;
-# 3. tests/pythons and tests/laptop.
+# 2. the .venv suite (test-main), alone: beside the vLLM conformance suite it took 24.5 min instead of 17 (tried);
+# 3. the vLLM conformance suite, the extra Pythons (their venvs' build is mostly downloads and unpacking) and
+#    tests/laptop.
 test:
 	$(MAKE) --no-print-directory -j3 $(STAMP) $(LAPTOP_STAMP) $(VLLM_STAMP)
-	$(MAKE) --no-print-directory -j3 --output-sync=target test-main test-engines $(PYTHON_STAMPS)
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-pythons test-laptop
+	$(MAKE) --no-print-directory test-main
+	$(MAKE) --no-print-directory -j3 --output-sync=target test-engines test-pythons test-laptop
 
 test-main: $(STAMP)
 	$(BIN)/python -m pytest -q -ra $(PYTEST_PAR) --ignore=tests/laptop
