@@ -66,8 +66,8 @@ install: $(STAMP) $(LAPTOP_STAMP) $(VLLM_STAMP)
 # make test, in three stages, each running its parts side by side (a part's output is printed whole when it ends):
 # 1. the three venvs (unpacking wheels mostly waits on the disk); their editable installs of this checkout take
 #    turns (EDITABLE: each writes artcloud.egg-info here);
-# 2. the .venv suite (test-main), alone: run beside it, the vLLM conformance suite (transformers 5.17) raced it to
-#    convert SmolLM2 into the shared ~/.cache/artcloud, and a copy with the wrong EOS token failed the CPU engine;
+# 2. the .venv suite (test-main), alone: it keeps both cores ~70% busy, and beside the vLLM conformance suite it
+#    took 24.5 min instead of 17 on a clean clone;
 # 3. the vLLM conformance suite, the extra Pythons (their venvs' build is mostly downloads and unpacking) and
 #    tests/laptop.
 test:

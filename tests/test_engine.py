@@ -465,3 +465,24 @@ def test_the_vllm_child_gets_the_servers_environment_without_its_secrets():
                "AWS_SESSION_TOKEN": "t", "WANDB_API_KEY": "w", "OPENAI_API_KEY": "o", "GITHUB_TOKEN": "g",
                "DB_PASSWORD": "p", "GOOGLE_APPLICATION_CREDENTIALS": "/key.json"}
     assert child_env({**kept, **dropped}) == kept
+
+
+def test_a_converted_model_is_cached_per_transformers_version(tmp_path, monkeypatch):
+    """Two venvs with two transformers versions share ~/.cache/artcloud: neither reads the other's copy."""
+    import transformers
+
+    from artcloud.server.engines import loading
+
+    monkeypatch.setenv("ARTCLOUD_CACHE", str(tmp_path))
+    built = []
+
+    def build(folder):
+        built.append(transformers.__version__)
+        (folder / "config.json").write_text("{}")
+
+    first = loading._cached("org/model", build)
+    assert first == loading._cached("org/model", build) and len(built) == 1  # built once, then read
+    monkeypatch.setattr(transformers, "__version__", "0.0.1")
+    other = loading._cached("org/model", build)
+    assert other != first and other.parent == first.parent and len(built) == 2
+    assert first.name.endswith(f"@transformers-{built[0]}") and other.name.endswith("@transformers-0.0.1")

@@ -137,6 +137,8 @@ def test_sampling_shapes_stops_and_eos(engine, tmp_path):
         assert len(c.top_logprobs) == len(c.token_ids) and all(len(t) == 2 and t[0][1] >= t[1][1] for t in c.top_logprobs)
     assert out[1][0].top_logprobs is None
 
+    # SmolLM2's EOS ends a turn, whichever transformers converted the GGUF (5.17's reader took <|im_start|>).
+    assert engine.tokenizer.eos_token == "<|im_end|>"
     # Greedy on the bare model (LoRA B = 0 at step 0 too) gives SmolLM2's known answer, ending in EOS.
     base, adapted = greedy(engine, None, ids, 16), greedy(engine, "shape", ids, 16)
     assert base.text == adapted.text == "The capital of France is Paris."

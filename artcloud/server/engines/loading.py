@@ -9,7 +9,8 @@
 - any other id: the ordinary Hugging Face hub loading code (which fails clearly when offline).
 
 Every cached copy is written to a temporary folder and renamed into place, so a crash mid-write leaves
-no half-written model behind.
+no half-written model behind. A copy is kept per transformers version (what one version writes, another may
+read differently: 5.17's GGUF conversion gave SmolLM2 the EOS token `<|im_start|>`).
 """
 
 from __future__ import annotations
@@ -47,8 +48,11 @@ def cache_dir() -> Path:
 
 
 def _cached(name: str, build) -> Path:
-    """The cached folder for `name`, built by `build(tmp_folder)` if missing (atomically)."""
-    target = cache_dir() / name.replace("/", "--")
+    """The cached folder for `name`, built by `build(tmp_folder)` if missing (atomically), one per transformers
+    version."""
+    import transformers
+
+    target = cache_dir() / f"{name.replace('/', '--')}@transformers-{transformers.__version__}"
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -84,6 +88,10 @@ def _smollm2_dense(folder: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = SMOLLM2
+    # SmolLM2-Instruct ends a turn with <|im_end|>, whatever a transformers version's GGUF reader took for EOS
+    tokenizer.eos_token = "<|im_end|>"
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
