@@ -231,7 +231,7 @@ class Runner:
     async def _start(self) -> Ending | None:
         self.backend = backend = self._make_backend()
         if self.opts.backend == "sky" and self.opts.budget_usd is not None and self.opts.price_per_hour is None:
-            await asyncio.to_thread(backend.preflight)  # the catalog's price, before anything is paid for
+            await asyncio.to_thread(backend.provisioner.preflight)  # the catalog's price, before anything is paid for
             if backend.price_per_hour is None:
                 raise RunError(f"SkyPilot's catalog has no price for {backend.gpu} here, so --budget-usd cannot be "
                                "enforced: pass --price-per-hour")
@@ -488,7 +488,7 @@ async def launch_detached(opts: RunOptions) -> int:
     runner = Runner(opts)
     backend: Any = runner._make_backend()
     if opts.backend == "sky":
-        backend.idle_minutes = 1  # the loop's end is the job's end: the cluster goes a minute later
+        backend.provisioner.idle_minutes = 1  # the loop's end is the job's end: the cluster goes a minute later
     launched_at = time.time()
 
     def run_args(catalog_price: float | None) -> list[str]:

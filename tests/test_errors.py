@@ -26,8 +26,8 @@ PACKAGE = Path(artcloud.__file__).parent
 NOT_ARTCLOUD = {
     ("__init__.py", "AttributeError"): "a module __getattr__ must raise AttributeError (Python's protocol: hasattr, "
                                        "from-imports and getattr defaults depend on it)",
-    ("backends/sandbox.py", "NotImplementedError"): "the abstract methods of SandboxBackend, which Sky and Modal "
-                                                    "override; reaching one is a bug in artcloud, not a user error",
+    ("backends/providers.py", "NotImplementedError"): "the abstract methods of Provisioner, which each provider "
+                                                      "overrides; reaching one is a bug in artcloud, not a user error",
     ("backends/client.py", "AssertionError"): "marks the end of a retry loop that always returns or raises (for "
                                               "the type checker); reaching it is a bug",
     ("backends/sky_api.py", "ClusterDoesNotExist"): "SkyAPI.logs keeps SkyPilot's own contract (sky.tail_logs raises "
@@ -114,6 +114,13 @@ def resolve(target: ast.expr, enclosing: list[ast.AST], module: Any) -> Any:
             return namespace[target.id]
         return getattr(builtins, target.id, None)
     if isinstance(target, ast.Attribute):
+        inner = target.value  # `self.provisioner.not_ready`: a method of the class the attribute is annotated with
+        if isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name) and inner.value.id == "self":
+            owner = next((n for n in reversed(enclosing) if isinstance(n, ast.ClassDef)), None)
+            annotation = vars(namespace[owner.name]).get("__annotations__", {}).get(inner.attr) if owner else None
+            if isinstance(annotation, str):
+                return getattr(eval(annotation, namespace), target.attr, None)
+            return None
         if isinstance(target.value, ast.Name) and target.value.id in ("self", "cls"):
             owner = next((n for n in reversed(enclosing) if isinstance(n, ast.ClassDef)), None)
             if owner is not None and owner.name in namespace:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from artcloud.backends.sky import SkyBackend, SkyError
+from artcloud.backends.sky import SkyBackend, SkyError, SkyProvisioner
 from artcloud.backends.sky_api import ClusterInfo
 from artcloud.backends.state import StateDir
 from tests.helpers import one_line_error, wait_for
@@ -181,7 +181,7 @@ def test_starting_on_a_stopped_cluster_of_ours_replaces_it(sky_env, monkeypatch,
 def test_only_a_stopped_cluster_or_one_whose_head_is_down_is_dead():
     """INIT is a launch in progress ('launching') or a node found unwell ('unhealthy'); only the latter with its
     autostop cancelled (the head down) is dead. AUTOSTOPPING is on its way down by itself."""
-    dead = SkyBackend._dead
+    dead = SkyProvisioner.dead
     assert dead(ClusterInfo("x", "INIT", autostop_minutes=-1, init_kind="launching")) is None
     assert dead(ClusterInfo("x", "INIT", autostop_minutes=10, init_kind="unhealthy")) is None
     assert "head node down" in dead(ClusterInfo("x", "INIT", autostop_minutes=-1, init_kind="unhealthy"))

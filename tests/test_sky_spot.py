@@ -65,7 +65,7 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
             # 1. The cloud's notice while the loop gathers rollouts: the server pushes and exits; the next
             #    request finds it gone, the backend brings up a new machine, and the same client goes on.
             preemption = _preempt_soon("spot", notice_s=60)
-            while not any("preemption notice (" in line for line in backend.log_tail(400)):
+            while not any("preemption notice (" in line for line in backend.provisioner.log_tail(400)):
                 await asyncio.sleep(0.5)
             # The server answers until its push is done and it exits: the loop gathers on until a request finds
             # it gone. (One gather used to be enough under load; on a quiet machine it could end first.)

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from artcloud.backends.client import ServerGone
+from artcloud.backends.providers import Credentials, Provisioner
 from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
 from artcloud.backends.spec import SandboxSpec
 from artcloud.errors import ArtcloudError
-from artcloud.tls import make_launch_secrets
+from artcloud.tls import LaunchSecrets, make_launch_secrets
 
 DEFAULT_PATH = Path(".artcloud") / "local"
 
@@ -61,6 +62,91 @@ def served_url(log: Path, offset: int = 0) -> str | None:
     return found[-1] if found else None
 
 
+class LocalProvisioner(Provisioner):
+    """`artcloud serve` as a child of this process: its start, its URL (read from its log), its death, its end."""
+
+    poll_s = (0.1, 0.5)
+
+    def __init__(self, path: Path, serve_args: list[str], env: dict[str, str], secrets: LaunchSecrets):
+        self.name = f"the local server under {path}"
+        self.path, self.log_file = path, path / "server.log"
+        self.serve_args, self.env, self.secrets = serve_args, env, secrets
+        self.proc: subprocess.Popen | None = None
+        self._offset = 0  # where this start's lines begin in the (appended) log
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    async def launch(self, job: Any, *, preload: str | None, deadline: float, claim: Any) -> Credentials:
+        env = {**os.environ, "ARTCLOUD_TLS_CERT": self.secrets.server_cert, "ARTCLOUD_TLS_KEY": self.secrets.server_key,
+               "ARTCLOUD_TOKEN": self.secrets.token, **self.env}
+        args = [*self.serve_args, *(["--preload", preload] if preload else [])]
+        self.proc, self._offset = spawn_serve(self.path, args, env=env, log=self.log_file)
+        atexit.register(self.stop_now)
+        claim(None, None, self.secrets.token)
+        return Credentials(self.secrets.token)
+
+    async def endpoint(self, deadline: float) -> str | None:
+        return served_url(self.log_file, self._offset)
+
+    def not_ready(self, url: str | None, startup_timeout: str) -> ArtcloudError:
+        what = "did not start" if url is None else "was not ready"
+        return ArtcloudError(f"the local server {what} in {startup_timeout}; its log:\n{self.tail()}",
+                             code="startup_timeout")
+
+    async def teardown(self, *, exiting: bool) -> None:
+        # After a final push was answered the server exits by itself: give it that time before a SIGTERM.
+        await asyncio.get_running_loop().run_in_executor(None, self.stop_now, 30.0, 30.0 if exiting else 0.0)
+
+    def _died_message(self, text: str) -> str:
+        lines = [line for line in text.splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("artcloud: error:")]
+        if errors:  # the CLI's own one-line reason (port in use, path not writable, ...)
+            return errors[-1].removeprefix("artcloud: error: ")
+        return f"the local server exited with status {self.proc.returncode}; its last lines:\n" + "\n".join(lines[-20:])
+
+    async def alive(self, *, answered: bool) -> None:
+        if self.proc is None or self.proc.poll() is None:
+            return
+        if not answered:  # it never answered: say why it would not start
+            raise ServerGone(self._died_message(self.tail(40)), code="server_exited")
+        raise ServerGone(
+            f"the local server exited (status {self.proc.returncode}) while we were talking to it; "
+            f"its checkpoints under {self.path} are intact. Its last lines:\n{self.tail()}",
+            code="server_exited",
+        )
+
+    async def gone(self, *, ours: bool) -> bool:
+        return not self.running
+
+    def stop_now(self, timeout: float = 30.0, exiting_for: float = 0.0) -> None:
+        """End the child: SIGTERM (its graceful exit: final push, S3 claims released), SIGKILL `timeout` later.
+        `exiting_for`: it was asked to exit already; wait that long for it first."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        atexit.unregister(self.stop_now)
+        if exiting_for:
+            try:
+                proc.wait(exiting_for)
+            except subprocess.TimeoutExpired:
+                pass
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 class LocalBackend(SandboxBackend):
     """Runs the training server here. Checkpoints live under `path` (default ./.artcloud/local), so a new
     LocalBackend on the same path resumes the models.
@@ -74,9 +160,6 @@ class LocalBackend(SandboxBackend):
     max_model_len, max_seq_length, dtype and seed, and refuses vLLM's other settings by name. s3: push checkpoints to
     s3://BUCKET/PREFIX too (credentials from this environment). lease, max_duration: as `artcloud serve`.
     """
-
-    provider = "local"  # not in the registry: the child dies with this process
-    poll_s = (0.1, 0.5)
 
     def __init__(
         self,
@@ -100,100 +183,43 @@ class LocalBackend(SandboxBackend):
         self.spec = spec = SandboxSpec(gpu=None, engine=engine, engine_args=engine_args, s3=s3, lease=lease,
                                        max_duration=max_duration, startup_timeout=startup_timeout)
         self.path = Path(path) if path is not None else DEFAULT_PATH
-        self.port = port
-        self.host = host
         self.startup_timeout_s = spec.startup_timeout
-        self._offset = 0  # where this start's lines begin in the (appended) log
-        self.log_level = log_level
-        self.engine, self.s3 = spec.engine, spec.s3
-        self.engine_env = spec.engine_env()
+        self.engine, self.s3, self.engine_env = spec.engine, spec.s3, spec.engine_env()
         self.lease_s, self.max_duration_s = spec.lease, spec.max_duration
-        self._secrets = make_launch_secrets()
+        args = ["--host", host, "--port", str(port or 0), "--log-level", log_level, "--engine", spec.engine]
+        if spec.s3:
+            args += ["--s3", spec.s3]
+        if spec.lease is not None:
+            args += ["--lease", f"{round(spec.lease)}s"]
+        if spec.max_duration is not None:
+            args += ["--max-duration", f"{round(spec.max_duration)}s"]
+        secrets = make_launch_secrets()
+        self.provisioner = LocalProvisioner(self.path, args, self.engine_env, secrets)
+        self.log_file = self.provisioner.log_file
         kwargs.setdefault("heartbeat_every_s", heartbeat_every(self.lease_s))
-        super().__init__("https://localhost", token=self._secrets.token, ca_cert=self._secrets.ca_cert, **kwargs)
-        self._proc: subprocess.Popen | None = None
-        self.log_file = self.path / "server.log"
+        super().__init__("https://localhost", token=secrets.token, ca_cert=secrets.ca_cert, **kwargs)
 
     def __repr__(self) -> str:
         state = f"{self.base_url}, pid {self._proc.pid}" if self.running else "stopped"
         return f"LocalBackend(path={str(self.path)!r}, {state})"
 
     @property
-    def sandbox_name(self) -> str:
-        return f"the local server under {self.path}"
+    def _proc(self) -> subprocess.Popen | None:
+        """The server's process while it runs."""
+        return self.provisioner.proc
 
     @property
     def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self.provisioner.running
 
     def tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    # ------------------------------------------------------------------------------------- lifecycle
+        """The server log's last lines."""
+        return self.provisioner.tail(lines)
 
     def _up(self) -> bool:
         if not self.running:
             self._owns = False  # a child that exited is not ours to attach to: start a new one
         return self.running
-
-    # ------------------------------------------------------------------------------------- SandboxBackend's hooks
-
-    async def _provision(self, job: Any) -> None:
-        env = {
-            **os.environ,
-            "ARTCLOUD_TLS_CERT": self._secrets.server_cert,
-            "ARTCLOUD_TLS_KEY": self._secrets.server_key,
-            "ARTCLOUD_TOKEN": self._secrets.token,
-            **self.engine_env,
-        }
-        cmd = ["--host", self.host, "--port", str(self.port or 0), "--log-level", self.log_level, "--engine", self.engine]
-        if self.s3:
-            cmd += ["--s3", self.s3]
-        if self.preload:
-            cmd += ["--preload", self.preload]
-        if self.lease_s is not None:
-            cmd += ["--lease", f"{round(self.lease_s)}s"]
-        if self.max_duration_s is not None:
-            cmd += ["--max-duration", f"{round(self.max_duration_s)}s"]
-        self._proc, self._offset = spawn_serve(self.path, cmd, env=env, log=self.log_file)
-        atexit.register(self._stop_now)
-        self._record_launch(None, ca_cert=None, token=self._secrets.token)
-
-    async def _endpoint(self, deadline: float) -> str | None:
-        return served_url(self.log_file, self._offset)
-
-    def _not_ready(self, url: str | None) -> ArtcloudError:
-        what = "did not start" if url is None else "was not ready"
-        return ArtcloudError(f"the local server {what} in {self.startup_timeout_s:.0f} s; its log:\n{self.tail()}",
-                             code="startup_timeout")
-
-    async def _destroy(self) -> None:
-        # After a final push was answered the server exits by itself: give it that time before a SIGTERM.
-        await asyncio.get_running_loop().run_in_executor(None, self._stop_now, 30.0, 30.0 if self.client.shut_down else 0.0)
-
-    def _died_message(self, text: str) -> str:
-        lines = [line for line in text.splitlines() if line.strip()]
-        errors = [line for line in lines if line.startswith("artcloud: error:")]
-        if errors:  # the CLI's own one-line reason (port in use, path not writable, ...)
-            return errors[-1].removeprefix("artcloud: error: ")
-        return f"the local server exited with status {self._proc.returncode}; its last lines:\n" + "\n".join(lines[-20:])
-
-    async def _check_alive(self) -> None:
-        if self._proc is None or self._proc.poll() is None:
-            return
-        if not self.client.version_checked:  # it never answered: say why it would not start
-            raise ServerGone(self._died_message(self.tail(40)), code="server_exited")
-        raise ServerGone(
-            f"the local server exited (status {self._proc.returncode}) while we were talking to it; "
-            f"its checkpoints under {self.path} are intact. Its last lines:\n{self.tail()}",
-            code="server_exited",
-        )
-
-    async def gone(self) -> bool:
-        return not self.running
 
     def __enter__(self) -> "LocalBackend":
         """ART's `with LocalBackend() as backend:`; the server starts at the first register."""
@@ -207,24 +233,4 @@ class LocalBackend(SandboxBackend):
             forwarder, self._forwarder = self._forwarder, None
             forwarder.close()
         self.client.forget_connection()  # bound to the loop that ran it; the server it talks to goes now
-        self._stop_now()
-
-    def _stop_now(self, timeout: float = 30.0, exiting_for: float = 0.0) -> None:
-        """End the child: SIGTERM (its graceful exit: final push, S3 claims released), SIGKILL `timeout` later.
-        `exiting_for`: it was asked to exit already; wait that long for it first."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        atexit.unregister(self._stop_now)
-        if exiting_for:
-            try:
-                proc.wait(exiting_for)
-            except subprocess.TimeoutExpired:
-                pass
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        self.provisioner.stop_now()

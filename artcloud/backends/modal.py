@@ -38,6 +38,7 @@ from artcloud._version import __version__
 from artcloud.backends.client import ServerGone
 from artcloud.backends.deps import require
 from artcloud.backends.launch import check_s3, user_secrets
+from artcloud.backends.providers import Claim, Credentials, Provisioner
 from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
 from artcloud.backends.spec import SandboxSpec, renamed
 from artcloud.backends.state import SandboxRecord, StateDir
@@ -153,9 +154,7 @@ class ModalBackend(SandboxBackend):
     tunnel_ca: the CA bundle that signs the tunnel's certificate; default: the public CAs.
     """
 
-    provider = PROVIDER
     error = ModalError
-    teardown_word = "terminated"
     RENAMED = {"timeout": "max_duration"}
 
     def __init__(
@@ -182,7 +181,6 @@ class ModalBackend(SandboxBackend):
         state_dir: str | Path | None = None,
         **kwargs: Any,
     ):
-        require("modal", "a Modal sandbox")  # modal itself is imported lazily, where it is used
         given = dict(gpu=gpu, name=name, max_duration=max_duration, lease=lease, s3=s3, env=env, secrets=secrets,
                      image=image, region=region, engine=engine, engine_args=engine_args, keep=keep,
                      startup_timeout=startup_timeout)
@@ -215,12 +213,11 @@ class ModalBackend(SandboxBackend):
         self.gpu, self.app_name, self.s3, self.image, self.engine = spec.gpu, app_name, spec.s3, spec.image, spec.engine
         self.name = spec.name or f"artcloud-{_secrets.token_hex(3)}"
         self.cpu, self.memory, self.region, self.keep = cpu, memory, spec.region, spec.keep
-        self.env = {**spec.env, **spec.engine_env()}
-        self._user_secrets = spec.secrets
         self.state = StateDir(Path(state_dir) if state_dir is not None else None)
-        self.sandbox_id: str | None = None
-        self._sandbox: Any = None
-        self._tunnel: str | None = None  # the tunnel's URL, once Modal gives it
+        self.provisioner = ModalProvisioner(name=self.name, spec=spec, state=self.state, app_name=app_name,
+                                            timeout_s=self.timeout_s, idle_timeout_s=self.idle_timeout_s,
+                                            max_duration_s=self.max_duration_s, cpu=cpu, memory=memory)
+        self.env = self.provisioner.env
         kwargs.setdefault("heartbeat_every_s", heartbeat_every(self.lease_s))
         super().__init__("https://pending.invalid", token="", ca_cert=tunnel_ca, **kwargs)
 
@@ -231,28 +228,10 @@ class ModalBackend(SandboxBackend):
     def max_duration_s(self) -> float:
         return max(60.0, self.timeout_s - PUSH_MARGIN_S) if self.timeout_s > 2 * PUSH_MARGIN_S else self.timeout_s
 
-    # ------------------------------------------------------------------------------------- start (SandboxBackend's hooks)
-
-    async def _existing(self, record: SandboxRecord | None) -> bool:
-        if record is not None and record.provider != PROVIDER and record.state != "down":
-            raise ModalError(f"{self.name} is a live {record.provider} sandbox of this machine: choose another name",
-                             code="name_taken", field="name")
-        if record is not None and record.provider == PROVIDER and record.state != "down":
-            sandbox = await asyncio.to_thread(_lookup, record)
-            if sandbox is not None and await sandbox.poll.aio() is None:
-                self._sandbox = sandbox
-                return True
-        return False
-
-    async def _adopt(self, record: SandboxRecord, creds: tuple[str, str]) -> None:
-        self._stage(token=creds[1])  # the CA stays the tunnel's: Modal's edge ends TLS
-        self.sandbox_id, self._tunnel = self._sandbox.object_id, None
-
-    def _launch_secrets(self, token: str) -> dict[str, str]:
-        """The bearer token, the user's secrets and, for S3, this machine's AWS credentials: one modal.Secret."""
-        found = user_secrets(self._user_secrets, reserved=["ARTCLOUD_TOKEN"], s3=self.s3, error=ModalError,
-                             valid_for_s=self.timeout_s)
-        return {"ARTCLOUD_TOKEN": token, **found}
+    @property
+    def sandbox_id(self) -> str | None:
+        """Modal's id of the sandbox, once created."""
+        return self.provisioner.sandbox_id
 
     async def launch_job(self, script: Path, run_args: Callable[[float | None], list[str]]) -> None:
         """`artcloud run --detach`: the sandbox runs the training loop itself (`artcloud run SCRIPT
@@ -274,197 +253,28 @@ class ModalBackend(SandboxBackend):
         self.client.shut_down = True  # no server of ours to ask for a final push: the loop pushes its own
         await self._launch(job=(script, run_args(None)))
 
-    async def _provision(self, job: tuple[Path, list[str]] | None) -> None:
-        import base64
 
-        import modal
+class ModalProvisioner(Provisioner):
+    """What artcloud asks Modal (its blocking API for the registry face, its async one for a launch): any sandbox of
+    the registry (status, terminate, output), and, made for one sandbox's name and settings, its creation, tunnel
+    and liveness."""
 
-        from artcloud.backends.wheel import build_wheel
+    error = ModalError
+    teardown_word = "terminated"
 
-        token = new_token()
-        secret_env = self._launch_secrets(token)
-        if self.s3:
-            await asyncio.to_thread(check_s3, self.s3, error=ModalError)
-        env = dict(self.env)
-        for key in ("ARTCLOUD_S3_ENDPOINT_URL", "ARTCLOUD_S3_REGION", "ARTCLOUD_S3_ATTEMPTS"):
-            if os.environ.get(key):
-                env.setdefault(key, os.environ[key])
-        if self.preload and job is None:  # model.register started it: the base model loads while we wait for /health
-            env["ARTCLOUD_PRELOAD"] = self.preload
-        try:
-            app = await modal.App.lookup.aio(self.app_name, create_if_missing=True)
-        except Exception as e:
-            raise ModalError(_modal_hint(e), code="modal_unavailable") from e
-        self._stage(token=token)
-        record = SandboxRecord(name=self.name, provider=PROVIDER, gpu=self.gpu, max_duration_s=self.timeout_s,
-                               s3=self.s3, extra={"app": self.app_name})
-        if job is not None:
-            command = job_command(job[0].name, job[1])
-            env["ARTCLOUD_RUN_SCRIPT"] = base64.b64encode(job[0].read_bytes()).decode()
-            record.extra["run"] = job[0].name
-        else:
-            command = server_command(lease_s=self.lease_s, max_duration_s=self.max_duration_s, s3=self.s3,
-                                     engine=self.engine)
-        self._record_launch(record, ca_cert="", token=token)  # before the sandbox exists: see the module docstring
-        self._tunnel = None
-        deadline = (self._launch_began or time.monotonic()) + self.startup_timeout_s
-        launch = _secrets.token_hex(8)
-        with tempfile.TemporaryDirectory(prefix="artcloud-wheel-") as tmp:
-            image = self.image if self.image is not None else server_image(build_wheel(Path(tmp)))
-            await self._build(image, app, deadline)
-            create = modal.Sandbox.create.aio(
-                *command,
-                app=app, name=self.name, tags={"artcloud": __version__, LAUNCH_TAG: launch}, image=image,
-                env=env or None, secrets=[modal.Secret.from_dict(secret_env)], gpu=self.gpu, cpu=self.cpu,
-                memory=self.memory, region=self.region, timeout=int(self.timeout_s),
-                idle_timeout=int(self.idle_timeout_s) if self.idle_timeout_s else None,
-                encrypted_ports=[SERVER_PORT] if job is None else [],
-            )
-            self._sandbox = await self._scheduled(create, app, launch, deadline)
-        self.sandbox_id = self._sandbox.object_id
-        record.extra["sandbox_id"] = self.sandbox_id
-        self.state.save(record)
-        log.info("created Modal sandbox %s (%s) for %s", self.sandbox_id, self.gpu, self.name)
+    def __init__(self, *, name: str = "", spec: SandboxSpec | None = None, state: StateDir | None = None,
+                 app_name: str = "artcloud", timeout_s: float = 0.0, idle_timeout_s: float | None = None,
+                 max_duration_s: float = 0.0, cpu: float | None = None, memory: int | None = None):
+        require("modal", "a Modal sandbox")  # modal itself is imported lazily, where it is used
+        self.name, self.spec, self.state, self.app_name = name, spec, state, app_name
+        self.env = {**spec.env, **spec.engine_env()} if spec is not None else {}  # the server's plain environment
+        self.timeout_s, self.idle_timeout_s, self.max_duration_s = timeout_s, idle_timeout_s, max_duration_s
+        self.cpu, self.memory = cpu, memory
+        self.sandbox_id: str | None = None
+        self._sandbox: Any = None
+        self._tunnel: str | None = None  # the tunnel's URL, once Modal gives it
 
-    async def _build(self, image: Any, app: Any, deadline: float) -> None:
-        """Build the image (or find it cached) before `create`, which would otherwise build it inside: so a
-        slow first build (torch, vLLM: minutes) is told apart from a GPU Modal cannot find."""
-        try:
-            await asyncio.wait_for(image.build.aio(app), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            raise ModalError(f"Modal did not finish building the image of {self.name} within startup_timeout "
-                             f"{format_duration(self.startup_timeout_s)}: a first build takes minutes (the default "
-                             "image installs torch and vLLM) and later launches reuse it: give a longer "
-                             "startup_timeout", code="image_build_timeout") from None
-
-    async def _scheduled(self, create: Any, app: Any, launch: str, deadline: float) -> Any:
-        """Await `Sandbox.create`, bounded by the start's deadline. With a GPU, modal 1.6.4's create waits
-        inside until Modal schedules the container, up to 21 minutes, then raises ResourceExhaustedError
-        (modal/sandbox/_impl_v1.py:157-172). Whatever way it fails, no sandbox of this launch may be left."""
-        import modal
-
-        try:
-            return await asyncio.wait_for(create, max(0.0, deadline - time.monotonic()))
-        except BaseException as e:
-            await self._terminate_launch(app, launch)
-            if isinstance(e, asyncio.TimeoutError):
-                raise self._no_capacity(f"within startup_timeout {format_duration(self.startup_timeout_s)}",
-                                        longer=True) from None
-            if isinstance(e, modal.exception.ResourceExhaustedError):
-                raise self._no_capacity(f"within Modal's own scheduling wait ({_modal_hint(e)})", longer=False) from e
-            raise
-
-    async def _terminate_launch(self, app: Any, launch: str) -> None:
-        """Terminate the sandboxes tagged with this launch (at most one). A create cancelled while it waited
-        for scheduling terminates its sandbox itself (_impl_v1.py:164-169), but not one whose SandboxCreate
-        answer was cut off (_impl_v1.py:154), nor one that came up just as it was cancelled (synchronicity
-        raises the cancel even then): those exist and we hold no handle, so look them up by the tag."""
-        import modal
-
-        try:
-            async for sandbox in modal.Sandbox.list.aio(app_id=app.app_id, tags={LAUNCH_TAG: launch}):
-                await sandbox.terminate.aio()
-                log.info("terminated %s, the Modal sandbox of a failed create for %s", sandbox.object_id, self.name)
-        except Exception as e:  # noqa: BLE001 - the start's own error matters more
-            log.warning("could not check whether Modal left a sandbox of %s (%s): run `artcloud down %s`",
-                        self.name, _modal_hint(e), self.name)
-
-    def _no_capacity(self, when: str, *, longer: bool) -> ModalError:
-        also = ", or a longer startup_timeout" if longer else ""
-        return ModalError(f"Modal found no {self.gpu or 'CPU'} capacity for {self.name} {when}: try another gpu "
-                          f"or region, or again later{also}", code="no_capacity", field="gpu")
-
-    async def _endpoint(self, deadline: float) -> str | None:
-        """The tunnel's URL. It exists before the server listens, but `tunnels()` raises SandboxTimeoutError
-        while the container is not running yet: then None, and the ready poll asks again until the startup
-        deadline. A GPU sandbox is scheduled by then (`create` waited for it); one without a GPU (modal's V2
-        path) may not be."""
-        import modal
-
-        if self._tunnel is None:
-            try:
-                wait = int(max(1.0, min(TUNNEL_WAIT_S, deadline - time.monotonic())))
-                tunnels = await self._sandbox.tunnels.aio(timeout=wait)
-            except modal.exception.SandboxTimeoutError:
-                return None
-            if SERVER_PORT in tunnels:
-                self._tunnel = tunnels[SERVER_PORT].url.rstrip("/")
-        return self._tunnel
-
-    def _not_ready(self, url: str | None) -> ArtcloudError:
-        if url is None:
-            return ModalError(f"Modal did not open the tunnel of {self.name} within startup_timeout (its container "
-                              "was not running yet): try again later, or a longer startup_timeout",
-                              code="startup_timeout")
-        return ModalError(f"the server in {self.name} was not ready in time (startup_timeout): raise it for a big "
-                          f"model, or see `artcloud logs {self.name}`", code="startup_timeout")
-
-    def _failure(self, cause: BaseException, launching: bool) -> tuple[str, str]:
-        return f"the Modal sandbox {self.name} did not come up: {_modal_hint(cause)}", "startup_failed"
-
-    async def _last_lines(self, lines: int) -> list[str]:
-        return await self.log_tail(lines)
-
-    async def log_tail(self, lines: int = 40) -> list[str]:
-        """The last lines of the sandbox's output (stdout, then stderr); only once it has exited, since
-        reading a live stream waits for its end."""
-        sandbox = self._sandbox
-        if sandbox is None or await sandbox.poll.aio() is None:
-            return []
-        try:
-            streams = [await sandbox.stdout.read.aio(), await sandbox.stderr.read.aio()]
-        except Exception as e:
-            log.debug("no logs for %s: %s", self.name, e)
-            return []
-        # each stream on its own: stdout's last line may lack its newline
-        return [line for text in streams for line in text.splitlines() if line.strip()][-lines:]
-
-    # ------------------------------------------------------------------------------------- liveness, down
-
-    async def _check_alive(self) -> None:
-        if self._sandbox is None:
-            return
-        code = await self._sandbox.poll.aio()
-        if code is not None:
-            tail = await self._tail_text()
-            raise ServerGone(f"the Modal sandbox {self.name} ended (exit code {code}); training resumes from the last "
-                             f"checkpoint on S3 in a new one. Its last lines:\n{tail}", code="server_exited")
-
-    async def _destroy(self) -> None:
-        if self._sandbox is not None:
-            await self._sandbox.terminate.aio()
-
-    async def gone(self) -> bool:
-        sandbox = self._sandbox
-        if sandbox is None:
-            record = self.state.load(self.name)
-            sandbox = (await asyncio.to_thread(_lookup, record) if record is not None and record.extra.get("sandbox_id")
-                       else None)
-        return sandbox is None or await sandbox.poll.aio() is not None
-
-    @property
-    def sandbox_name(self) -> str:
-        return self.name
-
-
-def _lookup(record: SandboxRecord):
-    """The sandbox of a registry record: by id, or by name in its app when the id was never saved (modal's
-    blocking API: async code calls it in a thread)."""
-    import modal
-
-    try:
-        if record.extra.get("sandbox_id"):
-            return modal.Sandbox.from_id(record.extra["sandbox_id"])
-        return modal.Sandbox.from_name(record.extra.get("app", "artcloud"), record.name)
-    except modal.exception.NotFoundError:
-        return None
-
-
-class ModalProvisioner:
-    """What Modal says of a sandbox of the registry: providers.Provisioner's face (modal's blocking API)."""
-
-    def __init__(self) -> None:
-        require("modal", "a Modal sandbox")
+    # ------------------------------------------------------------------------------------- any sandbox of the registry
 
     def status(self, record: SandboxRecord) -> str | None:
         sandbox = _lookup(record)
@@ -487,6 +297,210 @@ class ModalProvisioner:
             raise ModalError("a running sandbox's output can only be followed: use `artcloud logs NAME -f`",
                              code="logs_follow_only")
         return _lines(sandbox)
+
+    # ------------------------------------------------------------------------------------- this sandbox
+
+    async def existing(self, record: SandboxRecord | None) -> bool:
+        if record is not None and record.provider != PROVIDER and record.state != "down":
+            raise ModalError(f"{self.name} is a live {record.provider} sandbox of this machine: choose another name",
+                             code="name_taken", field="name")
+        if record is not None and record.provider == PROVIDER and record.state != "down":
+            sandbox = await asyncio.to_thread(_lookup, record)
+            if sandbox is not None and await sandbox.poll.aio() is None:
+                self._sandbox = sandbox
+                return True
+        return False
+
+    async def adopt(self, record: SandboxRecord, creds: tuple[str, str]) -> Credentials:
+        self.sandbox_id, self._tunnel = self._sandbox.object_id, None
+        return Credentials(token=creds[1])  # the CA stays the tunnel's: Modal's edge ends TLS
+
+    def launch_secrets(self, token: str) -> dict[str, str]:
+        """The bearer token, the user's secrets and, for S3, this machine's AWS credentials: one modal.Secret."""
+        found = user_secrets(self.spec.secrets, reserved=["ARTCLOUD_TOKEN"], s3=self.spec.s3, error=ModalError,
+                             valid_for_s=self.timeout_s)
+        return {"ARTCLOUD_TOKEN": token, **found}
+
+    async def launch(self, job: tuple[Path, list[str]] | None, *, preload: str | None, deadline: float,
+                     claim: Claim) -> Credentials:
+        import base64
+
+        import modal
+
+        from artcloud.backends.wheel import build_wheel
+
+        spec, token = self.spec, new_token()
+        secret_env = self.launch_secrets(token)
+        if spec.s3:
+            await asyncio.to_thread(check_s3, spec.s3, error=ModalError)
+        env = dict(self.env)
+        for key in ("ARTCLOUD_S3_ENDPOINT_URL", "ARTCLOUD_S3_REGION", "ARTCLOUD_S3_ATTEMPTS"):
+            if os.environ.get(key):
+                env.setdefault(key, os.environ[key])
+        if preload and job is None:  # model.register started it: the base model loads while we wait for /health
+            env["ARTCLOUD_PRELOAD"] = preload
+        try:
+            app = await modal.App.lookup.aio(self.app_name, create_if_missing=True)
+        except Exception as e:
+            raise ModalError(_modal_hint(e), code="modal_unavailable") from e
+        record = SandboxRecord(name=self.name, provider=PROVIDER, gpu=spec.gpu, max_duration_s=self.timeout_s,
+                               s3=spec.s3, extra={"app": self.app_name})
+        if job is not None:
+            command = job_command(job[0].name, job[1])
+            env["ARTCLOUD_RUN_SCRIPT"] = base64.b64encode(job[0].read_bytes()).decode()
+            record.extra["run"] = job[0].name
+        else:
+            command = server_command(lease_s=spec.lease, max_duration_s=self.max_duration_s, s3=spec.s3,
+                                     engine=spec.engine)
+        claim(record, "", token)  # before the sandbox exists: see the module docstring
+        self._tunnel = None
+        launch = _secrets.token_hex(8)
+        with tempfile.TemporaryDirectory(prefix="artcloud-wheel-") as tmp:
+            image = spec.image if spec.image is not None else server_image(build_wheel(Path(tmp)))
+            await self._build(image, app, deadline)
+            create = modal.Sandbox.create.aio(
+                *command,
+                app=app, name=self.name, tags={"artcloud": __version__, LAUNCH_TAG: launch}, image=image,
+                env=env or None, secrets=[modal.Secret.from_dict(secret_env)], gpu=spec.gpu, cpu=self.cpu,
+                memory=self.memory, region=spec.region, timeout=int(self.timeout_s),
+                idle_timeout=int(self.idle_timeout_s) if self.idle_timeout_s else None,
+                encrypted_ports=[SERVER_PORT] if job is None else [],
+            )
+            self._sandbox = await self._scheduled(create, app, launch, deadline)
+        self.sandbox_id = self._sandbox.object_id
+        record.extra["sandbox_id"] = self.sandbox_id
+        self.state.save(record)
+        log.info("created Modal sandbox %s (%s) for %s", self.sandbox_id, spec.gpu, self.name)
+        return Credentials(token=token)
+
+    async def _build(self, image: Any, app: Any, deadline: float) -> None:
+        """Build the image (or find it cached) before `create`, which would otherwise build it inside: so a
+        slow first build (torch, vLLM: minutes) is told apart from a GPU Modal cannot find."""
+        try:
+            await asyncio.wait_for(image.build.aio(app), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise ModalError(f"Modal did not finish building the image of {self.name} within startup_timeout "
+                             f"{format_duration(self.spec.startup_timeout)}: a first build takes minutes (the default "
+                             "image installs torch and vLLM) and later launches reuse it: give a longer "
+                             "startup_timeout", code="image_build_timeout") from None
+
+    async def _scheduled(self, create: Any, app: Any, launch: str, deadline: float) -> Any:
+        """Await `Sandbox.create`, bounded by the start's deadline. With a GPU, modal 1.6.4's create waits
+        inside until Modal schedules the container, up to 21 minutes, then raises ResourceExhaustedError
+        (modal/sandbox/_impl_v1.py:157-172). Whatever way it fails, no sandbox of this launch may be left."""
+        import modal
+
+        try:
+            return await asyncio.wait_for(create, max(0.0, deadline - time.monotonic()))
+        except BaseException as e:
+            await self._terminate_launch(app, launch)
+            if isinstance(e, asyncio.TimeoutError):
+                raise self._no_capacity(f"within startup_timeout {format_duration(self.spec.startup_timeout)}",
+                                        longer=True) from None
+            if isinstance(e, modal.exception.ResourceExhaustedError):
+                raise self._no_capacity(f"within Modal's own scheduling wait ({_modal_hint(e)})", longer=False) from e
+            raise
+
+    async def _terminate_launch(self, app: Any, launch: str) -> None:
+        """Terminate the sandboxes tagged with this launch (at most one). A create cancelled while it waited
+        for scheduling terminates its sandbox itself (_impl_v1.py:164-169), but not one whose SandboxCreate
+        answer was cut off (_impl_v1.py:154), nor one that came up just as it was cancelled (synchronicity
+        raises the cancel even then): those exist and we hold no handle, so look them up by the tag."""
+        import modal
+
+        try:
+            async for sandbox in modal.Sandbox.list.aio(app_id=app.app_id, tags={LAUNCH_TAG: launch}):
+                await sandbox.terminate.aio()
+                log.info("terminated %s, the Modal sandbox of a failed create for %s", sandbox.object_id, self.name)
+        except Exception as e:  # noqa: BLE001 - the start's own error matters more
+            log.warning("could not check whether Modal left a sandbox of %s (%s): run `artcloud down %s`",
+                        self.name, _modal_hint(e), self.name)
+
+    def _no_capacity(self, when: str, *, longer: bool) -> ModalError:
+        also = ", or a longer startup_timeout" if longer else ""
+        return ModalError(f"Modal found no {self.spec.gpu or 'CPU'} capacity for {self.name} {when}: try another gpu "
+                          f"or region, or again later{also}", code="no_capacity", field="gpu")
+
+    async def endpoint(self, deadline: float) -> str | None:
+        """The tunnel's URL. It exists before the server listens, but `tunnels()` raises SandboxTimeoutError
+        while the container is not running yet: then None, and the ready poll asks again until the startup
+        deadline. A GPU sandbox is scheduled by then (`create` waited for it); one without a GPU (modal's V2
+        path) may not be."""
+        import modal
+
+        if self._tunnel is None:
+            try:
+                wait = int(max(1.0, min(TUNNEL_WAIT_S, deadline - time.monotonic())))
+                tunnels = await self._sandbox.tunnels.aio(timeout=wait)
+            except modal.exception.SandboxTimeoutError:
+                return None
+            if SERVER_PORT in tunnels:
+                self._tunnel = tunnels[SERVER_PORT].url.rstrip("/")
+        return self._tunnel
+
+    def not_ready(self, url: str | None, startup_timeout: str) -> ArtcloudError:
+        if url is None:
+            return ModalError(f"Modal did not open the tunnel of {self.name} within startup_timeout (its container "
+                              "was not running yet): try again later, or a longer startup_timeout",
+                              code="startup_timeout")
+        return ModalError(f"the server in {self.name} was not ready in time (startup_timeout): raise it for a big "
+                          f"model, or see `artcloud logs {self.name}`", code="startup_timeout")
+
+    def failure(self, cause: BaseException, launching: bool) -> tuple[str, str]:
+        return f"the Modal sandbox {self.name} did not come up: {_modal_hint(cause)}", "startup_failed"
+
+    async def last_lines(self, lines: int) -> list[str]:
+        return await self.log_tail(lines)
+
+    async def log_tail(self, lines: int = 40) -> list[str]:
+        """The last lines of the sandbox's output (stdout, then stderr); only once it has exited, since
+        reading a live stream waits for its end."""
+        sandbox = self._sandbox
+        if sandbox is None or await sandbox.poll.aio() is None:
+            return []
+        try:
+            streams = [await sandbox.stdout.read.aio(), await sandbox.stderr.read.aio()]
+        except Exception as e:
+            log.debug("no logs for %s: %s", self.name, e)
+            return []
+        # each stream on its own: stdout's last line may lack its newline
+        return [line for text in streams for line in text.splitlines() if line.strip()][-lines:]
+
+    # ------------------------------------------------------------------------------------- liveness, down
+
+    async def alive(self, *, answered: bool = True) -> None:
+        if self._sandbox is None:
+            return
+        code = await self._sandbox.poll.aio()
+        if code is not None:
+            tail = "\n".join("  " + line for line in await self.last_lines(20))
+            raise ServerGone(f"the Modal sandbox {self.name} ended (exit code {code}); training resumes from the last "
+                             f"checkpoint on S3 in a new one. Its last lines:\n{tail}", code="server_exited")
+
+    async def teardown(self, *, exiting: bool) -> None:
+        if self._sandbox is not None:
+            await self._sandbox.terminate.aio()
+
+    async def gone(self, *, ours: bool = True) -> bool:
+        sandbox = self._sandbox
+        if sandbox is None:
+            record = self.state.load(self.name)
+            sandbox = (await asyncio.to_thread(_lookup, record) if record is not None and record.extra.get("sandbox_id")
+                       else None)
+        return sandbox is None or await sandbox.poll.aio() is not None
+
+
+def _lookup(record: SandboxRecord):
+    """The sandbox of a registry record: by id, or by name in its app when the id was never saved (modal's
+    blocking API: async code calls it in a thread)."""
+    import modal
+
+    try:
+        if record.extra.get("sandbox_id"):
+            return modal.Sandbox.from_id(record.extra["sandbox_id"])
+        return modal.Sandbox.from_name(record.extra.get("app", "artcloud"), record.name)
+    except modal.exception.NotFoundError:
+        return None
 
 
 _DONE = object()

@@ -1,7 +1,8 @@
 """SandboxBackend: the lifecycle of a server on a machine artcloud starts and ends, written once.
 
 LocalBackend (a child process), SkyBackend (a SkyPilot cluster) and ModalBackend (a Modal Sandbox) differ only
-in how a machine comes to life, where its server answers, how it is known dead, and how it goes away. What they
+in how a machine comes to life, where its server answers, how it is known dead, and how it goes away: their
+provisioner answers that (providers.Provisioner, the same face `artcloud status / logs / down` use). What they
 share lives here:
 
     start()   attach to a live sandbox of this name that this machine launched (the registry holds its CA and
@@ -13,18 +14,8 @@ share lives here:
     failure   a start that fails is torn down (unless keep=True), and the error says why, what to do, and
               what the server printed last.
     down()    the server pushes its last checkpoint and exits, the machine is destroyed, the record marked down.
-
-A provider supplies these (async unless said):
-
-    _existing(record) -> bool     a live sandbox of this name to attach to? (raise if the name is someone else's)
-    _adopt(record, creds)         take over an attached sandbox (its token, its handle)
-    _provision(job)               create the machine and start the server (or a detached `job`); it calls
-                                  _record_launch(...) just before asking the provider for anything that bills
-    _endpoint(deadline) -> url    the server's https:// URL once known, else None (raise to fail fast)
-    _check_alive()                raise ServerGone when the machine or its server is known dead
-    _destroy()                    tear the machine down (idempotent)
-    _last_lines(n) -> lines       what the server printed last, for error messages
-    _failure(cause, launching)    (message, code) for an error that is not already an ArtcloudError
+    lost      a machine the provisioner says is lost (a preempted spot VM) is replaced by a new one of the same
+              name; RemoteBackend.recover registers the models again and they resume from S3.
 """
 
 from __future__ import annotations
@@ -36,6 +27,7 @@ import time
 from typing import Any
 
 from artcloud.backends.client import ServerGone, check_version, push_verdicts
+from artcloud.backends.providers import Provisioner
 from artcloud.backends.remote import RemoteBackend
 from artcloud.backends.state import SandboxRecord, StateDir, launcher, launching_now
 from artcloud.durations import format_duration
@@ -52,17 +44,14 @@ def heartbeat_every(lease_s: float | None) -> float:
 
 
 class SandboxBackend(RemoteBackend):
-    """A RemoteBackend that owns the machine its server runs on. See the module docstring."""
+    """A RemoteBackend that owns the machine its server runs on, through its provisioner. See the module docstring."""
 
-    provider: str = "?"  # the registry's name for it: sky, modal (LocalBackend keeps no record)
-    error: type[ArtcloudError] = ArtcloudError  # the error class its failures are raised as
+    provisioner: Provisioner  # the provider's answers about this sandbox
+    error: type[ArtcloudError] = ArtcloudError  # the error class its failures are raised as (its provisioner's)
     keep: bool = False  # leave it up on a failed start and on leaving `async with` (lease and timers still apply)
     lease_s: float
     startup_timeout_s: float
     state: StateDir | None = None  # the registry (None: this sandbox is not registered, e.g. a local child)
-    teardown_word = "torn down"
-    launched_by = ""  # who could not launch it, in a failed launch's message ("SkyPilot ")
-    poll_s = (0.5, 5.0)  # the ready poll's first and longest wait
     progress = True  # a progress bar (phase, N/M GB) while the server comes up, on a terminal only
     progress_console: Any = None  # where the bar draws (None: stderr, if a terminal)
     _bar: "StartBar | None" = None  # the bar of the launch in progress
@@ -80,7 +69,11 @@ class SandboxBackend(RemoteBackend):
     @property
     def sandbox_name(self) -> str:
         """The name `artcloud status / logs / down` know it by."""
-        raise NotImplementedError
+        return self.provisioner.name
+
+    @property
+    def price_per_hour(self) -> float | None:  # type: ignore[override]
+        return self.provisioner.price_per_hour
 
     # ------------------------------------------------------------------------------------- start
 
@@ -104,7 +97,7 @@ class SandboxBackend(RemoteBackend):
         if record is not None and launching_now(record) and record.launcher.get("pid") != os.getpid():
             raise self.error(f"{self.sandbox_name} is being launched by process {record.launcher['pid']} of this machine: "
                              "wait for that launch, or choose another name", code="name_taken", field="name")
-        if await self._existing(record):
+        if await self.provisioner.existing(record):
             await self._attach(record)
         else:
             if record is not None and record.state != "down":  # gone since (autodown, lease, by hand)
@@ -119,7 +112,7 @@ class SandboxBackend(RemoteBackend):
         if creds is None:
             raise self.error(f"the token of {self.sandbox_name} is not in {self.state.root}: `artcloud down "
                              f"{self.sandbox_name}` and launch again", code="no_credentials")
-        await self._adopt(record, creds)
+        self._stage(**(await self.provisioner.adopt(record, creds))._asdict())
         self._owns, self._record = True, record
         log.info("attaching to the running artcloud sandbox %s", self.sandbox_name)
         await self._wait_ready(record, deadline=time.monotonic() + min(self.startup_timeout_s, ATTACH_TIMEOUT_S))
@@ -140,18 +133,19 @@ class SandboxBackend(RemoteBackend):
                 self._bar = None
 
     async def _launch_with(self, job: Any) -> None:
+        # One budget from the launch call: provisioning (or scheduling), the install, the server's start.
+        deadline = (self._launch_began or time.monotonic()) + self.startup_timeout_s
         try:
-            await self._provision(job)
+            creds = await self.provisioner.launch(job, preload=self.preload, deadline=deadline, claim=self._record_launch)
         except BaseException as e:
             if not self._owns:
                 raise
             await self._fail_start(e, launching=True)
+        self._stage(**creds._asdict())  # published with the URL once the server is ready
         record = self._record
-        # One budget from the launch call: provisioning (or scheduling), the install, the server's start.
-        deadline = (self._launch_began or time.monotonic()) + self.startup_timeout_s
         try:
             if job is not None:  # a detached job is launched once its install is done and it runs
-                await self._job_started(deadline=deadline)
+                await self.provisioner.job_started(deadline=deadline)
                 self._publish()  # its token (no URL: a job serves none)
             else:
                 await self._wait_ready(record, deadline=deadline)
@@ -161,9 +155,9 @@ class SandboxBackend(RemoteBackend):
             record.state = "up"
             self.state.save(record)
 
-    def _record_launch(self, record: SandboxRecord | None, *, ca_cert: str | None, token: str) -> None:
-        """Called by _provision just before the provider is asked: from here on the sandbox is ours to
-        tear down, and the registry knows its name and credentials."""
+    def _record_launch(self, record: SandboxRecord | None, ca_cert: str | None, token: str) -> None:
+        """The provisioner's launch calls this just before the provider is asked: from here on the sandbox is
+        ours to tear down, and the registry knows its name and credentials."""
         if self.state is not None and record is not None:
             record.launcher = launcher()  # `artcloud status` meanwhile sees a launch in progress, not a dead sandbox
             self.state.save(record, ca_cert=ca_cert, token=token)
@@ -192,11 +186,11 @@ class SandboxBackend(RemoteBackend):
 
         from artcloud.tls import client_ssl_context
 
-        delay, longest = self.poll_s
+        delay, longest = self.provisioner.poll_s
         probe: httpx.AsyncClient | None = None
         try:
             while True:
-                url = await self._endpoint(deadline)
+                url = await self.provisioner.endpoint(deadline)
                 if url:
                     if record is not None and self.state is not None and (record.url != url or record.state != "up"):
                         record.url, record.state = url, "up"
@@ -221,30 +215,25 @@ class SandboxBackend(RemoteBackend):
                             return
                 await self._check_alive()
                 if time.monotonic() > deadline:
-                    raise self._not_ready(url)
+                    raise self.provisioner.not_ready(url, format_duration(self.startup_timeout_s))
                 await asyncio.sleep(delay)
                 delay = min(delay * 1.5, longest)
         finally:
             if probe is not None:
                 await probe.aclose()
 
-    def _not_ready(self, url: str | None) -> ArtcloudError:
-        return self.error(f"the server on {self.sandbox_name} was not ready in time (startup_timeout "
-                          f"{format_duration(self.startup_timeout_s)}): raise startup_timeout if the model is big, or "
-                          f"see `artcloud logs {self.sandbox_name}`", code="startup_timeout")
-
     async def _fail_start(self, cause: BaseException, *, launching: bool) -> None:
         if isinstance(cause, ArtcloudError):
             message, code = str(cause), cause.code
         else:
-            message, code = self._failure(cause, launching)
+            message, code = self.provisioner.failure(cause, launching)
         # ServerGone already carries the last lines; an interrupt has no time for them.
         quick = isinstance(cause, (ServerGone, KeyboardInterrupt, asyncio.CancelledError))
-        lines = [] if quick else await self._last_lines(40)
+        lines = [] if quick else await self.provisioner.last_lines(40)
         if not self.keep:
             await self._teardown()
             if self.state is not None:
-                message += f" ({self.teardown_word}; keep=True leaves it up to debug)"
+                message += f" ({self.provisioner.teardown_word}; keep=True leaves it up to debug)"
         else:
             message += f" (kept up: `artcloud logs {self.sandbox_name}`, then `artcloud down {self.sandbox_name}`)"
         if lines:
@@ -271,7 +260,7 @@ class SandboxBackend(RemoteBackend):
         name = self.sandbox_name
         registered = self.state is not None and self.state.load(name) is not None
         if self._owns or registered:
-            await self._destroy()
+            await self.provisioner.teardown(exiting=self.client.shut_down)
             if self.state is not None:
                 self.state.mark_down(name)
         self._owns = False
@@ -303,7 +292,7 @@ class SandboxBackend(RemoteBackend):
     async def _replace_server(self, cause: BaseException) -> dict[str, Any] | None:
         """A machine that was lost (not a server that merely failed) is torn down for good and a new one
         launched under the same name; RemoteBackend.recover then registers the models again."""
-        if not self.relaunch_on_loss or not await self._lost_machine(cause):
+        if not self.relaunch_on_loss or not await self.provisioner.lost(cause):
             return None
         if len(self.replacements) >= self.max_relaunches:
             log.error("%s was lost again, after %d relaunches: giving up (max_relaunches)", self.sandbox_name,
@@ -326,43 +315,13 @@ class SandboxBackend(RemoteBackend):
         log.warning("%s is back at %s", self.sandbox_name, self.base_url)
         return lost
 
-    async def _lost_machine(self, cause: BaseException) -> bool:
-        """Whether `cause` means the machine itself is gone (so a new one should take its place)."""
-        return False
+    async def _check_alive(self) -> None:
+        await self.provisioner.alive(answered=self.client.version_checked)
 
-    # ------------------------------------------------------------------------------------- provider hooks
-
-    async def _existing(self, record: SandboxRecord | None) -> bool:
-        return False
-
-    async def _adopt(self, record: SandboxRecord, creds: tuple[str, str]) -> None:
-        self._stage(ca=creds[0], token=creds[1])
-
-    async def _provision(self, job: Any) -> None:
-        raise NotImplementedError
-
-    async def _endpoint(self, deadline: float) -> str | None:
-        raise NotImplementedError
-
-    async def _job_started(self, deadline: float) -> None:
-        """A detached job (`artcloud run --detach`) was submitted: return once it runs (its install done), raise
-        if it failed before. Most providers start the command itself: nothing to wait for."""
-
-    async def _destroy(self) -> None:
-        raise NotImplementedError
-
-    async def _last_lines(self, lines: int) -> list[str]:
-        return []
-
-    async def _tail_text(self, lines: int = 20) -> str:
-        """The server's last lines, indented, for an error message."""
-        return "\n".join("  " + line for line in await self._last_lines(lines))
-
-    def _failure(self, cause: BaseException, launching: bool) -> tuple[str, str]:
-        what = f"{type(cause).__name__}: {first_line(cause)}".rstrip(": ")
-        if launching:
-            return f"{self.launched_by}could not launch {self.sandbox_name}: {what}", "launch_failed"
-        return f"the server on {self.sandbox_name} did not come up: {what}", "startup_failed"
+    async def gone(self) -> bool:
+        """True once nothing of the sandbox is left; a dead one of ours (it may still bill) is torn down first."""
+        ours = self._owns or (self.state is not None and self.state.load(self.sandbox_name) is not None)
+        return await self.provisioner.gone(ours=ours)
 
 
 class StartBar:

@@ -4,8 +4,8 @@
     async with backend:                      # launch (or attach), wait for /health; down on exit
         await model.register(backend)
 
-This module adds only how the server comes to life and goes away (SandboxBackend's hooks: the lifecycle
-itself is in sandbox.py); once it answers, everything is the RemoteBackend protocol. Starting:
+This module adds only how the server comes to life and goes away (SkyProvisioner, the provider's face: the
+lifecycle itself is in sandbox.py); once it answers, everything is the RemoteBackend protocol. Starting:
 
 1. attach: a cluster of that name that this machine launched (CA and token in the state registry) is
    reused, not launched twice;
@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from artcloud.backends.client import ServerGone
 from artcloud.backends.launch import check_s3, user_secrets
+from artcloud.backends.providers import Claim, Credentials, Provisioner
 from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
 from artcloud.backends.sky_api import ClusterInfo, GPUOffer, Launched, SkyAPI, sky_api
 from artcloud.backends.sky_task import SECRET_NAMES, SERVER_PORT, ServerTask, build_task, describe
@@ -157,11 +158,26 @@ class Plan:
                 + (f" ({self.note})" if self.note else ""))
 
 
-class SkyProvisioner:
-    """What SkyPilot says of a cluster, through the one seam (sky_api.py): providers.Provisioner's face."""
+class SkyProvisioner(Provisioner):
+    """What artcloud asks SkyPilot, through the one seam (sky_api.py): any cluster of the registry (status, down,
+    logs), and, made for one cluster's name and spec, its launch, endpoint and liveness."""
 
-    def __init__(self, api: SkyAPI | None = None):
+    error = SkyError
+    launched_by = "SkyPilot "
+
+    def __init__(self, api: SkyAPI | None = None, *, name: str = "", spec: SandboxSpec | None = None,
+                 state: StateDir | None = None, idle_minutes: int = 10, retry_until_up: bool = False):
         self.api = api or sky_api()
+        self.name, self.spec, self.state = name, spec, state
+        self.env = {**spec.env, **spec.engine_env()} if spec is not None else {}  # the server's plain environment
+        self.idle_minutes, self.retry_until_up = idle_minutes, retry_until_up
+        self.offer: GPUOffer | None = None  # the catalog's guess before launching
+        self.resources: str | None = None  # what SkyPilot launched, e.g. "1x AWS(p5.4xlarge, {'H100': 1})"
+        self.record: SandboxRecord | None = None  # the registry's record of this cluster, once launched or attached
+        self._job_id: int | None = None
+        self._reaped = False  # torn down for being dead (by alive/existing/gone): nothing left to tear down
+
+    # ------------------------------------------------------------------------------------- any cluster of the registry
 
     def status(self, record: SandboxRecord) -> str | None:
         info = self.api.status(record.name, refresh=True)  # the registry marks it down on None: not from a cache
@@ -172,6 +188,276 @@ class SkyProvisioner:
 
     def logs(self, record: SandboxRecord, *, follow: bool = False, tail: int = 0) -> Iterator[str]:
         return self.api.logs(record.name, follow=follow, tail=tail)
+
+    # ------------------------------------------------------------------------------------- before a launch
+
+    def launch_secrets(self) -> dict[str, str]:
+        """The user's secrets (values read here, now) and, for S3, this machine's AWS credentials."""
+        return user_secrets(self.spec.secrets, reserved=SECRET_NAMES, s3=self.spec.s3, error=SkyError,
+                            valid_for_s=self.spec.max_duration)
+
+    def preflight(self) -> Plan:
+        """Everything that can be checked before a machine is paid for (blocking; run in a thread): the cloud,
+        the GPU and its price (the plan), the S3 location and credentials."""
+        plan = self.plan()
+        if self.spec.s3:
+            check_s3(self.spec.s3, error=SkyError)
+        return plan
+
+    def _price(self) -> str:
+        """The offer SkyPilot's optimizer would take (the cheapest fitting one on an enabled cloud): sets
+        self.offer and self.price_per_hour; returns what the guess assumes, or why there is none."""
+        gpu, cloud = self.spec.gpu, self.spec.cloud
+        if not gpu:
+            return "no GPU: the price of a CPU machine is not looked up"
+        offers = self.api.gpu_offers(parse_gpu(gpu)[0])
+        if offers is None:
+            log.warning("SkyPilot's GPU catalog cannot be read (offline?): %s is not checked and its price is unknown", gpu)
+            return "SkyPilot's GPU catalog cannot be read (offline?)"
+        enabled = None if cloud else self.api.enabled_clouds()
+        try:
+            best = pick_offer(offers, gpu, cloud=cloud, use_spot=self.spec.spot, enabled=enabled)
+        except ValueError as e:
+            raise SkyError(str(e), code="unknown_gpu", field="gpu") from e
+        if best is None:
+            return "no price in the catalog"
+        self.offer = best
+        self.price_per_hour = best.spot_price if self.spec.spot else best.price
+        if not cloud and enabled is None:
+            return "cheapest of every cloud: which clouds are enabled could not be told"
+        return ""
+
+    def plan(self) -> Plan:
+        """See SkyBackend.plan."""
+        from artcloud.backends.deps import sky_cloud_install
+
+        cloud = self.spec.cloud
+        if closed_port_cloud(cloud):  # before `sky check`: set up or not, it cannot serve
+            raise SkyError(closed_port_cloud(cloud), code="cloud_without_ports", field="cloud")
+        if cloud:
+            reason = self.api.check_cloud(cloud)
+            install = reason and sky_cloud_install(cloud, reason)
+            if install:  # `sky check` found no SDK: artcloud[sky] brings SkyPilot alone
+                raise SkyError(f"{cloud}'s SDK is not installed: {install}, then `sky check {cloud}` "
+                               f"(sky check says: {reason})", code="cloud_sdk_missing", field="cloud")
+            if reason:
+                raise SkyError(f"{cloud} is not enabled in SkyPilot: {reason} (then run `sky check {cloud}`)",
+                               code="cloud_not_enabled", field="cloud")
+        note = self._price()
+        return Plan(cluster_name=self.name, gpu=self.spec.gpu, use_spot=self.spec.spot, offer=self.offer,
+                    max_duration_s=self.spec.max_duration, note=note)
+
+    def task(self, *, launch_secrets: dict[str, str], wheel: Path | None, run_args: list[str] | None = None,
+             workdir: Path | None = None, preload: str | None = None) -> ServerTask:
+        spec, env = self.spec, dict(self.env)
+        region = os.environ.get("ARTCLOUD_S3_REGION") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if spec.s3 and region:
+            env.setdefault("ARTCLOUD_S3_REGION", region)
+        if spec.s3 and os.environ.get("ARTCLOUD_S3_ATTEMPTS"):
+            env.setdefault("ARTCLOUD_S3_ATTEMPTS", os.environ["ARTCLOUD_S3_ATTEMPTS"])
+        if preload:  # model.register started it: the base model loads while the client waits for /health
+            env["ARTCLOUD_PRELOAD"] = preload
+        return build_task(
+            secrets=launch_secrets, gpu=spec.gpu, cloud=spec.cloud, region=spec.region, use_spot=spec.spot,
+            disk_size=spec.disk, image=spec.image, engine=spec.engine, lease_s=spec.lease,
+            max_duration_s=spec.max_duration, s3=spec.s3, s3_endpoint_url=os.environ.get("ARTCLOUD_S3_ENDPOINT_URL"),
+            env=env, wheel=wheel, run_args=run_args, workdir=workdir,
+        )
+
+    # ------------------------------------------------------------------------------------- this cluster
+
+    async def existing(self, record: SandboxRecord | None) -> bool:
+        """A cluster of this name that this machine launched and that still serves: attach to it. One of ours
+        that is dead (stopped, or unhealthy once up) is torn down first: it serves nothing and may bill."""
+        name = self.name
+        info = await asyncio.to_thread(self.api.status, name, refresh=True)
+        if info is None:
+            return False
+        ours = record is not None and record.provider == PROVIDER
+        if ours:
+            reason = self.dead(info)
+            if reason is not None:  # a new one is launched in its place
+                await self._reap(reason)
+                return False
+        if not ours or self.state.credentials(name) is None:
+            raise SkyError(
+                f"a SkyPilot cluster named {name!r} exists, but artcloud did not launch it from this machine: "
+                "choose another cluster_name (or remove it with `sky down " + name + "` if it is yours to remove)",
+                code="name_taken", field="cluster_name")
+        return True
+
+    async def adopt(self, record: SandboxRecord, creds: tuple[str, str]) -> Credentials:
+        self.record, self.price_per_hour, self.resources = record, record.price_per_hour, record.extra.get("resources")
+        return Credentials(token=creds[1], ca=creds[0])
+
+    async def launch(self, job: tuple[Path, Callable[[float | None], list[str]]] | None, *, preload: str | None,
+                     deadline: float, claim: Claim) -> Credentials:
+        from artcloud import bootstrap_health
+        from artcloud.backends.wheel import build_wheel
+
+        name, spec = self.name, self.spec
+        user_secrets = self.launch_secrets()
+        await asyncio.to_thread(self.preflight)
+        tls = make_launch_secrets()
+        launch_secrets = {"ARTCLOUD_TOKEN": tls.token, "ARTCLOUD_TLS_CERT": tls.server_cert,
+                          "ARTCLOUD_TLS_KEY": tls.server_key, **user_secrets}
+        self._reaped = False
+        record = SandboxRecord(
+            name=name, provider=PROVIDER, gpu=spec.gpu, cloud=spec.cloud, price_per_hour=self.price_per_hour,
+            max_duration_s=spec.max_duration, idle_minutes=self.idle_minutes, s3=spec.s3,
+        )
+        if job is not None:
+            record.extra["run"] = job[0].name
+        with tempfile.TemporaryDirectory(prefix="artcloud-wheel-") as tmp:
+            wheel = None if spec.image else build_wheel(Path(tmp))
+            if wheel is not None:  # answers /health ("installing") while the setup installs the wheel
+                shutil.copy(Path(bootstrap_health.__file__), Path(tmp) / "bootstrap_health.py")
+            run_args = None
+            if job is not None:  # the script travels in the workdir, next to the wheel
+                shutil.copy(job[0], Path(tmp) / job[0].name)
+                run_args = [job[0].name, *job[1](self.price_per_hour)]
+            task = self.task(launch_secrets=launch_secrets, wheel=wheel, run_args=run_args,
+                             workdir=Path(tmp) if job is not None else None, preload=None if job else preload)
+            log.info("launching %s: %s", name, describe(task))
+            self.record = record
+            claim(record, tls.ca_cert, tls.token)
+            # Returns once the job is submitted: the install (the task's setup) runs inside the job, and is
+            # watched (and bounded by startup_timeout) with the server's start, by the ready poll.
+            launched: Launched = await asyncio.to_thread(
+                self.api.launch, task.config, secrets=task.secrets, cluster_name=name,
+                idle_minutes=self.idle_minutes, retry_until_up=self.retry_until_up)
+        self._job_id = launched.job_id
+        if launched.price_per_hour is not None:  # what was launched, not the catalog's guess
+            if self.price_per_hour is not None and abs(launched.price_per_hour - self.price_per_hour) > 0.005:
+                log.info("%s: launched %s at $%.2f/h (the catalog's guess was $%.2f/h)", name, launched.resources,
+                         launched.price_per_hour, self.price_per_hour)
+            self.price_per_hour = record.price_per_hour = launched.price_per_hour
+        if launched.resources:
+            self.resources = record.extra["resources"] = launched.resources
+        self.state.save(record)
+        return Credentials(token=tls.token, ca=tls.ca_cert)
+
+    async def endpoint(self, deadline: float) -> str | None:
+        name = self.name
+        endpoint = await asyncio.to_thread(self.api.endpoint, name, SERVER_PORT)
+        if endpoint and ("://" in endpoint or "/" in endpoint):
+            raise SkyError(
+                f"SkyPilot exposes port {SERVER_PORT} of {name} as {endpoint}, an HTTP ingress path (Kubernetes "
+                "with `ports: ingress`, or kind / `sky local up`), which cannot carry artcloud's own TLS: set "
+                "`kubernetes: ports: loadbalancer` in ~/.sky/config.yaml, or launch on another cloud",
+                code="endpoint_unusable", field="cloud")
+        return f"https://{endpoint}" if endpoint else None
+
+    async def last_lines(self, lines: int) -> list[str]:
+        return await asyncio.to_thread(self.log_tail, lines)
+
+    async def teardown(self, *, exiting: bool) -> None:
+        if not self._reaped:
+            await asyncio.to_thread(self.destroy, self._named())
+
+    def _named(self) -> SandboxRecord:
+        """What the registry face finds the cluster by (its name): the registry's record, or one made for it."""
+        return self.record or SandboxRecord(name=self.name, provider=PROVIDER)
+
+    def log_tail(self, lines: int = 40) -> list[str]:
+        try:
+            return list(self.logs(self._named(), tail=lines))[-lines:]
+        except Exception as e:  # the cluster may not exist at all: the error itself is the news
+            log.debug("no logs for %s: %s", self.name, e)
+            return []
+
+    async def _tail_text(self, lines: int = 20) -> str:
+        """The server's last lines, indented, for an error message."""
+        return "\n".join("  " + line for line in await self.last_lines(lines))
+
+    # ------------------------------------------------------------------------------------- liveness
+
+    @staticmethod
+    def dead(info: ClusterInfo) -> str | None:
+        """Why a cluster that exists serves nothing and nothing will take it down, or None. STOPPED: every node
+        stopped (a stopped node runs no skylet, so autodown never fires while its disks bill). INIT 'unhealthy'
+        with its autostop cancelled: SkyPilot's refresh cancels it only when the head node is not alive
+        (backend_utils.py:3120-3183). INIT otherwise is a launch in progress, or a node that is unwell while its
+        head runs (its autostop stands): not dead (AUTOSTOPPING neither: it is on its way down)."""
+        if info.status == "STOPPED":
+            return "stopped (its disks still bill, and a stopped cluster never autodowns)"
+        if info.status == "INIT" and info.init_kind == "unhealthy" and (info.autostop_minutes is None
+                                                                        or info.autostop_minutes < 0):
+            return "unhealthy, its head node down (SkyPilot's status is INIT and its autostop is cancelled)"
+        return None
+
+    async def _reap(self, reason: str) -> None:
+        """Down a cluster of ours that is dead but may bill. Not `keep`-able: nothing is left to debug."""
+        log.warning("the cluster %s is %s: tearing it down", self.name, reason)
+        await asyncio.to_thread(self.destroy, self._named())
+        self.state.mark_down(self.name)
+        self._reaped = True
+
+    async def alive(self, *, answered: bool = True) -> None:
+        name = self.name
+        info = await asyncio.to_thread(self.api.status, name, refresh=True)
+        if info is None:
+            raise ServerGone(f"the cluster {name} is gone (torn down, preempted or autodowned): "
+                             "launch again; training resumes from the last checkpoint pushed to S3", code="cluster_gone")
+        reason = self.dead(info)
+        if reason is not None:
+            tail = await self._tail_text()
+            await self._reap(reason)
+            raise ServerGone(f"the cluster {name} was {reason}: torn down; launch again, training resumes from the "
+                             "last checkpoint pushed to S3" + (f". Its last lines:\n{tail}" if tail else ""),
+                             code="cluster_dead")
+        status = await asyncio.to_thread(self.api.job_status, name, self._job_id)
+        if status == "FAILED_SETUP":
+            await self._raise_setup_failed()
+        if status in FAILED_JOB:
+            tail = await self._tail_text()
+            raise ServerGone(f"the server job on {name} ended ({status}); its last lines:\n{tail}", code="server_exited")
+
+    async def _raise_setup_failed(self) -> None:
+        """The install failed (the task's setup, inside the job: FAILED_SETUP): a launch failure, with its lines."""
+        tail = await self._tail_text()
+        raise ServerGone(f"could not launch {self.name}: installing artcloud on it failed (SkyPilot job "
+                          f"FAILED_SETUP); the setup's last lines:\n{tail}", code="setup_failed")
+
+    async def job_started(self, deadline: float) -> None:
+        """`artcloud run --detach`: the job's setup (the install) runs after launch returns; the run is launched
+        once the job RUNS. FAILED_SETUP, a vanished cluster, or still installing at startup_timeout fail it."""
+        delay, longest = self.poll_s
+        while True:
+            status = await asyncio.to_thread(self.api.job_status, self.name, self._job_id)
+            if status == "FAILED_SETUP":
+                await self._raise_setup_failed()
+            if status is not None and status not in STARTING_JOB:
+                return  # RUNNING, or already over: the run's own summary says how it went
+            if status is None:
+                await self.alive()  # gone or dead: why
+            if time.monotonic() > deadline:
+                raise SkyError(f"the job on {self.name} was still installing (SkyPilot job {status}) after "
+                               f"startup_timeout: raise it, or see `artcloud logs {self.name}`",
+                               code="startup_timeout")
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, longest)
+
+    async def lost(self, cause: BaseException) -> bool:
+        """The cluster is gone or dead, or its server exited on the cloud's preemption notice (the machine goes
+        a little later). A server that failed on a machine that is still fine is not replaced."""
+        info = await asyncio.to_thread(self.api.status, self.name, refresh=True)
+        if info is None or self.dead(info) is not None:
+            return True
+        lines = await asyncio.to_thread(self.log_tail, 400)
+        return any(PREEMPTION_LINE in line for line in lines)
+
+    async def gone(self, *, ours: bool) -> bool:
+        """True when nothing of the cluster is left. A cluster of ours that exists but is dead (stopped, or
+        unhealthy after being up) is torn down first: it serves nothing and may still bill."""
+        info = await asyncio.to_thread(self.api.status, self.name, refresh=True)
+        if info is None:
+            return True
+        reason = self.dead(info)
+        if reason is None or not ours:
+            return False
+        await self._reap(reason)
+        return await asyncio.to_thread(self.api.status, self.name, refresh=True) is None
 
 
 class SkyBackend(SandboxBackend):
@@ -193,9 +479,7 @@ class SkyBackend(SandboxBackend):
     The names are SandboxSpec's, the same on every backend (cluster_name, use_spot and disk_size still work).
     """
 
-    provider = PROVIDER
     error = SkyError
-    launched_by = "SkyPilot "
     RENAMED = {"cluster_name": "name", "use_spot": "spot", "disk_size": "disk"}
 
     def __init__(
@@ -241,20 +525,14 @@ class SkyBackend(SandboxBackend):
                                   "one does", field="lease" if spec.lease is None else "max_duration")
         self.gpu, self.cloud, self.region, self.use_spot = spec.gpu, spec.cloud, spec.region, spec.spot
         self.cluster_name = spec.name or f"artcloud-{_secrets.token_hex(3)}"
-        self.idle_minutes = int(idle_minutes)
         self.lease_s, self.max_duration_s, self.startup_timeout_s = spec.lease, spec.max_duration, spec.startup_timeout
         self.s3, self.image, self.disk_size, self.engine = spec.s3, spec.image, spec.disk, spec.engine
-        self.env = {**spec.env, **spec.engine_env()}
-        self._user_secrets = spec.secrets
         self.keep = spec.keep
-        self.retry_until_up = retry_until_up
         self.state = StateDir(Path(state_dir) if state_dir is not None else None)
         self.api: SkyAPI = api or sky_api()
-        self.provisioner = SkyProvisioner(self.api)
-        self.price_per_hour: float | None = None
-        self.offer: GPUOffer | None = None  # the catalog's guess before launching
-        self.resources: str | None = None  # what SkyPilot launched, e.g. "1x AWS(p5.4xlarge, {'H100': 1})"
-        self._job_id: int | None = None
+        self.provisioner = SkyProvisioner(self.api, name=self.cluster_name, spec=spec, state=self.state,
+                                          idle_minutes=int(idle_minutes), retry_until_up=retry_until_up)
+        self.env = self.provisioner.env
         # A spot machine may be taken away: with S3 to resume from, a new one takes its place (see recover).
         self.relaunch_on_loss = bool(spec.spot and spec.s3)
         if spec.spot and not spec.s3:
@@ -270,104 +548,11 @@ class SkyBackend(SandboxBackend):
         where = self.base_url if self._owns else "not started"
         return f"SkyBackend(name={self.cluster_name!r}, gpu={self.gpu!r}, {where})"
 
-    # ------------------------------------------------------------------------------------- start (SandboxBackend's hooks)
-
-    async def _existing(self, record: SandboxRecord | None) -> bool:
-        """A cluster of this name that this machine launched and that still serves: attach to it. One of ours
-        that is dead (stopped, or unhealthy once up) is torn down first: it serves nothing and may bill."""
-        name = self.cluster_name
-        info = await asyncio.to_thread(self.api.status, name, refresh=True)
-        if info is None:
-            return False
-        ours = record is not None and record.provider == PROVIDER
-        if ours:
-            reason = self._dead(info)
-            if reason is not None:  # a new one is launched in its place
-                await self._reap(reason)
-                return False
-        if not ours or self.state.credentials(name) is None:
-            raise SkyError(
-                f"a SkyPilot cluster named {name!r} exists, but artcloud did not launch it from this machine: "
-                "choose another cluster_name (or remove it with `sky down " + name + "` if it is yours to remove)",
-                code="name_taken", field="cluster_name")
-        return True
-
-    async def _adopt(self, record: SandboxRecord, creds: tuple[str, str]) -> None:
-        self._stage(ca=creds[0], token=creds[1])
-        self.price_per_hour, self.resources = record.price_per_hour, record.extra.get("resources")
-
-    def _launch_secrets(self) -> dict[str, str]:
-        """The user's secrets (values read here, now) and, for S3, this machine's AWS credentials."""
-        return user_secrets(self._user_secrets, reserved=SECRET_NAMES, s3=self.s3, error=SkyError,
-                            valid_for_s=self.max_duration_s)
-
-    def preflight(self) -> Plan:
-        """Everything that can be checked before a machine is paid for (blocking; run in a thread): the cloud,
-        the GPU and its price (the plan), the S3 location and credentials."""
-        plan = self.plan()
-        if self.s3:
-            check_s3(self.s3, error=SkyError)
-        return plan
-
-    def _price(self) -> str:
-        """The offer SkyPilot's optimizer would take (the cheapest fitting one on an enabled cloud): sets
-        self.offer and self.price_per_hour; returns what the guess assumes, or why there is none."""
-        if not self.gpu:
-            return "no GPU: the price of a CPU machine is not looked up"
-        offers = self.api.gpu_offers(parse_gpu(self.gpu)[0])
-        if offers is None:
-            log.warning("SkyPilot's GPU catalog cannot be read (offline?): %s is not checked and its price is unknown", self.gpu)
-            return "SkyPilot's GPU catalog cannot be read (offline?)"
-        enabled = None if self.cloud else self.api.enabled_clouds()
-        try:
-            best = pick_offer(offers, self.gpu, cloud=self.cloud, use_spot=self.use_spot, enabled=enabled)
-        except ValueError as e:
-            raise SkyError(str(e), code="unknown_gpu", field="gpu") from e
-        if best is None:
-            return "no price in the catalog"
-        self.offer = best
-        self.price_per_hour = best.spot_price if self.use_spot else best.price
-        if not self.cloud and enabled is None:
-            return "cheapest of every cloud: which clouds are enabled could not be told"
-        return ""
-
     def plan(self) -> Plan:
         """The machine a launch would get and what it costs, per hour and for max_duration; launches
         nothing (it asks SkyPilot's catalog and `sky check`). The real price is known once launched:
         `price_per_hour` then comes from what SkyPilot launched."""
-        from artcloud.backends.deps import sky_cloud_install
-
-        if closed_port_cloud(self.cloud):  # before `sky check`: set up or not, it cannot serve
-            raise SkyError(closed_port_cloud(self.cloud), code="cloud_without_ports", field="cloud")
-        if self.cloud:
-            reason = self.api.check_cloud(self.cloud)
-            install = reason and sky_cloud_install(self.cloud, reason)
-            if install:  # `sky check` found no SDK: artcloud[sky] brings SkyPilot alone
-                raise SkyError(f"{self.cloud}'s SDK is not installed: {install}, then `sky check {self.cloud}` "
-                               f"(sky check says: {reason})", code="cloud_sdk_missing", field="cloud")
-            if reason:
-                raise SkyError(f"{self.cloud} is not enabled in SkyPilot: {reason} (then run `sky check {self.cloud}`)",
-                               code="cloud_not_enabled", field="cloud")
-        note = self._price()
-        return Plan(cluster_name=self.cluster_name, gpu=self.gpu, use_spot=self.use_spot, offer=self.offer,
-                    max_duration_s=self.max_duration_s, note=note)
-
-    def task(self, *, launch_secrets: dict[str, str], wheel: Path | None, run_args: list[str] | None = None,
-             workdir: Path | None = None) -> ServerTask:
-        env = dict(self.env)
-        region = os.environ.get("ARTCLOUD_S3_REGION") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-        if self.s3 and region:
-            env.setdefault("ARTCLOUD_S3_REGION", region)
-        if self.s3 and os.environ.get("ARTCLOUD_S3_ATTEMPTS"):
-            env.setdefault("ARTCLOUD_S3_ATTEMPTS", os.environ["ARTCLOUD_S3_ATTEMPTS"])
-        if self.preload:  # model.register started it: the base model loads while the client waits for /health
-            env["ARTCLOUD_PRELOAD"] = self.preload
-        return build_task(
-            secrets=launch_secrets, gpu=self.gpu, cloud=self.cloud, region=self.region, use_spot=self.use_spot,
-            disk_size=self.disk_size, image=self.image, engine=self.engine, lease_s=self.lease_s,
-            max_duration_s=self.max_duration_s, s3=self.s3, s3_endpoint_url=os.environ.get("ARTCLOUD_S3_ENDPOINT_URL"),
-            env=env, wheel=wheel, run_args=run_args, workdir=workdir,
-        )
+        return self.provisioner.plan()
 
     async def launch_job(self, script: Path, run_args: Callable[[float | None], list[str]]) -> None:
         """`artcloud run --detach`: the cluster runs the training loop itself (`artcloud run SCRIPT
@@ -380,170 +565,3 @@ class SkyBackend(SandboxBackend):
                            code="name_taken", field="cluster_name")
         self.client.shut_down = True  # no server of ours to ask for a final push: the loop pushes its own
         await self._launch(job=(Path(script), run_args))
-
-    async def _provision(self, job: tuple[Path, Callable[[float | None], list[str]]] | None) -> None:
-        from artcloud import bootstrap_health
-        from artcloud.backends.wheel import build_wheel
-
-        name = self.cluster_name
-        user_secrets = self._launch_secrets()
-        await asyncio.to_thread(self.preflight)
-        tls = make_launch_secrets()
-        launch_secrets = {"ARTCLOUD_TOKEN": tls.token, "ARTCLOUD_TLS_CERT": tls.server_cert,
-                          "ARTCLOUD_TLS_KEY": tls.server_key, **user_secrets}
-        self._stage(ca=tls.ca_cert, token=tls.token)  # published with the URL once the server is ready
-        record = SandboxRecord(
-            name=name, provider=PROVIDER, gpu=self.gpu, cloud=self.cloud, price_per_hour=self.price_per_hour,
-            max_duration_s=self.max_duration_s, idle_minutes=self.idle_minutes, s3=self.s3,
-        )
-        if job is not None:
-            record.extra["run"] = job[0].name
-        with tempfile.TemporaryDirectory(prefix="artcloud-wheel-") as tmp:
-            wheel = None if self.image else build_wheel(Path(tmp))
-            if wheel is not None:  # answers /health ("installing") while the setup installs the wheel
-                shutil.copy(Path(bootstrap_health.__file__), Path(tmp) / "bootstrap_health.py")
-            run_args = None
-            if job is not None:  # the script travels in the workdir, next to the wheel
-                shutil.copy(job[0], Path(tmp) / job[0].name)
-                run_args = [job[0].name, *job[1](self.price_per_hour)]
-            task = self.task(launch_secrets=launch_secrets, wheel=wheel, run_args=run_args,
-                             workdir=Path(tmp) if job is not None else None)
-            log.info("launching %s: %s", name, describe(task))
-            self._record_launch(record, ca_cert=tls.ca_cert, token=tls.token)
-            # Returns once the job is submitted: the install (the task's setup) runs inside the job, and is
-            # watched (and bounded by startup_timeout) with the server's start, by _wait_ready.
-            launched: Launched = await asyncio.to_thread(
-                self.api.launch, task.config, secrets=task.secrets, cluster_name=name,
-                idle_minutes=self.idle_minutes, retry_until_up=self.retry_until_up)
-        self._job_id = launched.job_id
-        if launched.price_per_hour is not None:  # what was launched, not the catalog's guess
-            if self.price_per_hour is not None and abs(launched.price_per_hour - self.price_per_hour) > 0.005:
-                log.info("%s: launched %s at $%.2f/h (the catalog's guess was $%.2f/h)", name, launched.resources,
-                         launched.price_per_hour, self.price_per_hour)
-            self.price_per_hour = record.price_per_hour = launched.price_per_hour
-        if launched.resources:
-            self.resources = record.extra["resources"] = launched.resources
-        self.state.save(record)
-
-    async def _endpoint(self, deadline: float) -> str | None:
-        name = self.cluster_name
-        endpoint = await asyncio.to_thread(self.api.endpoint, name, SERVER_PORT)
-        if endpoint and ("://" in endpoint or "/" in endpoint):
-            raise SkyError(
-                f"SkyPilot exposes port {SERVER_PORT} of {name} as {endpoint}, an HTTP ingress path (Kubernetes "
-                "with `ports: ingress`, or kind / `sky local up`), which cannot carry artcloud's own TLS: set "
-                "`kubernetes: ports: loadbalancer` in ~/.sky/config.yaml, or launch on another cloud",
-                code="endpoint_unusable", field="cloud")
-        return f"https://{endpoint}" if endpoint else None
-
-    async def _last_lines(self, lines: int) -> list[str]:
-        return await asyncio.to_thread(self.log_tail, lines)
-
-    async def _destroy(self) -> None:
-        await asyncio.to_thread(self.provisioner.destroy, self._named())
-
-    def _named(self) -> SandboxRecord:
-        """What the provisioner finds the cluster by (its name): the registry's record, or one made for it."""
-        return self._record or SandboxRecord(name=self.cluster_name, provider=PROVIDER)
-
-    def log_tail(self, lines: int = 40) -> list[str]:
-        try:
-            return list(self.provisioner.logs(self._named(), tail=lines))[-lines:]
-        except Exception as e:  # the cluster may not exist at all: the error itself is the news
-            log.debug("no logs for %s: %s", self.cluster_name, e)
-            return []
-
-    # ------------------------------------------------------------------------------------- liveness
-
-    @staticmethod
-    def _dead(info: ClusterInfo) -> str | None:
-        """Why a cluster that exists serves nothing and nothing will take it down, or None. STOPPED: every node
-        stopped (a stopped node runs no skylet, so autodown never fires while its disks bill). INIT 'unhealthy'
-        with its autostop cancelled: SkyPilot's refresh cancels it only when the head node is not alive
-        (backend_utils.py:3120-3183). INIT otherwise is a launch in progress, or a node that is unwell while its
-        head runs (its autostop stands): not dead (AUTOSTOPPING neither: it is on its way down)."""
-        if info.status == "STOPPED":
-            return "stopped (its disks still bill, and a stopped cluster never autodowns)"
-        if info.status == "INIT" and info.init_kind == "unhealthy" and (info.autostop_minutes is None
-                                                                        or info.autostop_minutes < 0):
-            return "unhealthy, its head node down (SkyPilot's status is INIT and its autostop is cancelled)"
-        return None
-
-    async def _reap(self, reason: str) -> None:
-        """Down a cluster of ours that is dead but may bill. Not `keep`-able: nothing is left to debug."""
-        log.warning("the cluster %s is %s: tearing it down", self.cluster_name, reason)
-        await asyncio.to_thread(self.provisioner.destroy, self._named())
-        self.state.mark_down(self.cluster_name)
-        self._owns = False
-
-    async def _check_alive(self) -> None:
-        name = self.cluster_name
-        info = await asyncio.to_thread(self.api.status, name, refresh=True)
-        if info is None:
-            raise ServerGone(f"the cluster {name} is gone (torn down, preempted or autodowned): "
-                             "launch again; training resumes from the last checkpoint pushed to S3", code="cluster_gone")
-        reason = self._dead(info)
-        if reason is not None:
-            tail = await self._tail_text()
-            await self._reap(reason)
-            raise ServerGone(f"the cluster {name} was {reason}: torn down; launch again, training resumes from the "
-                             "last checkpoint pushed to S3" + (f". Its last lines:\n{tail}" if tail else ""),
-                             code="cluster_dead")
-        status = await asyncio.to_thread(self.api.job_status, name, self._job_id)
-        if status == "FAILED_SETUP":
-            await self._raise_setup_failed()
-        if status in FAILED_JOB:
-            tail = await self._tail_text()
-            raise ServerGone(f"the server job on {name} ended ({status}); its last lines:\n{tail}", code="server_exited")
-
-    async def _raise_setup_failed(self) -> None:
-        """The install failed (the task's setup, inside the job: FAILED_SETUP): a launch failure, with its lines."""
-        tail = await self._tail_text()
-        raise ServerGone(f"could not launch {self.cluster_name}: installing artcloud on it failed (SkyPilot job "
-                          f"FAILED_SETUP); the setup's last lines:\n{tail}", code="setup_failed")
-
-    async def _job_started(self, deadline: float) -> None:
-        """`artcloud run --detach`: the job's setup (the install) runs after launch returns; the run is launched
-        once the job RUNS. FAILED_SETUP, a vanished cluster, or still installing at startup_timeout fail it."""
-        delay, longest = self.poll_s
-        while True:
-            status = await asyncio.to_thread(self.api.job_status, self.cluster_name, self._job_id)
-            if status == "FAILED_SETUP":
-                await self._raise_setup_failed()
-            if status is not None and status not in STARTING_JOB:
-                return  # RUNNING, or already over: the run's own summary says how it went
-            if status is None:
-                await self._check_alive()  # gone or dead: why
-            if time.monotonic() > deadline:
-                raise SkyError(f"the job on {self.cluster_name} was still installing (SkyPilot job {status}) after "
-                               f"startup_timeout: raise it, or see `artcloud logs {self.cluster_name}`",
-                               code="startup_timeout")
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, longest)
-
-    # ------------------------------------------------------------------------------------- down
-
-    async def _lost_machine(self, cause: BaseException) -> bool:
-        """The cluster is gone or dead, or its server exited on the cloud's preemption notice (the machine goes
-        a little later). A server that failed on a machine that is still fine is not replaced."""
-        info = await asyncio.to_thread(self.api.status, self.cluster_name, refresh=True)
-        if info is None or self._dead(info) is not None:
-            return True
-        lines = await asyncio.to_thread(self.log_tail, 400)
-        return any(PREEMPTION_LINE in line for line in lines)
-
-    async def gone(self) -> bool:
-        """True when nothing of the cluster is left. A cluster of ours that exists but is dead (stopped, or
-        unhealthy after being up) is torn down first: it serves nothing and may still bill."""
-        info = await asyncio.to_thread(self.api.status, self.cluster_name, refresh=True)
-        if info is None:
-            return True
-        reason = self._dead(info)
-        if reason is None or not (self._owns or self.state.load(self.cluster_name) is not None):
-            return False
-        await self._reap(reason)
-        return await asyncio.to_thread(self.api.status, self.cluster_name, refresh=True) is None
-
-    @property
-    def sandbox_name(self) -> str:
-        return self.cluster_name

@@ -25,6 +25,20 @@ from artcloud.cli._app import CLIError, app, env_pairs
 from artcloud.errors import first_line
 
 
+def provisioner(provider: str):
+    """The provider's face on the sandboxes of the registry (a record's provider): status, destroy, logs."""
+    if provider == "sky":
+        from artcloud.backends.sky import SkyProvisioner
+
+        return SkyProvisioner()
+    if provider == "modal":
+        from artcloud.backends.modal import ModalProvisioner
+
+        return ModalProvisioner()
+    raise CLIError(f"unknown provider {provider!r} in the state registry (~/.artcloud): `artcloud down NAME` "
+                   "of a newer artcloud may know it")
+
+
 def _console(stderr: bool = False):
     from rich.console import Console
 
@@ -137,7 +151,7 @@ def _dry_run_modal(backend, out, teardown: str) -> None:
     from artcloud._version import __version__
     from artcloud.backends.modal import server_command
 
-    names = list(backend._launch_secrets("x" * 32))  # the names only; the values are never printed
+    names = list(backend.provisioner.launch_secrets("x" * 32))  # the names only; the values are never printed
     command = server_command(lease_s=backend.lease_s, max_duration_s=backend.max_duration_s, s3=backend.s3,
                              engine=backend.engine)
     out.print("artcloud launch --provider modal --dry-run: nothing was created", markup=False)
@@ -160,13 +174,13 @@ def _dry_run(backend, out, teardown: str) -> None:
     from artcloud.durations import format_duration
     from artcloud.tls import make_launch_secrets
 
-    plan = backend.preflight()
+    plan = backend.provisioner.preflight()
     placeholder = make_launch_secrets()  # thrown away: only the names show
     launch_secrets = {"ARTCLOUD_TOKEN": placeholder.token, "ARTCLOUD_TLS_CERT": placeholder.server_cert,
-                      "ARTCLOUD_TLS_KEY": placeholder.server_key, **backend._launch_secrets()}
+                      "ARTCLOUD_TLS_KEY": placeholder.server_key, **backend.provisioner.launch_secrets()}
     with tempfile.TemporaryDirectory(prefix="artcloud-wheel-") as tmp:
         wheel = None if backend.image else build_wheel(Path(tmp))
-        task = backend.task(launch_secrets=launch_secrets, wheel=wheel)
+        task = backend.provisioner.task(launch_secrets=launch_secrets, wheel=wheel)
         checked = _validate_with_skypilot(task.config)
         shipped = (f"image {backend.image}" if backend.image else
                    f"this machine's artcloud as {wheel.name} ({wheel.stat().st_size // 1024} kB) + artcloud[gpu]")
@@ -231,7 +245,6 @@ def status(
 
     Sandboxes that went away by themselves (lease, autodown) are marked down here as they are found gone.
     """
-    from artcloud.backends.providers import provisioner
     from artcloud.backends.state import StateDir, launching_now
     from artcloud.durations import format_duration
 
@@ -324,7 +337,6 @@ def logs(
 ) -> None:
     """The server's output: the setup (installing artcloud) and the run (`artcloud serve`)."""
     from artcloud.backends.deps import MissingDependency
-    from artcloud.backends.providers import provisioner
 
     record = _known(name)
     try:
@@ -357,7 +369,6 @@ def down(
     lines say which step is on S3), 2 when a sandbox could not be torn down.
     Example: artcloud down mail-agent
     """
-    from artcloud.backends.providers import provisioner
     from artcloud.backends.state import StateDir
     from artcloud.runner import EXIT_PUSH_UNCONFIRMED
 
