@@ -333,10 +333,10 @@ class Runner:
         backend = self.backend
         try:
             # The authenticated status: /health says only status, version and readiness to the world.
-            status = await asyncio.wait_for(backend.client.call("GET", "/artcloud/status", retry=False), 15.0)
-            for model in status.get("models", []):
-                info = await asyncio.wait_for(backend.client.call("GET", f"/artcloud/models/{model['name']}", retry=False), 15.0)
-                self.models[model["name"]] = info
+            status = await asyncio.wait_for(backend.client.status(), 15.0)
+            for model in status.models:
+                info = await asyncio.wait_for(backend.client.model_info(model.name, retry=False), 15.0)
+                self.models[model.name] = info.model_dump()
         except Exception as e:  # the server may be busy or going: the last snapshot stands
             log.debug("progress snapshot failed: %s", e)
 

@@ -278,7 +278,8 @@ def test_s3_attempts_come_from_the_environment_and_each_is_a_real_request(monkey
 
     made = make_launch_secrets()
     secrets = {"ARTCLOUD_TOKEN": made.token, "ARTCLOUD_TLS_CERT": made.server_cert, "ARTCLOUD_TLS_KEY": made.server_key}
-    task = SkyBackend(gpu="L4", cluster_name="tries", api=object(), s3="s3://b/p").task(launch_secrets=secrets, wheel=None)
+    backend = SkyBackend(gpu="L4", cluster_name="tries", api=object(), s3="s3://b/p")
+    task = backend.provisioner.task(launch_secrets=secrets, wheel=None)
     assert task.config["envs"]["ARTCLOUD_S3_ATTEMPTS"] == "3"  # the sandbox's server tries as often
     assert CheckpointStore(config, attempts=1).attempts == 1  # an explicit argument wins
     for bad in ("0", "21", "three", "-1"):

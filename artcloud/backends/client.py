@@ -32,6 +32,7 @@ from artcloud.wire import (
     PromptedInfo,
     Pruned,
     ShutdownAnswer,
+    Status,
     parse,
 )
 
@@ -290,8 +291,12 @@ class Client:
                                                  "lora": lora, **({"engine_args": engine_args} if engine_args else {}),
                                                  **({"take_over": True} if take_over else {})}), "POST /artcloud/models")
 
-    async def model_info(self, name: str) -> ModelInfo | PromptedInfo:
-        return _model(await self.call("GET", f"/artcloud/models/{name}"), f"GET /artcloud/models/{name}")
+    async def model_info(self, name: str, *, retry: bool = True) -> ModelInfo | PromptedInfo:
+        return _model(await self.call("GET", f"/artcloud/models/{name}", retry=retry), f"GET /artcloud/models/{name}")
+
+    async def status(self) -> Status:
+        """The server's models, engines, lease and limits (authenticated; it never renews the lease). One try."""
+        return parse(Status, await self.call("GET", "/artcloud/status", retry=False), "GET /artcloud/status")
 
     async def log(self, name: str, body: dict[str, Any]) -> HistoryRecord:
         """Record a split's metrics in the model's history (model.log). Not retried: a retry could record twice."""
