@@ -28,9 +28,10 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 VLLM_PAIRS ?= vllm+peft,vllm+unsloth
 # Tests run in this many pytest-xdist workers, one test file each at a time (module fixtures stay whole);
-# most of a test's time is a server process starting or waiting, so 2 workers pay off even on 2 cores. Files
-# go out in collection order, the longest first (tests/conftest.py: LONGEST_FIRST).
-TEST_WORKERS ?= 2
+# much of a test's time is a server process starting or waiting: with 2 workers the 2 cores were ~30% idle, and
+# 3 workers ran the .venv suite in 14:54 instead of 16:51 here. Files go out in collection order, the longest
+# first (tests/conftest.py: LONGEST_FIRST).
+TEST_WORKERS ?= 3
 PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # One editable install of this checkout at a time, whoever runs it (the lock is pyproject.toml itself: flock is
 # advisory, so reading it is unaffected).
@@ -66,8 +67,8 @@ install: $(STAMP) $(LAPTOP_STAMP) $(VLLM_STAMP)
 # make test, in three stages, each running its parts side by side (a part's output is printed whole when it ends):
 # 1. the three venvs (unpacking wheels mostly waits on the disk); their editable installs of this checkout take
 #    turns (EDITABLE: each writes artcloud.egg-info here);
-# 2. the .venv suite (test-main), alone: it keeps both cores ~70% busy, and beside the vLLM conformance suite it
-#    took 24.5 min instead of 17 on a clean clone;
+# 2. the .venv suite (test-main), alone: beside the vLLM conformance suite it took 24.5 min instead of 17 on a
+#    clean clone;
 # 3. the vLLM conformance suite, the extra Pythons (their venvs' build is mostly downloads and unpacking) and
 #    tests/laptop.
 test:

@@ -53,7 +53,7 @@ SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 # The files that take longest, longest first (185 s down to 35 s each in a make test run on 2 cores, 2026-12-05).
-# make test runs with `--dist loadfile --no-loadscope-reorder`: xdist then hands whole files to its 2 workers
+# make test runs with `--dist loadfile --no-loadscope-reorder`: xdist then hands whole files to its workers
 # in collection order, so a long file left to the end would keep one worker busy while the other idles (the
 # two workers' shares came within 21 s of each other, against about a minute with xdist's own order). Order
 # only: a file missing here runs after these, in its usual place.
