@@ -157,6 +157,25 @@ def test_an_unhealthy_cluster_whose_head_is_dead_fails_the_client_at_once_and_is
     assert LocalSky().status("broken") is None and StateDir().load("broken").state == "down"
 
 
+def test_a_dead_cluster_torn_down_by_its_liveness_check_is_launched_anew_at_the_next_start(sky_env, monkeypatch,
+                                                                                          tmp_path):
+    """The backend that reaped its cluster no longer holds one: its next start (a register) launches a new one
+    instead of talking to the torn-down address."""
+    from artcloud.backends.client import ServerGone
+
+    recording(monkeypatch)
+    backend = detached(tmp_path, "reborn")
+    LocalSky().break_cluster("reborn", head_alive=False)
+    refreshed("reborn", "INIT")
+    with pytest.raises(ServerGone):
+        asyncio.run(backend._check_alive())  # torn down as dead
+    before = calls(sky_env)
+    monkeypatch.setenv("ARTCLOUD_STANDIN_FAULT", "launch_fails")  # the new launch itself is not the point
+    with pytest.raises(SkyError, match="could not launch reborn"):
+        asyncio.run(backend.start())
+    assert "launch" in calls(sky_env)[len(before):]
+
+
 def test_an_unhealthy_cluster_whose_head_is_alive_is_not_reaped(sky_env, tmp_path):
     """INIT 'unhealthy' with the head alive keeps its autostop (backend_utils.py:3136-3145): a blip, not a death."""
     backend = detached(tmp_path, "blip")

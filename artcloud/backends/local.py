@@ -78,6 +78,9 @@ class LocalProvisioner(Provisioner):
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def holds(self) -> bool:
+        return self.running  # a child that exited is not ours to attach to: start a new one
+
     def tail(self, lines: int = 20) -> str:
         try:
             return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
@@ -215,11 +218,6 @@ class LocalBackend(SandboxBackend):
     def tail(self, lines: int = 20) -> str:
         """The server log's last lines."""
         return self.provisioner.tail(lines)
-
-    def _up(self) -> bool:
-        if not self.running:
-            self._owns = False  # a child that exited is not ours to attach to: start a new one
-        return self.running
 
     def __enter__(self) -> "LocalBackend":
         """ART's `with LocalBackend() as backend:`; the server starts at the first register."""

@@ -55,6 +55,11 @@ class Provisioner:
 
     # ------------------------------------------------------------------------------------- this sandbox
 
+    def holds(self) -> bool:
+        """Whether the sandbox it launched or attached to may still be there (False: it is known to have ended, so
+        the backend's next start launches anew)."""
+        return True
+
     async def existing(self, record: SandboxRecord | None) -> bool:
         """A live sandbox of this name to attach to? (Raise if the name is someone else's.)"""
         return False

@@ -88,7 +88,9 @@ class SandboxBackend(RemoteBackend):
                 await self._start()
 
     def _up(self) -> bool:
-        """This object holds a started (or attached) sandbox."""
+        """This object holds a started (or attached) sandbox that is not known to have ended."""
+        if self._owns and not self.provisioner.holds():
+            self._owns = False  # ended (a local child that exited, a dead cluster torn down): start anew
         return self._owns
 
     async def _start(self) -> None:

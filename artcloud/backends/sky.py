@@ -348,6 +348,9 @@ class SkyProvisioner(Provisioner):
                 code="endpoint_unusable", field="cloud")
         return f"https://{endpoint}" if endpoint else None
 
+    def holds(self) -> bool:
+        return not self._reaped  # torn down for being dead: the next start launches anew
+
     async def last_lines(self, lines: int) -> list[str]:
         return await asyncio.to_thread(self.log_tail, lines)
 
