@@ -1,9 +1,9 @@
 """A provider's one face: everything artcloud asks of SkyPilot, Modal or this machine about a sandbox.
 
-The same class answers `artcloud status / logs / down` (cli/cloud.py's `provisioner(record.provider)`: status, destroy and logs
-of any sandbox in the registry) and the backend that launched or attached to one sandbox (sandbox.py: it holds a
-provisioner made for that sandbox's name and spec, and asks it to launch, where the server answers, whether the
-machine lives, and to tear it down). The lifecycle around those questions (attach or launch, the ready poll,
+The same class answers `artcloud status / logs / down` (cli/cloud.py's `provisioner(record.provider)`: status,
+destroy and logs of any sandbox in the registry) and the backend that launched or attached to one sandbox
+(sandbox.py: it holds a provisioner made for that sandbox's name and spec, and asks it to launch, where the server
+answers, whether the machine lives, and to tear it down). The lifecycle around those questions (attach or launch, the ready poll,
 failures, down, replacing a lost machine) is written once, in sandbox.py; a provider writes only its answers.
 Each provider's SDK is imported lazily; the registry-face calls block (async code runs them in a thread).
 """
