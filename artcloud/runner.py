@@ -110,11 +110,13 @@ class Ending:
 
 
 class Runner:
-    def __init__(self, opts: RunOptions, *, say: Callable[[str], None] | None = None):
+    def __init__(self, opts: RunOptions, *, say: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.time):
         self.opts = opts
         self.say = say or (lambda line: print(f"artcloud run: {line}", file=sys.stderr, flush=True))
+        self.clock = clock  # epoch seconds: what --max-duration and --budget-usd are counted on
         self.name = opts.name or f"run-{time.strftime('%Y%m%d-%H%M%S')}"
-        self.started = time.time()
+        self.started = clock()
         self.billing_since = opts.billing_since or self.started
         self.models: dict[str, dict[str, Any]] = {}  # the server's latest model info, by name
         self.script_exit: int | None = None
@@ -136,13 +138,13 @@ class Runner:
 
     def cost(self, now: float | None = None) -> float | None:
         price = self.price()
-        return None if price is None else price * ((now or time.time()) - self.billing_since) / 3600.0
+        return None if price is None else price * ((now or self.clock()) - self.billing_since) / 3600.0
 
     def _limit_reached(self) -> Ending | None:
         if self._stop.is_set():
             sig = self._signal or signal.SIGTERM
             return Ending("interrupted", 128 + sig, f"stopped by {signal.Signals(sig).name}")
-        now = time.time()
+        now = self.clock()
         if now - self.started >= self.opts.max_duration_s:
             return Ending("timeout", EXIT_TIMEOUT, f"--max-duration {format_duration(self.opts.max_duration_s)} reached")
         cost = self.cost(now)
@@ -410,7 +412,7 @@ class Runner:
         from artcloud.backends.remote import cold_start_rows
         from artcloud.run_summary import write_summary
 
-        ended = time.time()
+        ended = self.clock()
         models = []
         for info in self.models.values():
             points = self._checkpoints(info)

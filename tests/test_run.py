@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -182,18 +183,61 @@ def test_signal_mid_run_pushes_the_last_checkpoint_and_tears_down(tmp_path, run_
     assert leftovers(str(data), str(script)) == []
 
 
+class HeldClock:
+    """The runner's clock for a limit test: held at the start until `ready()` (polled in a thread) says the
+    run got where the test wants it, then moved on to `limit_s` after the start, and running from there.
+    The limit strikes right after that point on every run, however slow the machine: with the wall clock,
+    a loaded machine reached a 20 s budget before the script had trained a step."""
+
+    def __init__(self, limit_s: float, ready, give_up_s: float = 300.0):
+        self.start, self.skew = time.time(), None
+        self._done = threading.Event()
+        threading.Thread(target=self._poll, args=(limit_s, ready, give_up_s), daemon=True).start()
+
+    def _poll(self, limit_s, ready, give_up_s):
+        deadline = time.monotonic() + give_up_s  # never there: the limit strikes anyway, and the test says why
+        while not self._done.is_set() and not ready() and time.monotonic() < deadline:
+            self._done.wait(0.2)
+        self.skew = self.start + limit_s - time.time()
+
+    def __call__(self) -> float:
+        return self.start if self.skew is None else time.time() + self.skew
+
+    def close(self) -> None:
+        self._done.set()
+
+
+def run_held(tmp_path, env, monkeypatch, clock: HeldClock, **options) -> tuple[int, dict]:
+    """`artcloud run` in this process (so that the test owns its clock): its exit code and summary."""
+    import asyncio
+
+    from artcloud.runner import Runner, RunOptions
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    opts = RunOptions(**options)
+    opts.check()
+    try:
+        code = asyncio.run(Runner(opts, say=lambda line: None, clock=clock).run())
+    finally:
+        clock.close()
+    return code, json.loads((tmp_path / "artcloud-run.json").read_text())
+
+
 @pytest.mark.slow
-def test_budget_stops_cleanly_with_exit_4(tmp_path, run_env, seaweed):
+def test_budget_stops_cleanly_with_exit_4(tmp_path, run_env, seaweed, monkeypatch):
     env, s3 = run_env
     script = forever_script(tmp_path)
     data = tmp_path / "server-data"
-    # $360/h is 10 cents a second: a $2 budget lasts 20 s from the launch.
-    proc = start_run(tmp_path, env, str(script), "--s3", s3, "--path", str(data),
-                     "--price-per-hour", "360", "--budget-usd", "2")
-    out = finish(proc)
-    assert proc.returncode == 4, out
-    summary = json.loads((tmp_path / "artcloud-run.json").read_text())
-    assert summary["outcome"] == "budget" and summary["reason"].startswith("budget $2.00 reached after")
+    # $360/h is 10 cents a second: the $2 budget is spent 20 s after the launch, by the runner's clock,
+    # which the test holds until step 1 is on S3.
+    clock = HeldClock(20.0, lambda: s3_steps(seaweed, s3, "ci", "forever")[-1:] >= [1])
+    code, summary = run_held(tmp_path, env, monkeypatch, clock, script=script, s3=s3, path=data,
+                             price_per_hour=360.0, budget_usd=2.0)
+    assert code == 4, summary
+    assert summary["outcome"] == "budget" and summary["reason"].startswith("budget $2.00 reached after ")
+    assert summary["reason"].endswith(" at $360.00/h")
     assert 2.0 <= summary["estimated_cost_usd"] < 2.0 + 0.1 * 60  # stopped at the cap, teardown included
     assert summary["teardown"]["ok"]
     (model,) = summary["models"]
@@ -202,18 +246,21 @@ def test_budget_stops_cleanly_with_exit_4(tmp_path, run_env, seaweed):
 
 
 @pytest.mark.slow
-def test_max_duration_stops_with_exit_124(tmp_path, run_env):
-    env, s3 = run_env
+def test_max_duration_stops_with_exit_124(tmp_path, run_env, monkeypatch):
+    from artcloud.storage.checkpoints import committed_steps
+
+    env, _ = run_env
     script = forever_script(tmp_path)
     data = tmp_path / "server-data"
-    proc = start_run(tmp_path, env, str(script), "--path", str(data), "--max-duration", "15s")
-    out = finish(proc)
-    assert proc.returncode == 124, out
-    summary = json.loads((tmp_path / "artcloud-run.json").read_text())
+    clock = HeldClock(15.0, lambda: committed_steps(data / "ci" / "forever")[-1:] >= [1])
+    code, summary = run_held(tmp_path, env, monkeypatch, clock, script=script, path=data, max_duration_s=15.0)
+    assert code == 124, summary
     assert summary["outcome"] == "timeout" and summary["reason"] == "--max-duration 15s reached"
     assert summary["teardown"]["ok"] and summary["s3"] is None
     # Without S3 the checkpoints stay in the server's folder, and the summary says where.
-    assert summary["models"][0]["final_checkpoint"].startswith(str(data.resolve()))
+    (model,) = summary["models"]
+    assert model["step"] >= 1
+    assert model["final_checkpoint"] == str(data.resolve() / "ci" / "forever" / "checkpoints" / str(model["step"]))
     assert leftovers(str(data), str(script)) == []
 
 
