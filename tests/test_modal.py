@@ -482,13 +482,19 @@ def test_start_up_failure_shows_stdout_and_stderr_lines_apart(fake, monkeypatch)
 
 
 @pytest.mark.slow
-def test_logs_follow_shows_stderr_of_a_running_sandbox(fake):
+def test_logs_follow_shows_stderr_of_a_running_sandbox(fake, tmp_path):
     import modal
 
-    # the server logs to stderr, and the sandbox runs on: `artcloud logs -f` must not wait for stdout's end
+    # the server logs to stderr, and the sandbox runs on: `artcloud logs -f` must not wait for stdout's end.
+    # Each line is written once the follower has shown the one before (a barrier of files, not sleeps): lines
+    # already waiting on both streams when it starts could come in either order.
     app = modal.App.lookup("artcloud", create_if_missing=True)
-    sb = modal.Sandbox.create("sh", "-c", "echo first-out; sleep 1; echo to-stderr >&2; sleep 1; echo second-out; "
-                              "exec sleep 600", app=app, gpu="H100", timeout=120, name="follow", image=fresh_image())
+    shown = tmp_path / "shown"
+    shown.mkdir()
+    wait = f"while [ ! -e {shown}/%s ]; do sleep 0.05; done"
+    sb = modal.Sandbox.create("sh", "-c", f"echo first-out; {wait % 'first-out'}; echo to-stderr >&2; "
+                              f"{wait % 'to-stderr'}; echo second-out; exec sleep 600",
+                              app=app, gpu="H100", timeout=120, name="follow", image=fresh_image())
     StateDir().save(modal_backend.SandboxRecord(name="follow", provider="modal", state="up",
                                                 extra={"app": "artcloud", "sandbox_id": sb.object_id}))
     follow = subprocess.Popen([sys.executable, "-m", "artcloud", "logs", "follow", "-f"], stdout=subprocess.PIPE,
@@ -502,7 +508,8 @@ def test_logs_follow_shows_stderr_of_a_running_sandbox(fake):
             try:
                 lines.append(arrived.get(timeout=1))
             except queue.Empty:
-                pass
+                continue
+            (shown / lines[-1]).touch()
         assert lines == ["first-out", "to-stderr", "second-out"], lines  # both streams, in arrival order
         assert sb.poll() is None  # while it still runs
     finally:
