@@ -344,6 +344,7 @@ class ModelSummary(_Open):
     step: int
     training: bool
     s3: S3Status | None
+    fault: str | None = None  # disk_full, too_many_open_files, io_error, rollback_failed: until a step commits
 
 
 class EngineSummary(_Open):

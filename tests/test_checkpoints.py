@@ -253,3 +253,24 @@ def test_step_folders_are_ascii_digits_only(tmp_path):
     (odd / ck.MANIFEST).write_text("{}")
     assert ck.committed_steps(tmp_path) == [2]
     assert ck.set_aside_after(tmp_path, 2) == []
+
+
+def test_commit_refuses_a_step_the_disk_has_no_room_for_before_writing_anything(tmp_path, monkeypatch):
+    """A full disk is found before the first byte of a step: ENOSPC naming the sizes, and nothing left behind
+    (the step as big as the newest one, plus RESERVE_BYTES for the logs and events that follow)."""
+    import errno
+    import shutil
+
+    _commit(tmp_path, 0)
+    size = sum(f.stat().st_size for f in (tmp_path / "checkpoints" / "0").iterdir())
+    free = {"bytes": size + ck.RESERVE_BYTES - 1}
+    monkeypatch.setattr(ck.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 40, 0, free["bytes"]))
+    called = []
+    with pytest.raises(ck.DiskFull) as e:
+        ck.commit(tmp_path, 1, lambda folder: called.append(folder) or [], {})
+    assert e.value.errno == errno.ENOSPC and isinstance(e.value, OSError) and not called
+    assert f"checkpoint 1 needs about {size / 2**20:.1f} MiB (as big as step 0) and 64 MiB to spare; the disk has " \
+           f"{free['bytes'] / 2**20:.1f} MiB free" in str(e.value)
+    assert _leftovers(tmp_path) == ["0"]
+    free["bytes"] += 1
+    assert _commit(tmp_path, 1).name == "1"

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import socket
 import ssl
 import stat
+import subprocess
+import sys
+import textwrap
 import threading
 from pathlib import Path
 
@@ -164,6 +168,103 @@ def test_follow_waits_for_new_events_until_the_end(tmp_path):
     assert [e.seq for e in events] == [2, 3, 4]
     assert events[-1].type == "end"
     assert got[0] is None  # at least one keep-alive while nothing happened
+
+
+def test_an_event_whose_log_cannot_be_written_still_reaches_readers_and_the_file_catches_up(tmp_path):
+    """A full disk or no descriptor left must not lose an event, nor end the job's error handling: the event
+    stays in memory, and the next write that works adds every event the file misses, in order."""
+    store = JobStore("m", tmp_path)
+    job = store.create(idempotency_key=None, body_hash="h")
+    job.emit("queued")
+    path = tmp_path / f"{job.id}.events.jsonl"
+    path.rename(tmp_path / "aside")
+    path.mkdir()  # opening it to append now fails (IsADirectoryError), even as root
+    job.emit("start", step=0)
+    job.emit("step", loss=0.5)
+    assert [e.type for e in job.events] == ["queued", "start", "step"] and job.status == "running"
+    assert [e["type"] for e in _lines(tmp_path / "aside")] == ["queued"]
+    path.rmdir()
+    (tmp_path / "aside").rename(path)
+    job.emit("end", step=1)
+    assert [(e["seq"], e["type"]) for e in _lines(path)] == [(1, "queued"), (2, "start"), (3, "step"), (4, "end")]
+
+
+def test_an_event_cut_off_by_a_full_disk_leaves_no_torn_line(tmp_path):
+    """RLIMIT_FSIZE a few bytes past the file's end (in a child process): the next event's write stops half-way.
+    It is cut back off, and once there is room the file gets it whole, then the next: nothing lost on reload."""
+    script = textwrap.dedent(f"""
+        import resource
+        from artcloud.server.jobs import JobStore
+        job = JobStore("m", __import__("pathlib").Path({str(tmp_path)!r})).create(idempotency_key=None, body_hash="h")
+        job.emit("queued")
+        size = job._path.stat().st_size
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10, resource.RLIM_INFINITY))
+        job.emit("start", step=0)
+        assert job._path.stat().st_size == size, "a torn line was left"
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        job.emit("end", step=1)
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    (events_file,) = tmp_path.glob("*.events.jsonl")
+    assert [(e["seq"], e["type"]) for e in _lines(events_file)] == [(1, "queued"), (2, "start"), (3, "end")]
+    store = JobStore("m", tmp_path)
+    store.load()
+    assert [e.type for e in next(iter(store.jobs.values())).events] == ["queued", "start", "end"]
+
+
+def test_a_job_that_cannot_be_recorded_is_refused_with_its_cause(tmp_path):
+    from artcloud.server.api_errors import ApiError
+
+    store = JobStore("m", tmp_path / "jobs")
+    (tmp_path / "jobs").write_text("not a folder")
+    with pytest.raises(ApiError) as e:
+        store.create(idempotency_key=None, body_hash="h")
+    assert e.value.status == 503 and e.value.code == "io_error" and "retry once it has room" in e.value.message
+
+
+@pytest.mark.parametrize("error, code", [
+    (OSError(errno.ENOSPC, "No space left on device"), "disk_full"),
+    (OSError(errno.EFBIG, "File too large"), "disk_full"),
+    (OSError(errno.EMFILE, "Too many open files"), "too_many_open_files"),
+    (OSError(errno.EIO, "Input/output error"), "io_error"),
+    (type("SafetensorError", (Exception,), {})("Error while serializing: I/O error: File too large (os error 27)"), "disk_full"),
+    (RuntimeError("the step failed"), "internal_error"),
+])
+def test_a_failure_is_named_by_the_os_error_behind_it(error, code):
+    from artcloud.server.jobs import os_cause
+
+    assert os_cause(error) == code
+    try:  # the cause of a wrapping exception counts too
+        raise RuntimeError("save_pretrained failed") from error
+    except RuntimeError as wrapped:
+        assert os_cause(wrapped) == code
+
+
+def test_the_fsync_thread_outlives_a_failing_fsync_and_a_dead_one_is_started_again(tmp_path, monkeypatch):
+    from artcloud.server import jobs
+
+    syncer = jobs._Syncer(every_s=0.05)
+    path = tmp_path / "events.jsonl"
+    path.write_text("{}\n")
+    failed, synced = threading.Event(), threading.Event()
+
+    def fsync(fd: int) -> None:
+        if not failed.is_set():
+            failed.set()
+            raise OSError(errno.EIO, "Input/output error")
+        synced.set()
+
+    monkeypatch.setattr(jobs.os, "fsync", fsync)
+    syncer.mark(path)
+    assert failed.wait(10)
+    syncer.mark(path)  # written again: fsynced by the same thread, which went on
+    assert synced.wait(10) and syncer._thread.is_alive()
+    dead = threading.Thread(target=lambda: None)
+    dead.start()
+    dead.join()
+    syncer._thread = dead
+    syncer.mark(path)
+    assert syncer._thread is not dead and syncer._thread.is_alive()
 
 
 # ------------------------------------------------------------------------------------------ tls

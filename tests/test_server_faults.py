@@ -4,14 +4,17 @@ is non-finite, a second server on the same S3 location, an S3 too slow for the s
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import subprocess
 import threading
 import time
 import uuid
 
 import httpx
 import pytest
-from helpers import TCPProxy, events, rollout_groups, train, wait_for
+from helpers import TCPProxy, chat, events, rollout_groups, train, wait_for
 from test_s3_server import s3_env
 
 from artcloud.server.main import GRACEFUL_SHUTDOWN_S
@@ -182,6 +185,153 @@ def test_a_non_finite_update_is_skipped_never_committed_and_the_adapter_rolls_ba
         evs = train(c, "agent", groups)
         assert evs[-1]["data"]["step"] == 1
         assert checkpoints.committed_steps(tmp_path / "data" / "p" / "agent") == [0, 1]
+
+
+# ------------------------------------------------------------------------------------------ failures during a step
+
+# Loaded by the server under test (first on its PYTHONPATH): its commit of a step >= 1 waits at a barrier of
+# files, so that the test changes the process's limits after the step trained and before it writes.
+COMMIT_BARRIER = """
+import os, pathlib, time
+from artcloud.storage import checkpoints
+
+_commit, _where = checkpoints.commit, pathlib.Path(os.environ["ARTCLOUD_TEST_BARRIER"])
+
+def commit(model_dir, step, *args, **kwargs):
+    if step >= 1:
+        (_where / f"at-{step}").touch()
+        while not (_where / f"go-{step}").exists():
+            time.sleep(0.05)
+    return _commit(model_dir, step, *args, **kwargs)
+
+checkpoints.commit = commit
+"""
+
+
+@pytest.mark.slow
+def test_a_full_disk_mid_step_fails_that_job_with_its_cause_and_the_next_job_trains(seaweed, start_server, tmp_path):
+    """RLIMIT_FSIZE of 1 byte (prlimit) from a step's commit on: every write fails as on a full disk, the
+    error event's own write included. The job ends `failed` with `disk_full`, nothing partial is left on disk
+    or S3, /health says degraded, the model is still served; once there is room the next job trains."""
+    hook, barrier = tmp_path / "hook", tmp_path / "barrier"
+    hook.mkdir(), barrier.mkdir()
+    (hook / "sitecustomize.py").write_text(COMMIT_BARRIER)
+    bucket = _bucket(seaweed, "full-disk")
+    store = _store(seaweed, bucket)
+    env = {**s3_env(seaweed), "ARTCLOUD_TEST_BARRIER": str(barrier),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))}
+    s = start_server(tmp_path / "srv", "--s3", f"s3://{bucket}/runs", env=env)
+    limit = ["prlimit", "--pid", str(s.proc.pid)]
+    with s.client() as c:
+        assert c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY}).status_code == 200
+        assert wait_for("step 0 on S3", lambda: store.latest("p", "agent") == 0, 30)
+        groups = rollout_groups(c, "agent", ["x", "y"], n=4)
+        job = c.post("/artcloud/models/agent/train", json={"groups": groups}).json()["job_id"]
+        wait_for("step 1 trained, its commit held", (barrier / "at-1").exists, 120)
+        subprocess.run([*limit, "--fsize=1:unlimited"], check=True)
+        try:
+            (barrier / "go-1").touch()
+            ended = wait_for("the job to end", lambda: (j := c.get(f"/artcloud/jobs/{job}").json())["status"] != "running"
+                             and j, 60)
+            error = ended["last_event"]
+            assert ended["status"] == "failed" and error["data"]["code"] == "disk_full", ended
+            assert error["data"]["message"].startswith("training failed: the disk is full (")
+            assert error["data"]["message"].endswith("agent stays at step 0"), error
+            health = c.get("/health").json()
+            assert (health["status"], health["detail"]) == ("degraded", "training: the disk is full"), health
+            assert c.get("/artcloud/status").json()["models"][0]["fault"] == "disk_full"
+            assert chat(c, "agent")["model"] == "agent@0"  # still served, at its last committed step
+            assert sorted(p.name for p in (tmp_path / "srv" / "p" / "agent" / "checkpoints").iterdir()) == ["0"]
+        finally:
+            subprocess.run([*limit, "--fsize=unlimited:unlimited"], check=True)
+        evs = train(c, "agent", groups)
+        assert evs[-1]["type"] == "end" and evs[-1]["data"]["step"] == 1, evs[-1]
+        assert c.get("/health").json()["status"] == "ok"
+        assert c.get("/artcloud/status").json()["models"][0]["fault"] is None
+        assert wait_for("step 1 on S3", lambda: store.latest("p", "agent") == 1, 30)
+    assert store.committed_steps("p", "agent") == [0, 1]
+
+
+def test_a_rollback_that_fails_stops_serving_the_model_until_a_reload_works(tmp_path, one_torch_thread, monkeypatch):
+    """A step fails (the sampler refuses it), and so does putting the adapter back (an I/O error): the update
+    it could not undo is never served (503 model_unavailable, /health degraded). The server reloads the model
+    in the background; once that works the model is served again and trains on."""
+    from fastapi.testclient import TestClient
+
+    from artcloud.server import training
+    from artcloud.server.app import create_app
+    from artcloud.server.engines.cpu import CPUEngine
+    from artcloud.server.registry import Registry
+
+    monkeypatch.setattr(training, "RELOAD_EVERY_S", 0.1)
+
+    class BadDisk(CPUEngine):  # the real engine; step 1's publish fails once, then two adapter loads do
+        loads_to_fail = 0
+        refused = False
+
+        def publish(self, slot, lora, folder):
+            if folder.name == "1" and not BadDisk.refused:
+                BadDisk.refused, BadDisk.loads_to_fail = True, 2
+                raise RuntimeError("vLLM /v1/load_lora_adapter answered 500")
+            return super().publish(slot, lora, folder)
+
+        def load_adapter(self, *args, **kwargs):
+            if BadDisk.loads_to_fail:
+                BadDisk.loads_to_fail -= 1
+                raise OSError(errno.EIO, "Input/output error")
+            return super().load_adapter(*args, **kwargs)
+
+    token = "t" * 32
+    registry = Registry(tmp_path / "data", engine="cpu", factory=BadDisk)
+    with TestClient(create_app(registry, token), headers={"Authorization": f"Bearer {token}"}) as c:
+        assert c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY}).status_code == 200
+        groups = rollout_groups(c, "agent", ["x", "y"], n=4)
+        r = c.post("/artcloud/models/agent/train", json={"groups": groups})
+        last = events(c, r.json()["job_id"])[-1]
+        assert last["type"] == "error" and "load_lora_adapter" in last["data"]["message"], last
+        assert "is not served until it is reloaded from that step (a file could not be read or written" in last["data"]["message"]
+        answer = c.post("/v1/chat/completions", json={"model": "agent", "messages": [{"role": "user", "content": "hi"}]})
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "model_unavailable", answer.text
+        health = c.get("/health").json()
+        assert health["status"] == "degraded" and health["detail"].startswith("training: a failed step could not be undone")
+        wait_for("the model reloaded", lambda: c.get("/health").json()["status"] == "ok", 30)
+        assert BadDisk.loads_to_fail == 0
+        assert chat(c, "agent")["model"] == "agent@0"
+        assert train(c, "agent", groups)[-1]["data"]["step"] == 1
+
+
+def test_a_training_worker_that_dies_ends_its_job_and_is_started_again(tmp_path, one_torch_thread, monkeypatch):
+    """A bug in the worker's own error handling ends the worker task: its job still ends (`internal_error`),
+    and a new worker takes the next job."""
+    from fastapi.testclient import TestClient
+
+    from artcloud.server.app import create_app
+    from artcloud.server.engines.cpu import CPUEngine
+    from artcloud.server.registry import Registry
+    from artcloud.server.training import ModelTrainer
+
+    class OnceBroken(CPUEngine):
+        broken = True
+
+        def train_step(self, *args, **kwargs):
+            if OnceBroken.broken:
+                OnceBroken.broken = False
+                raise RuntimeError("the step failed")
+            return super().train_step(*args, **kwargs)
+
+    def failing_handler(self, job, e):
+        raise KeyError("a bug in the error handling")
+
+    monkeypatch.setattr(ModelTrainer, "_failed", failing_handler)
+    token = "t" * 32
+    registry = Registry(tmp_path / "data", engine="cpu", factory=OnceBroken)
+    with TestClient(create_app(registry, token), headers={"Authorization": f"Bearer {token}"}) as c:
+        assert c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY}).status_code == 200
+        groups = rollout_groups(c, "agent", ["x", "y"], n=4)
+        last = events(c, c.post("/artcloud/models/agent/train", json={"groups": groups}).json()["job_id"])[-1]
+        assert last["type"] == "error" and last["data"]["code"] == "internal_error", last
+        assert "a bug in the error handling" in last["data"]["message"]
+        assert train(c, "agent", groups)[-1]["data"]["step"] == 1
 
 
 # ------------------------------------------------------------------------------------------ S3

@@ -13,10 +13,13 @@ Finished jobs beyond `max_kept` per model are forgotten, oldest first, files inc
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -24,12 +27,33 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 from artcloud.errors import WrongState
+from artcloud.server.api_errors import ApiError
 from artcloud.wire import Event
 
 log = logging.getLogger("artcloud.server")
 
 FINAL = ("end", "error")
+# What an OSError during a step means, as the code of its `error` event (os_cause).
+CAUSES = {"disk_full": "the disk is full", "too_many_open_files": "the server has no file descriptor left",
+          "io_error": "a file could not be read or written",
+          "rollback_failed": "a failed step could not be undone, so its model is not served until it is reloaded"}
 SYNC_EVERY_S = 0.5
+
+
+def os_cause(e: BaseException) -> str:
+    """The code for a failure whose cause (or the cause of that, …) is an OSError: disk_full, too_many_open_files,
+    io_error; internal_error for anything else."""
+    seen: BaseException | None = e
+    while seen is not None:
+        # Rust libraries (safetensors, tokenizers) raise their own class, with "(os error 28)" in the message.
+        rust = re.search(r"\(os error (\d+)\)", str(seen)) if not isinstance(seen, OSError) else None
+        if isinstance(seen, OSError) or rust:
+            number = seen.errno if isinstance(seen, OSError) else int(rust.group(1))  # type: ignore[union-attr]
+            if number in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                return "disk_full"
+            return "too_many_open_files" if number in (errno.EMFILE, errno.ENFILE) else "io_error"
+        seen = seen.__cause__ or seen.__context__
+    return "internal_error"
 
 
 class _Syncer:
@@ -44,31 +68,56 @@ class _Syncer:
     def mark(self, path: Path) -> None:
         with self._lock:
             self._dirty.add(path)
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():  # a thread that died is started anew
                 self._thread = threading.Thread(target=self._run, name="artcloud-event-fsync", daemon=True)
                 self._thread.start()
 
     def _run(self) -> None:
         while True:
             time.sleep(self.every_s)
-            self.sync()
+            try:
+                self.sync()
+            except Exception:  # never the end of the thread: the next round tries again
+                log.exception("event log fsync failed")
 
     def sync(self) -> None:
-        """fsync every file marked so far (the server's exit calls it too)."""
+        """fsync every file marked so far (the server's exit calls it too). A file that cannot be opened
+        now (pruned meanwhile, no descriptor left) waits for its next write to be marked again."""
         with self._lock:
             paths, self._dirty = self._dirty, set()
         for path in paths:
             try:
                 fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:  # pruned meanwhile
+            except OSError as e:
+                if not isinstance(e, FileNotFoundError):
+                    log.warning("could not fsync %s: %s", path.name, e)
                 continue
             try:
                 os.fsync(fd)
+            except OSError as e:
+                log.warning("could not fsync %s: %s", path.name, e)
             finally:
                 os.close(fd)
 
 
 SYNCER = _Syncer()
+
+
+def _append(path: Path, data: bytes) -> None:
+    """`data` at the end of `path`, whole or not at all: a write that fails half-way (a full disk) is cut
+    back off, so the lines after it are not lost behind a torn one when the file is read back."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError:
+            os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)
 
 
 class Job:
@@ -78,6 +127,7 @@ class Job:
         self.meta = meta  # idempotency key, request hash, created_at
         self.events: list[Event] = []
         self._path = folder / f"{job_id}.events.jsonl"
+        self._written = 0  # events in the file: the rest are in memory only (their write failed)
         self._changed = asyncio.Event()
 
     @property
@@ -95,10 +145,13 @@ class Job:
         if self.done:
             raise WrongState(f"job {self.id} already ended")
         event = Event(seq=len(self.events) + 1, type=type_, job_id=self.id, time=time.time(), data=data)
-        with open(self._path, "a") as f:  # in the file before any reader can see it
-            f.write(event.model_dump_json() + "\n")
-        SYNCER.mark(self._path)
         self.events.append(event)
+        try:  # in the file before any reader can see it, with any event an earlier write failed to add
+            _append(self._path, "".join(e.model_dump_json() + "\n" for e in self.events[self._written:]).encode())
+            self._written = len(self.events)
+            SYNCER.mark(self._path)
+        except OSError as e:  # a full disk, no descriptor left: the event still reaches its readers
+            log.warning("job %s: event %r kept in memory only, its log could not be written: %s", self.id, type_, e)
         self._changed.set()
         self._changed = asyncio.Event()
         return event
@@ -164,6 +217,7 @@ class JobStore:
                         break  # a torn last line from a crash: everything before it is intact
                 # Rewrite without a torn tail, so new events continue a clean file.
                 events_path.write_text("".join(e.model_dump_json() + "\n" for e in job.events))
+                job._written = len(job.events)
             if not job.done:
                 job.emit("error", code="interrupted", message="the server stopped while this job ran; its step was not "
                          "committed. Post the training request again to retry.")
@@ -190,11 +244,18 @@ class JobStore:
         return self.jobs.get(job_id) if job_id else None
 
     def create(self, *, idempotency_key: str | None, body_hash: str) -> Job:
-        self.folder.mkdir(parents=True, exist_ok=True)
         job_id = "job-" + uuid.uuid4().hex[:20]
         meta = {"job_id": job_id, "model": self.model, "idempotency_key": idempotency_key, "request_sha256": body_hash,
                 "created_at": time.time()}
-        (self.folder / f"{job_id}.json").write_text(json.dumps(meta))
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            (self.folder / f"{job_id}.json").write_text(json.dumps(meta))
+        except OSError as e:
+            with contextlib.suppress(OSError):  # a half-written one would be read back as a job
+                (self.folder / f"{job_id}.json").unlink(missing_ok=True)
+            code = os_cause(e)
+            raise ApiError(503, code, f"the server cannot take a training job now: {CAUSES[code]} ({e.strerror or e}); "
+                           "retry once it has room") from e
         job = Job(job_id, self.model, self.folder, meta)
         self.jobs[job_id] = job
         if idempotency_key:

@@ -121,6 +121,8 @@ class ServedModel:
         self.history: list[dict[str, Any]] = []
         self.lock = RWLock()
         self._old: OrderedDict[int, str] = OrderedDict()
+        # Why the adapter may hold an update its failed step could not undo (training.py reloads it): not served.
+        self.unservable: str | None = None
 
     @property
     def engine(self) -> Engine:
@@ -134,6 +136,9 @@ class ServedModel:
     async def slot_for(self, step: int | None) -> tuple[str, int]:
         """The engine slot serving `step` (None: the latest). Older steps load from their checkpoint."""
         if step is None or step == self.step:
+            if self.unservable:
+                raise ApiError(503, "model_unavailable", f"{self.name} is not served until it is reloaded from step "
+                               f"{self.step} ({self.unservable}); the server retries that every few seconds", "model")
             return self.slot, self.step
         if step > self.step:
             raise ApiError(404, "step_not_found", f"{self.name} is at step {self.step}; {self.name}@{step} does not exist yet", "model")

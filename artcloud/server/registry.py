@@ -293,7 +293,8 @@ class Registry:
             "version": __version__, "ready": self.ready,
             "models": [
                 {"name": m.name, "project": m.spec.project, "base_model": m.spec.base_model, "step": m.step,
-                 "training": m.lock.writing, "s3": self.trainers[m.name].s3_status()}
+                 "training": m.lock.writing, "s3": self.trainers[m.name].s3_status(),
+                 "fault": self.trainers[m.name].fault}
                 for m in self.models.values()
             ],
             "engines": [{"base_model": h.base_model, "kind": self.engine_kind, "batches": h.batcher.batches if h.batcher else 0,
@@ -304,9 +305,13 @@ class Registry:
         }
 
     def health(self) -> dict[str, Any]:
-        """GET /health: "degraded" while a sampler process is down (it restarts by itself). Nothing private:
-        no model names, no paths."""
+        """GET /health: "degraded" while a sampler process is down (it restarts by itself), or while training
+        fails for a cause that lasts (a full disk, a model whose failed step could not be undone). Nothing
+        private: no model names, no paths."""
+        from artcloud.server.jobs import CAUSES
+
         problems = [p for p in (h.health() for h in self.hosts.values()) if p]
+        problems += sorted({f"training: {CAUSES[t.fault]}" for t in self.trainers.values() if t.fault})
         out: dict[str, Any] = {"status": "degraded" if problems else "ok", "version": __version__, "ready": self.ready,
                                **self.startup.report()}
         if problems:

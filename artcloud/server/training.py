@@ -4,7 +4,10 @@
     submit      a job joins the model's queue (at most --max-queued-jobs wait)
     _run        one step: inference waits (write lock), the engine trains, the step is committed to disk,
                 NAME@STEP+1 is served; on any failure the adapter and optimizer go back to the last
-                committed step, so a half-applied or non-finite update is never served or trained on
+                committed step, so a half-applied or non-finite update is never served or trained on (a
+                rollback that fails too leaves the model unserved, 503, until a reload works)
+    _loop       the worker: whatever a step raises, its job ends with an `error` event naming the cause
+                (disk_full, io_error, ...) and the next job runs; a worker that dies is started again
     _commit     checkpoints.commit (manifest last, renamed into place), then a background S3 push
     log         model.log's metrics join the history (history.py: records, files, what a resume keeps)
     _retain     --keep-last on disk; with S3, only steps already on S3 may go (a push still reading a
@@ -21,11 +24,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from artcloud.errors import ArtcloudError
+from artcloud.errors import ArtcloudError, first_line
 from artcloud.server import history
 from artcloud.server.api_errors import ApiError
 from artcloud.server.engines.base import TrainSample
-from artcloud.server.jobs import Job, JobStore
+from artcloud.server.jobs import CAUSES, Job, JobStore, os_cause
 from artcloud.server.limits import Limits
 from artcloud.server.models import ServedModel
 from artcloud.server.pusher import CLAIM_TIMEOUT_S, Pusher
@@ -35,6 +38,8 @@ from artcloud.types import TrainConfig
 from artcloud.wire import LogRequest
 
 log = logging.getLogger("artcloud.server")
+
+RELOAD_EVERY_S = 5.0  # how often a model whose rollback failed is reloaded, jobs or not
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,9 @@ class ModelTrainer:
         self.submit_lock = asyncio.Lock()  # a concurrent retry with the same key must not start a second job
         self._queue: asyncio.Queue[tuple[Job, list[TrainSample], dict[str, Any], TrainConfig]] = asyncio.Queue()
         self._worker: asyncio.Task | None = None
+        self._closing = False
+        self._current: Job | None = None  # the job the worker runs
+        self.fault: str | None = None  # why training is degraded (disk_full, rollback_failed, ...) until a step commits
         # Shutdown freezes the model: from then on no step commits, so what it answers is what S3 holds.
         self.commit_lock = asyncio.Lock()
         self.frozen = False
@@ -122,7 +130,7 @@ class ModelTrainer:
             resumed = True
         await self._save_history()
         self.jobs.load()
-        self._worker = asyncio.get_running_loop().create_task(self._loop(), name=f"train-{self.name}")
+        self._start_worker()
         return resumed
 
     async def _pull_if_newer(self) -> int | None:
@@ -159,26 +167,62 @@ class ModelTrainer:
         job.emit("queued", position=self._queue.qsize())
         self._queue.put_nowait((job, samples, stats, config))
 
+    def _start_worker(self) -> None:
+        """The model's training worker; one that ends on anything but a cancel (a bug) is started anew."""
+        def ended(task: asyncio.Task) -> None:
+            if task.cancelled() or self._closing:
+                return
+            log.error("the training worker of %s ended (%r): starting it again", self.name, task.exception())
+            job, self._current = self._current, None
+            if job is not None and not job.done:  # its job ends, with the cause, not silently
+                job.emit("error", code="internal_error", step=self.model.step,
+                         message=f"training failed: {task.exception()!r}; {self.name} stays at step {self.model.step}")
+            self._start_worker()
+
+        self._worker = asyncio.get_running_loop().create_task(self._loop(), name=f"train-{self.name}")
+        self._worker.add_done_callback(ended)
+
     async def _loop(self) -> None:
+        while True:
+            if self.model.unservable:  # its last rollback failed: try to reload it now and then, jobs or not
+                try:
+                    item = await asyncio.wait_for(self._queue.get(), RELOAD_EVERY_S)
+                except asyncio.TimeoutError:
+                    await self._reload(quiet=True)
+                    continue
+            else:
+                item = await self._queue.get()
+            job = self._current = item[0]
+            try:
+                await self._reload()
+                await self._run(*item)
+            except Exception as e:  # whatever failed, the job ends with its cause and the next one runs
+                self._failed(job, e)
+            self._current = None
+
+    def _failed(self, job: Job, e: Exception) -> None:
         from artcloud.train.loop import NonFiniteError
 
-        while True:
-            job, samples, stats, config = await self._queue.get()
-            try:
-                await self._run(job, samples, stats, config)
-            except Abandoned as e:
-                log.warning("%s: step %d computed during shutdown, not committed", self.name, e.step)
-                job.emit("error", code="shutting_down", step=self.model.step,
-                         message=f"the server is shutting down: step {e.step} was not committed, {self.name} stays "
-                                 f"at step {self.model.step} (on S3 too); train it again on a new server")
-            except NonFiniteError as e:
-                log.error("%s: %s", self.name, e)
-                job.emit("error", code="non_finite", step=self.model.step, cause=e.cause, gradient_step=e.gradient_step,
-                         message=f"{e}; {self.name} stays at step {self.model.step}")
-            except Exception as e:
-                log.exception("training job %s failed", job.id)
-                if not job.done:
-                    job.emit("error", code="internal_error", message=f"training failed: {e}", step=self.model.step)
+        step, name = self.model.step, self.name
+        if isinstance(e, Abandoned):
+            log.warning("%s: step %d computed during shutdown, not committed", name, e.step)
+            event = dict(code="shutting_down", message=f"the server is shutting down: step {e.step} was not committed, "
+                         f"{name} stays at step {step} (on S3 too); train it again on a new server")
+        elif isinstance(e, NonFiniteError):
+            log.error("%s: %s", name, e)
+            event = dict(code="non_finite", cause=e.cause, gradient_step=e.gradient_step,
+                         message=f"{e}; {name} stays at step {step}")
+        else:
+            log.error("training job %s failed", job.id, exc_info=e)
+            code = os_cause(e)
+            if code != "internal_error" and not self.model.unservable:
+                self.fault = code  # /health says degraded until a step commits again
+            what = f"{CAUSES[code]} ({first_line(e)})" if code in CAUSES else str(e)
+            event = dict(code=code, message=f"training failed: {what}; {name} stays at step {step}"
+                         + (f", and is not served until it is reloaded from that step ({self.model.unservable})"
+                            if self.model.unservable else ""))
+        if not job.done:
+            job.emit("error", step=step, **event)
 
     async def _run(self, job: Job, samples: list[TrainSample], stats: dict[str, Any], config: TrainConfig) -> None:
         model = self.model
@@ -208,11 +252,15 @@ class ModelTrainer:
                 # Put the adapter and optimizer back to the last committed step: a half-applied update
                 # is never served and never trained on.
                 model.history = [r for r in model.history if r is not record]  # a log may have come after it
-                await self._rollback()
+                await self._reload(failed_step=True)
                 raise
             model.step = next_step
+            self.fault = None
         await self._save_history()
-        await self._retain()
+        try:
+            await self._retain()
+        except Exception as e:  # the step is committed: an old one left on disk is no reason to fail it
+            log.warning("%s: retention after step %d failed: %s", self.name, next_step, e)
         job.emit("end", step=next_step, served_as=model.served_as, trained=True, metrics=record, checkpoint=str(folder),
                  s3=self.s3_status())
 
@@ -265,11 +313,30 @@ class ModelTrainer:
             self.pusher.schedule(folder)  # in the background: training goes on
         return folder
 
-    async def _rollback(self) -> None:
+    async def _reload(self, *, failed_step: bool = False, quiet: bool = False) -> None:
+        """The adapter and optimizer back to the last committed step, after a failed step (`failed_step`), or
+        for a model whose rollback failed (`unservable`). A rollback that fails itself leaves the model unserved
+        (503) until a reload works: the update it could not undo is never served. Raises unless `quiet`
+        or after a failed step (whose own error is the one to raise)."""
         model = self.model
+        if not failed_step and not model.unservable:
+            return
         folder = checkpoints.step_folder(model.folder, model.step)
-        if folder is not None:
-            await model.host.call(model.engine.load_adapter, model.slot, model.spec.lora, folder, optimizer=True)
+        try:
+            if folder is not None:
+                await model.host.call(model.engine.load_adapter, model.slot, model.spec.lora, folder, optimizer=True)
+        except Exception as e:
+            if not model.unservable:
+                log.error("%s: could not roll back to step %d, not serving it until it is reloaded: %s",
+                          self.name, model.step, e)
+            model.unservable = f"{CAUSES.get(os_cause(e), 'reloading it failed')}: {first_line(e)}"
+            self.fault = "rollback_failed"
+            if not (failed_step or quiet):
+                raise
+            return
+        if model.unservable:
+            log.warning("%s: reloaded from step %d, served again", self.name, model.step)
+            model.unservable, self.fault = None, None
 
     # ------------------------------------------------------------------------------------- retention
 
@@ -350,6 +417,7 @@ class ModelTrainer:
     async def abandon(self) -> None:
         """Undo a resume that failed half-way: the adapter leaves the engine, the S3 claim is released
         (nothing was pushed for it), so a corrected register starts clean."""
+        self._closing = True
         if self._worker is not None:
             self._worker.cancel()
         try:
@@ -361,6 +429,7 @@ class ModelTrainer:
 
     async def close(self) -> None:
         """The final push before the server exits (a failure is logged), then the claim goes."""
+        self._closing = True
         if self._worker is not None:
             self._worker.cancel()
         if self.pusher is not None:

@@ -8,6 +8,7 @@ manifest, and a folder without a valid manifest is not a checkpoint (it is ignor
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -36,6 +37,7 @@ SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 STEP_NAME = re.compile(r"[0-9]{1,12}")  # a step's folder (or S3 key part); str.isdigit() would take "²"
 MAX_FILES = 1000
 MAX_FILE_SIZE = 1 << 40  # 1 TiB: far above any adapter or optimizer state
+RESERVE_BYTES = 64 << 20  # left free by a commit (_check_room)
 MAX_MANIFEST_BYTES = 1 << 20  # MAX_FILES entries of ~300 bytes each fit three times over
 
 
@@ -43,6 +45,16 @@ class CorruptCheckpoint(ArtcloudError):
     """A checkpoint (or its manifest) is damaged or not what it claims: never load it."""
 
     code = "corrupt_checkpoint"
+
+
+class DiskFull(ArtcloudError, OSError):
+    """No room for a checkpoint, found before anything was written (errno ENOSPC, as the disk would say)."""
+
+    code = "disk_full"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.errno, self.strerror = errno.ENOSPC, message
 
 
 class CheckpointExists(ArtcloudError, FileExistsError):
@@ -97,6 +109,18 @@ def checkpoints_dir(model_dir: Path) -> Path:
     return model_dir / "checkpoints"
 
 
+def _check_room(root: Path, step: int) -> None:
+    """DiskFull before anything is written when the disk cannot take a checkpoint as big as the newest one and
+    still keep RESERVE_BYTES free (for the logs and event files a failure writes)."""
+    steps = committed_steps(root.parent)
+    size = sum(f.stat().st_size for f in (root / str(steps[-1])).iterdir()) if steps else 0
+    free = shutil.disk_usage(root).free
+    if free < size + RESERVE_BYTES:
+        raise DiskFull(f"checkpoint {step} needs about {size / 2**20:.1f} MiB (as big as step "
+                       f"{steps[-1] if steps else 0}) and {RESERVE_BYTES >> 20} MiB to spare; the disk has "
+                       f"{free / 2**20:.1f} MiB free")
+
+
 def commit(
     model_dir: Path, step: int, write_files: Callable[[Path], list[str]], trainer_state: dict[str, Any]
 ) -> Path:
@@ -108,6 +132,7 @@ def commit(
     final = root / str(step)
     if final.exists():
         raise CheckpointExists(f"checkpoint {final} already exists")
+    _check_room(root, step)
     tmp = root / f".tmp-{step}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
