@@ -208,6 +208,26 @@ def test_nan_logprob_gets_400_naming_the_field(tiny_server):
         assert c.get("/artcloud/models/agent").json()["step"] == step0
 
 
+def test_a_turn_longer_than_the_models_context_gets_400_naming_it(tiny_server):
+    """The prompt hash covers the prompt only: a completion padded past the model's positions (2,048 for
+    tiny-random) must be refused at the boundary, not trained on (3.9 GiB for 8,192 tokens, security review 4)."""
+    with tiny_server.client() as c:
+        step0 = c.get("/artcloud/models/agent").json()["step"]
+        max_context = c.get("/artcloud/status").json()["engines"][0]["max_context"]
+        group = group_from(chat(c, "agent", "long", n=2), "long", [0.0, 1.0])
+        choice = group["trajectories"][1]["messages_and_choices"][1]
+        pad = max_context - len(choice["token_ids"])  # with the prompt, one turn past the context
+        choice["token_ids"] += choice["token_ids"][-1:] * pad
+        choice["logprobs"]["content"] += choice["logprobs"]["content"][-1:] * pad
+        r = _post(c, [group])
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "context_too_long"
+        assert error["field"] == "groups[0].trajectories[1].messages_and_choices[1].token_ids"
+        assert f"over the {max_context} positions this model takes" in error["message"]
+        assert c.get("/artcloud/models/agent").json()["step"] == step0
+
+
 @pytest.mark.parametrize("field", ["prompt_sha256", "temperature"])
 def test_choice_without_its_sampling_record_gets_400(tiny_server, field):
     with tiny_server.client() as c:

@@ -237,7 +237,7 @@ def create_app(registry: Registry, token: str) -> FastAPI:
         registry.lifecycle.check_open()  # a retried POST above still gets its job; nothing new starts
         trainer.check_can_train()
         engine = trainer.model.engine
-        samples, stats = await asyncio.to_thread(build_samples, engine.tokenizer, engine.vocab_size, req)
+        samples, stats = await asyncio.to_thread(build_samples, engine, req)
         async with trainer.submit_lock:  # a concurrent retry with the same key must not start a second job
             if key:
                 existing = trainer.jobs.find_by_key(key)

@@ -37,20 +37,21 @@ class Turn(NamedTuple):
     temperature: float  # the T its logprobs are at (grpo.logprob_temperature: never 0)
 
 
-def trajectory_turns(tokenizer: Any, vocab_size: int, traj: WireTrajectory, where: str) -> list[Turn]:
+def trajectory_turns(engine: Any, traj: WireTrajectory, where: str) -> list[Turn]:
     """The policy turns of one trajectory and of its additional histories, each checked against what was
-    sampled."""
-    turns = history_turns(tokenizer, vocab_size, traj, where)
+    sampled (`engine`: its tokenizer, vocab_size and max_context)."""
+    turns = history_turns(engine, traj, where)
     for h, history in enumerate(traj.additional_histories):
-        turns += history_turns(tokenizer, vocab_size, history, f"{where}.additional_histories[{h}]")
+        turns += history_turns(engine, history, f"{where}.additional_histories[{h}]")
     if not turns:
         raise _bad(f"{where}.messages_and_choices", "has no assistant turn sampled by the policy: include the Choice "
                    "objects returned by the server (with token_ids and logprobs) among the messages")
     return turns
 
 
-def history_turns(tokenizer: Any, vocab_size: int, traj: WireHistory, where: str) -> list[Turn]:
+def history_turns(engine: Any, traj: WireHistory, where: str) -> list[Turn]:
     """The policy turns of one conversation, each checked against what was sampled."""
+    tokenizer, vocab_size = engine.tokenizer, engine.vocab_size
     turns = []
     context: list[dict[str, Any]] = []
     for i, item in enumerate(traj.messages_and_choices):
@@ -91,17 +92,21 @@ def history_turns(tokenizer: Any, vocab_size: int, traj: WireHistory, where: str
                 "were sent to the chat route.",
                 here,
             )
+        if len(prompt) + len(ids) > engine.max_context:  # never trained on positions the model does not have
+            raise ApiError(400, "context_too_long", f"{where}, turn messages_and_choices[{i}]: {len(prompt)} prompt and "
+                           f"{len(ids)} sampled tokens make {len(prompt) + len(ids)}, over the {engine.max_context} "
+                           "positions this model takes: drop or shorten this turn", f"{here}.token_ids")
         turns.append(Turn(prompt, list(ids), [float(c.logprob) for c in content], logprob_temperature(item.temperature)))
         context.append(item.message.model_dump(exclude_none=True))
     return turns
 
 
-def build_samples(tokenizer: Any, vocab_size: int, request: TrainRequest) -> tuple[list[TrainSample], dict[str, Any]]:
+def build_samples(engine: Any, request: TrainRequest) -> tuple[list[TrainSample], dict[str, Any]]:
     samples: list[TrainSample] = []
     skipped: list[int] = []
     rewards_all: list[float] = []
     for g, group in enumerate(request.groups):
-        turns = [trajectory_turns(tokenizer, vocab_size, t, f"groups[{g}].trajectories[{i}]")
+        turns = [trajectory_turns(engine, t, f"groups[{g}].trajectories[{i}]")
                  for i, t in enumerate(group.trajectories)]
         rewards = [t.reward for t in group.trajectories]
         rewards_all.extend(rewards)

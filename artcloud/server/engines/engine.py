@@ -185,7 +185,7 @@ class Engine:
     # ------------------------------------------------------------------------------------- state
 
     def status(self) -> dict[str, Any]:
-        return {"engine": self.description, "colocated": self.colocated, "turn": self.turn,
+        return {"engine": self.description, "max_context": self.max_context, "colocated": self.colocated, "turn": self.turn,
                 "switches": self.switches, "sampler": self.sampler.status()}
 
     def close(self) -> None:
