@@ -139,7 +139,8 @@ def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _redacted(args: list) -> list[str]:
+def redacted(args: list) -> list[str]:
+    """The script's arguments as they may be shown: the value of a secret-looking flag (--api-key X, --hf-token=X) is ***."""
     out, hide_next = [], False
     for arg in map(str, args):
         flag, eq, _ = arg.partition("=")
@@ -154,7 +155,7 @@ def _redacted(args: list) -> list[str]:
 
 
 def _facts(s: dict) -> list[tuple[str, str]]:
-    facts = [("script", _code(" ".join([str(s.get("script") or "?"), *_redacted(s.get("args") or [])])))]
+    facts = [("script", _code(" ".join([str(s.get("script") or "?"), *redacted(s.get("args") or [])])))]
     backend = str(s.get("backend") or "?") + (f", {s['gpu']}" if s.get("gpu") else "")
     facts.append(("backend", _cell(backend + (" (detached)" if s.get("detached") else ""))))
     if s.get("sandbox"):

@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from artcloud.durations import format_duration
 from artcloud.errors import ArtcloudError, check_s3_url, first_line
+from artcloud.run_summary import redacted
 
 log = logging.getLogger("artcloud.runner")
 
@@ -310,7 +311,7 @@ class Runner:
         from artcloud.backends.local import _die_with_parent
 
         o = self.opts
-        self.say(f"running {o.script} {' '.join(o.args)}".rstrip())
+        self.say(f"running {o.script} {' '.join(redacted(o.args))}".rstrip())
         proc = await asyncio.create_subprocess_exec(
             sys.executable, str(o.script), *o.args, env=self._script_env(workdir), stdin=asyncio.subprocess.DEVNULL,
             start_new_session=True,  # a terminal's Ctrl-C reaches the runner, which stops the script in order
@@ -427,7 +428,7 @@ class Runner:
         price = self.price() if self.backend is not None else None
         local = self.opts.backend == "local"
         summary = {
-            "schema": 1, "run": self.name, "script": str(self.opts.script), "args": list(self.opts.args),
+            "schema": 1, "run": self.name, "script": str(self.opts.script), "args": redacted(self.opts.args),
             "backend": self.opts.backend, "gpu": None if local else self.opts.gpu,
             "sandbox": None if local else getattr(self.backend, "sandbox_name", None),
             "detached": self.opts.detached_inner or ending.outcome == "detached",
@@ -485,6 +486,12 @@ async def launch_detached(opts: RunOptions) -> int:
     early (checkpoints up to the last finished step are on S3 already)."""
     if opts.backend == "local":
         raise RunError("--detach hands the loop to a cloud sandbox: use it with --backend sky or modal")
+    shown = redacted(opts.args)
+    if shown != list(opts.args):
+        flag = next(shown[i - 1] if a == "***" else a.partition("=")[0] for i, a in enumerate(shown) if a.endswith("***"))
+        raise RunError(f"{flag} looks like a secret, and a detached run's arguments show in its sandbox's dashboard and "
+                       f"logs: pass it with --secret NAME (an environment variable here; the script reads os.environ[NAME] "
+                       f"there) instead")
     name = opts.name or f"artcloud-{secrets.token_hex(3)}"
     opts.name = name
     runner = Runner(opts)

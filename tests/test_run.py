@@ -377,3 +377,18 @@ def test_progress_snapshots_read_the_models_from_the_authenticated_status(tmp_pa
     models = asyncio.run(main())
     assert list(models) == ["watched"]
     assert (models["watched"]["project"], models["watched"]["step"]) == ("ci", 0)
+
+
+def test_secret_looking_arguments_stay_out_of_the_json_summary(tmp_path, monkeypatch):
+    """The JSON summary goes to S3 (detached runs) and CI artifacts: a secret passed as a script argument is
+    *** there, as in the Markdown."""
+    from artcloud.runner import Ending, Runner, RunOptions
+
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+    said: list[str] = []
+    runner = Runner(RunOptions(script=TRAIN, args=["--api-key", "sk-abc123", "--hf-token=hf_xyz", "--steps", "2"],
+                               summary=tmp_path / "run.json"), say=said.append)
+    runner._report(runner._summary(Ending("succeeded", 0, "the script finished"), {"ok": True, "detail": "nothing was started"}))
+    text = (tmp_path / "run.json").read_text() + (tmp_path / "run.md").read_text() + "".join(said)
+    assert json.loads((tmp_path / "run.json").read_text())["args"] == ["--api-key", "***", "--hf-token=***", "--steps", "2"]
+    assert "sk-abc123" not in text and "hf_xyz" not in text

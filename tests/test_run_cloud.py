@@ -180,6 +180,12 @@ def test_detach_needs_a_cloud_backend_and_s3(tmp_path, monkeypatch):
     assert result.returncode == 2 and "--spot with --detach" in result.stderr and len(result.stderr.splitlines()) == 1
     result = cli("run", str(TRAIN), "--spot", "--backend", "modal", "--s3", "s3://b/p", timeout=60)
     assert result.returncode == 2 and "--spot is for --backend sky" in result.stderr
+    # A secret as a script argument would show in the sandbox's dashboard (the task's plain env) and logs.
+    result = cli("run", str(TRAIN), "--detach", "--backend", "modal", "--s3", "s3://b/p", "--", "--steps", "2",
+                 "--hf-token=hf_xyz", timeout=60)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "--hf-token looks like a secret" in result.stderr and "--secret NAME" in result.stderr
+    assert "hf_xyz" not in result.stderr + result.stdout
 
 
 
