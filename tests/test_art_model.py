@@ -290,15 +290,17 @@ def test_plain_openai_clients_reach_the_model_through_the_loopback_endpoint(tiny
                               json={"model": "nobody", "messages": MESSAGES})
             assert (missing.status_code, missing.json()) == (same.status_code, same.json()) and missing.status_code == 404
 
-        # backend.train, then the job's NDJSON event stream through the endpoint (a chunked route).
+        # backend.train beside it; then a streamed answer of the new step through the endpoint (SSE, chunked),
+        # while the job's own route stays the backend's: the endpoint's key buys rollouts only.
         groups = [await trajectories(model, plain, [0.0, 1.0, 0.5])]
         result = await backend.train(model, groups, learning_rate=1e-3, progress=False)
-        job = (await backend.model_info(model.name)).history[-1]["job_id"]
-        async with httpx.AsyncClient(base_url=url.removesuffix("/v1"), headers={"Authorization": f"Bearer {key}"}) as h:
-            async with h.stream("GET", f"/artcloud/jobs/{job}/events", params={"follow": "true"}) as r:
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}) as h:
+            async with h.stream("POST", "/chat/completions", json={**ask, "max_tokens": 8, "stream": True}) as r:
                 assert r.headers.get("transfer-encoding") == "chunked" and "content-length" not in r.headers
-                lines = [json.loads(line) async for line in r.aiter_lines() if line.strip()]
-        assert lines == result.events and lines[-1]["type"] == "end"
+                lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+            job = (await backend.model_info(model.name)).history[-1]["job_id"]
+            assert (await h.get(url.removesuffix("/v1") + f"/artcloud/jobs/{job}/events")).status_code == 404
+        assert result.step == 1 and lines[-1] == "data: [DONE]" and json.loads(lines[0][6:])["model"] == "plain@1"
 
         port = int(url.rsplit(":", 1)[1].split("/")[0])
         await backend.down()
@@ -377,19 +379,67 @@ def test_the_endpoint_refuses_a_body_over_its_limit_and_follows_the_backends_ser
         url = forwarder.start()
         auth = {"Authorization": f"Bearer {forwarder.key}"}
         with httpx.Client(timeout=10) as c:
-            r = c.post(url + "/x", content=b"y" * 1001, headers=auth)
+            r = c.post(url + "/chat/completions", content=b"y" * 1001, headers=auth)
             # the rest of that body is not read, so the connection ends: the answer says so, or the client would
             # send its next request down it and see a disconnect (a clean make test did)
             assert r.status_code == 413 and r.headers["connection"] == "close"
-            assert c.post(url + "/x", content=b"y" * 1000, headers=auth).json() == {"ok": True}
+            assert c.post(url + "/chat/completions", content=b"y" * 1000, headers=auth).json() == {"ok": True}
             target.update(url=f"http://127.0.0.1:{servers[1].server_address[1]}", token="second")  # a replaced server
-            assert c.post(url + "/x", content=b"{}", headers=auth).json() == {"ok": True}
+            assert c.post(url + "/chat/completions", content=b"{}", headers=auth).json() == {"ok": True}
         assert seen == [f"{servers[0].server_address[1]} Bearer first", f"{servers[1].server_address[1]} Bearer second"]
     finally:
         forwarder.close()
         for s in servers:
             s.shutdown()
             s.server_close()
+
+
+def test_the_endpoint_forwards_only_openais_routes_and_only_to_the_servers_host():
+    """Its key is for rollouts: shutdown, status or any other route of the server is refused here, and a request
+    target without a leading slash (h11 takes it) cannot move the request, and the token, to another host."""
+    seen: list[str] = []
+
+    class Recorder(BaseHTTPRequestHandler):
+        def log_message(self, *a: Any) -> None:
+            pass
+
+        def _ok(self) -> None:
+            if self.command == "POST":
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            seen.append(f"{self.command} {self.path}")
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_GET = do_POST = _ok
+
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=upstream.serve_forever, args=(0.05,), daemon=True).start()
+    forwarder = LoopbackForwarder(lambda: (f"http://127.0.0.1:{upstream.server_address[1]}", ssl.create_default_context(), "t"))
+    try:
+        url = forwarder.start()
+        root = url.removesuffix("/v1")
+        auth = {"Authorization": f"Bearer {forwarder.key}"}
+        with httpx.Client(timeout=10, headers=auth) as c:
+            for method, path in (("POST", "/artcloud/shutdown"), ("GET", "/artcloud/status"), ("GET", "/openapi.json"),
+                                 ("POST", "/v1/models"), ("GET", "/v1/chat/completions"), ("POST", "/artcloud/models/a/train")):
+                r = c.request(method, root + path, json={} if method == "POST" else None)
+                assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", (method, path, r.text)
+                assert "forwards only GET /v1/models[/ID] and POST /v1/chat/completions" in r.json()["error"]["message"]
+            assert c.get(url + "/models").status_code == 200 and c.get(url + "/models/agent@2?x=1").status_code == 200
+            assert c.post(url + "/chat/completions", json={}).status_code == 200
+        port = int(root.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:  # what httpx would never send
+            raw.sendall(f"GET .attacker.example/v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {forwarder.key}\r\n"
+                        "Connection: close\r\n\r\n".encode())
+            answer = b"".join(iter(lambda: raw.recv(65536), b""))
+        assert answer.startswith(b"HTTP/1.1 404"), answer[:200]
+        assert seen == ["GET /v1/models", "GET /v1/models/agent@2?x=1", "POST /v1/chat/completions"]
+    finally:
+        forwarder.close()
+        upstream.shutdown()
+        upstream.server_close()
 
 
 # ------------------------------------------------------------------------------------- training and checkpoints

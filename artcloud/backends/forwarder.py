@@ -9,6 +9,8 @@ backend serves its models' OpenAI routes on `http://127.0.0.1:PORT/v1`, reachabl
 
 - it takes a fresh random key of its own (`inference_api_key`); the server's token never leaves the
   backend, and a wrong key gets a 401 in the server's own error shape;
+- it forwards only OpenAI's routes (GET /v1/models[/ID], POST /v1/chat/completions), to the server's host
+  whatever the request target says: its key buys rollouts, not the server's token's other powers;
 - it sends each request on to the backend's server *as it is at that moment* (URL, CA, token read per
   request), so after a replaced server (a preempted spot machine, `RemoteBackend.recover`) it follows;
   a request cut off by the loss answers 502 and the client's own retry goes to the new server;
@@ -49,8 +51,16 @@ _HOP = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"
 Target = Callable[[], "tuple[str, Any, str]"]
 
 
+def _allowed(method: bytes, target: str) -> bool:
+    """The OpenAI routes a plain client needs: GET /v1/models[/ID], POST /v1/chat/completions (query strings allowed)."""
+    path = target.partition("?")[0]
+    if method == b"POST":
+        return path == "/v1/chat/completions"
+    return method == b"GET" and (path == "/v1/models" or (path.startswith("/v1/models/") and ".." not in path))
+
+
 def _error(status: int, code: str, message: str) -> tuple[int, bytes]:
-    kind = {401: "authentication_error", 413: "invalid_request_error"}.get(status, "api_error")
+    kind = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}.get(status, "api_error")
     return status, json.dumps({"error": {"code": code, "message": message, "type": kind}}).encode()
 
 
@@ -219,6 +229,11 @@ class LoopbackForwarder:
             await self._answer(conn, writer, *_error(401, "unauthorized", "wrong API key: use model.inference_api_key "
                                                      "(this endpoint's own key, not the server's token)"))
             return
+        target = request.target.decode("latin-1")
+        if not _allowed(request.method, target):  # the server's token must not buy more than OpenAI's routes here
+            await self._answer(conn, writer, *_error(404, "not_found", f"this endpoint forwards only GET /v1/models[/ID] and "
+                                                     f"POST /v1/chat/completions, not {request.method.decode()} {target[:200]}"))
+            return
         try:
             base_url, ssl_context, token = self.target()
         except Exception as e:  # the backend has no server now (closed, down)
@@ -228,8 +243,9 @@ class LoopbackForwarder:
         headers.append((b"authorization", f"Bearer {token}".encode()))
         upstream = self._client(base_url, ssl_context)
         try:
-            req = upstream.build_request(request.method.decode(), base_url + request.target.decode("latin-1"),
-                                         headers=headers, content=body)
+            base = httpx.URL(base_url)  # only the path and query change: the host is the server's, whatever was sent
+            url = base.copy_with(raw_path=base.raw_path.rstrip(b"/") + request.target)
+            req = upstream.build_request(request.method.decode(), url, headers=headers, content=body)
             response = await upstream.send(req, stream=True)
         except httpx.HTTPError as e:
             await self._answer(conn, writer, *_error(502, "server_unreachable",
