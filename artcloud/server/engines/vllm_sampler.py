@@ -256,7 +256,8 @@ class VLLMSampler(Sampler):
                     log.info("vLLM restarted; %d adapter(s) served again", len(self.adapters))
                 except Exception as e:
                     log.error("restarting vLLM failed: %s", e)
-                    self.detail = f"the vLLM sampler process died and restarting it failed: {str(e).splitlines()[0]}"
+                    # /health is public: the cause (paths, model names) goes to the log only
+                    self.detail = "the vLLM sampler process died and restarting it failed (see the server's log)"
                     time.sleep(min(30, 2 ** failures))
 
     def _kill(self) -> None:
