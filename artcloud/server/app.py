@@ -44,6 +44,7 @@ from artcloud.server.middleware import BodyLimit, TokenAuth
 from artcloud.server.models import ServedModel
 from artcloud.server.registry import Registry
 from artcloud.server.samples import build_samples
+from artcloud.server.tls_only import quiet_accept_errors
 
 log = logging.getLogger("artcloud.server")
 
@@ -82,6 +83,7 @@ class NDJSONResponse(StreamingResponse):
 def create_app(registry: Registry, token: str) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        quiet_accept_errors(asyncio.get_running_loop())  # out of descriptors: one line a minute, not a traceback a retry
         tasks = [asyncio.create_task(registry.restore()), asyncio.create_task(registry.lifecycle.run())]
         yield
         for task in tasks:

@@ -99,7 +99,7 @@ def bind(host: str, port: int) -> socket.socket:
                 "or stop what listens there"
             ) from e
         raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}): check --host and --port") from e
-    sock.listen(2048)
+    sock.listen(256)  # not more: out of descriptors, asyncio retries (and logs) once per waiting connection
     sock.set_inheritable(True)
     return sock
 
@@ -203,7 +203,7 @@ def run(
     from artcloud.server.pusher import CLAIM_TIMEOUT_S
     from artcloud.server.registry import Registry
     from artcloud.server.startup import ENV_INSTALL_RECORD, Startup, read_install_record
-    from artcloud.server.tls_only import server_context, wrap_uvicorn_protocol
+    from artcloud.server.tls_only import Connections, server_context, wrap_uvicorn_protocol
     from artcloud.server.training import Retention
 
     limits = limits or Limits()
@@ -257,7 +257,7 @@ def run(
                             timeout_keep_alive=30)
     config.load()
     if context is not None:
-        wrap_uvicorn_protocol(config, context, hint=url)
+        wrap_uvicorn_protocol(config, context, hint=url, connections=Connections())
     server = uvicorn.Server(config)
     lifecycle = registry.lifecycle
     lifecycle.server, lifecycle.parent_pid = server, parent_pid

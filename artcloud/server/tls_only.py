@@ -5,21 +5,41 @@ Here each connection's first byte is looked at: a TLS handshake (0x16) goes on i
 layer and then uvicorn's HTTP protocol, exactly as `create_server(ssl=...)` would; anything else gets
 `400 {"error": {"code": "https_required", ...}}` in plain text and the connection is closed. Nothing is
 ever served without TLS.
+
+Nobody without the token may hold the server's connections (security review 1): before a request is
+authenticated, a connection has FIRST_BYTE_TIMEOUT_S for its first byte and HANDSHAKE_TIMEOUT_S for TLS,
+then HEAD_TIMEOUT_S for its first request head, and a head begun on a kept-alive connection as long (an idle
+kept-alive one is uvicorn's to close, after its keep-alive timeout); a request body that stops coming for
+BODY_IDLE_S ends the connection. `Connections` caps how many are open in all and per peer address, so that
+descriptors stay for the checkpoints, and the accept loop's out-of-descriptors errors are logged once per
+minute, not once per retry (`quiet_accept_errors`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import resource
 import ssl
+import time
 from asyncio import sslproto
+from collections import Counter
 from functools import partial
 from typing import Any, Callable
 
 from artcloud.server.api_errors import ApiError
 
-FIRST_BYTE_TIMEOUT_S = 30.0
+log = logging.getLogger("artcloud.server")
+
+FIRST_BYTE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = 10.0
+HEAD_TIMEOUT_S = 10.0  # from a connection's TLS hand-off, or a kept-alive one's first byte, to a whole request head
+BODY_IDLE_S = 30.0  # a request body in progress that sends nothing this long
+CHECK_EVERY_S = 1.0
 TLS_HANDSHAKE = 0x16
+RESERVED_FDS = 256  # kept from connections: checkpoints, S3, logs, the engine (a quarter of a small limit)
+REFUSALS_LOGGED_EVERY_S = 60.0
 
 
 def https_required_response(hint: str) -> bytes:
@@ -28,21 +48,82 @@ def https_required_response(hint: str) -> bytes:
     return (head + "Connection: close\r\n\r\n").encode() + body
 
 
+class Connections:
+    """Open connections in all and per peer address, capped before TLS (nothing else of a peer is known then).
+    From the descriptor limit, raised to the hard limit first: what RESERVED_FDS leaves (at most 8,192), half of it
+    per peer; a refused connection is closed at once, and logged once per REFUSALS_LOGGED_EVERY_S."""
+
+    def __init__(self, total: int | None = None, per_peer: int | None = None):
+        if total is None:
+            limit = descriptors()
+            total = min(8192, limit - min(RESERVED_FDS, limit // 4))
+        self.total, self.per_peer = total, per_peer or max(1, total // 2)
+        self.by_peer: Counter[str] = Counter()
+        self.refused, self._logged_at = 0, -REFUSALS_LOGGED_EVERY_S
+
+    def admit(self, peer: str) -> bool:
+        if sum(self.by_peer.values()) >= self.total or self.by_peer[peer] >= self.per_peer:
+            self.refused += 1
+            if time.monotonic() - self._logged_at >= REFUSALS_LOGGED_EVERY_S:
+                self._logged_at = time.monotonic()
+                log.warning("refusing connections (%d so far): %d open of %d, %d from %s of %d per address",
+                            self.refused, sum(self.by_peer.values()), self.total, self.by_peer[peer], peer, self.per_peer)
+            return False
+        self.by_peer[peer] += 1
+        return True
+
+    def release(self, peer: str) -> None:
+        self.by_peer[peer] -= 1
+        if self.by_peer[peer] <= 0:
+            del self.by_peer[peer]
+
+
+def descriptors() -> int:
+    """The soft descriptor limit, first raised to the hard one (the default soft limit is often 1,024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # an unlimited hard limit some systems refuse as a soft one
+            pass
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
 class TLSOnlyProtocol(asyncio.Protocol):
-    def __init__(self, make_inner: Callable[[], asyncio.BaseProtocol], context: ssl.SSLContext, hint: str):
+    """A connection's first byte decides (TLS or a 400), then asyncio's TLS layer and uvicorn take it, under
+    the deadlines in the module docstring."""
+
+    def __init__(self, make_inner: Callable[[], asyncio.BaseProtocol], context: ssl.SSLContext, hint: str,
+                 connections: Connections | None = None):
         self.make_inner = make_inner
         self.context = context
         self.hint = hint
+        self.connections = connections
         self.transport: Any = None
+        self.peer: str | None = None  # counted in `connections` until the connection ends
+        self.inner: Any = None  # uvicorn's protocol, once TLS has it
         self._timer: asyncio.TimerHandle | None = None
+        self._head_from: float | None = None  # when the request head now awaited began (None: none begun)
+        self._last_data = 0.0
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
-        self._timer = asyncio.get_running_loop().call_later(FIRST_BYTE_TIMEOUT_S, transport.close)
+        peer = transport.get_extra_info("peername")
+        if self.connections is not None:
+            if not self.connections.admit(peer[0] if peer else "?"):
+                transport.abort()
+                return
+            self.peer = peer[0] if peer else "?"
+        self._timer = asyncio.get_running_loop().call_later(FIRST_BYTE_TIMEOUT_S, transport.abort)
 
-    def connection_lost(self, exc: Exception | None) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:  # before the TLS hand-off; after it, _TLS calls it
         if self._timer is not None:
             self._timer.cancel()
+            self._timer = None
+        if self.peer is not None and self.connections is not None:
+            self.connections.release(self.peer)
+            self.peer = None
 
     def data_received(self, data: bytes) -> None:
         if self._timer is not None:
@@ -55,10 +136,98 @@ class TLSOnlyProtocol(asyncio.Protocol):
         # Hand the connection to asyncio's TLS protocol (what loop.start_tls does), then replay the
         # bytes we already read: they are the start of the ClientHello.
         loop = asyncio.get_running_loop()
-        tls = sslproto.SSLProtocol(loop, self.make_inner(), self.context, None, server_side=True)
+        self.inner = self.make_inner()
+        tls = _TLS(self, loop, _Watched(self), self.context, None, server_side=True,
+                   ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
         self.transport.set_protocol(tls)
         tls.connection_made(self.transport)
+        self._head_from = self._last_data = loop.time()
+        self._timer = loop.call_later(CHECK_EVERY_S, self._check)
         replay(tls, data)
+
+    def _waiting(self) -> bool:
+        """Between requests: no request head parsed yet, or the last one answered."""
+        cycle = getattr(self.inner, "cycle", None)
+        return cycle is None or cycle.response_complete
+
+    def _check(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        cycle = getattr(self.inner, "cycle", None)
+        if self._waiting():
+            late = self._head_from is not None and now - self._head_from > HEAD_TIMEOUT_S
+        else:
+            late = getattr(cycle, "more_body", False) and now - self._last_data > BODY_IDLE_S
+        if late:
+            self.transport.abort()  # connection_lost follows, through _TLS
+            return
+        self._timer = loop.call_later(CHECK_EVERY_S, self._check)
+
+    def received(self, data: bytes) -> None:
+        """Decrypted bytes for uvicorn: a request head that begins now must end within HEAD_TIMEOUT_S."""
+        if self._waiting() and self._head_from is None:
+            self._head_from = asyncio.get_running_loop().time()
+        self._last_data = asyncio.get_running_loop().time()
+        before = getattr(self.inner, "cycle", None)
+        self.inner.data_received(data)
+        if getattr(self.inner, "cycle", None) is not before:  # a head was parsed: its deadline is met
+            self._head_from = None
+
+
+class _TLS(sslproto.SSLProtocol):
+    """asyncio's TLS protocol, telling the TLSOnlyProtocol that handed it the connection when it ends
+    (whether or not its handshake was done: only then would uvicorn hear of it)."""
+
+    def __init__(self, owner: TLSOnlyProtocol, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._owner = owner
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._owner.connection_lost(exc)
+        super().connection_lost(exc)
+
+
+class _Watched(asyncio.Protocol):
+    """uvicorn's protocol as asyncio's TLS layer sees it: every call passed on, the bytes through `received`."""
+
+    def __init__(self, owner: TLSOnlyProtocol):
+        self._owner, self._inner = owner, owner.inner
+
+    def connection_made(self, transport: Any) -> None:
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._owner.received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+
+def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
+    """Out of descriptors, asyncio's accept loop logs a traceback per retry (12,000 a second, a gigabyte in two
+    minutes, on the checkpoints' disk): those are logged once per REFUSALS_LOGGED_EVERY_S, with a count."""
+    state = {"at": -REFUSALS_LOGGED_EVERY_S, "count": 0}
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if not str(context.get("message", "")).startswith("socket.accept() out of system resource"):
+            loop.default_exception_handler(context)
+            return
+        state["count"] += 1
+        if time.monotonic() - state["at"] >= REFUSALS_LOGGED_EVERY_S:
+            state["at"] = time.monotonic()
+            log.error("out of file descriptors: accepting connections failed %d times so far (%s)",
+                      state["count"], context.get("exception"))
+
+    loop.set_exception_handler(handler)
 
 
 def replay(protocol: asyncio.BaseProtocol, data: bytes) -> None:
@@ -86,12 +255,12 @@ def server_context(certfile: str, keyfile: str) -> ssl.SSLContext:
     return ctx
 
 
-def wrap_uvicorn_protocol(config: Any, context: ssl.SSLContext, hint: str) -> None:
-    """Make a loaded uvicorn Config serve every connection through TLSOnlyProtocol."""
+def wrap_uvicorn_protocol(config: Any, context: ssl.SSLContext, hint: str, connections: Connections | None = None) -> None:
+    """Make a loaded uvicorn Config serve every connection through TLSOnlyProtocol (within `connections`)."""
     inner_cls = config.http_protocol_class
 
     def factory(config: Any, server_state: Any, app_state: Any, _loop: Any = None) -> asyncio.Protocol:
         inner = partial(inner_cls, config=config, server_state=server_state, app_state=app_state, _loop=_loop)
-        return TLSOnlyProtocol(inner, context, hint)
+        return TLSOnlyProtocol(inner, context, hint, connections)
 
     config.http_protocol_class = factory

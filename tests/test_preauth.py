@@ -1,0 +1,97 @@
+"""What a peer without the token can cost the server: a real `artcloud serve` under a low descriptor limit
+(256, set inside the server process at start-up), flooded over TLS from another loopback address while a
+client with the token trains. Security review 1: before, 249 idle connections held every descriptor for
+good, /health timed out and each accept retry logged a traceback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+
+import pytest
+from helpers import rollout_groups, train, wait_for
+
+TINY = "artcloud/tiny-random"
+NOFILE = 256
+ATTACKER = "127.0.0.2"  # all of 127/8 is loopback on Linux: the flood comes from another address than the client
+
+# Loaded by the server under test (first on its PYTHONPATH): the host's limit is 256 descriptors, soft and
+# hard, and a stalled body is given up after 3 s instead of 30 (so that the test need not wait that long).
+HOOK = f"""
+import resource
+resource.setrlimit(resource.RLIMIT_NOFILE, ({NOFILE}, {NOFILE}))
+from artcloud.server import tls_only
+tls_only.BODY_IDLE_S = 3.0
+"""
+
+
+def _open(url: str, send: bytes = b"", source: str = ATTACKER) -> ssl.SSLSocket | None:
+    """A TLS connection from `source` that sends `send` (nothing, or half a request head) and then waits;
+    None when the server refused it."""
+    host, port = url.removeprefix("https://").rsplit(":", 1)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # an attacker checks nothing
+    try:
+        raw = socket.create_connection((host, int(port)), timeout=5, source_address=(source, 0))
+        conn = ctx.wrap_socket(raw, server_hostname="x")
+        if send:
+            conn.sendall(send)
+        return conn
+    except (OSError, ssl.SSLError):
+        return None
+
+
+def _closed_by_server(conn: ssl.SSLSocket) -> bool:
+    conn.settimeout(0.05)
+    try:
+        return conn.recv(1) == b""
+    except (socket.timeout, ssl.SSLWantReadError):
+        return False
+    except OSError:  # reset
+        return True
+
+
+def _descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.slow
+def test_a_tls_flood_without_the_token_costs_a_training_client_nothing(start_server, tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOOK)
+    s = start_server(tmp_path / "srv", env={"PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))})
+    pid = s.proc.pid
+    limits = open(f"/proc/{pid}/limits").read()
+    assert any(line.startswith("Max open files") and line.split()[3:5] == [str(NOFILE)] * 2 for line in limits.splitlines())
+    with s.client(timeout=60) as c:
+        assert c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY}).status_code == 200
+        groups = rollout_groups(c, "agent", ["x", "y"], n=4)
+        log_before = s.log.stat().st_size
+
+        # 300 connections that finish the handshake and send nothing; every third sends half a request head.
+        half_head = b"GET /artcloud/status HTTP/1.1\r\nHost: x\r\n"
+        flood = [_open(s.url, half_head if i % 3 == 0 else b"") for i in range(300)]
+        held = [conn for conn in flood if conn is not None]
+        # Capped per address (half of what the reserve leaves), so the client's own address still gets in.
+        assert 0 < len(held) < NOFILE // 2, len(held)
+        assert _descriptors(pid) < NOFILE - 64  # the reserve for checkpoints, S3 and logs is untouched
+
+        # The client with the token trains and heartbeats meanwhile, on new connections too.
+        with s.client(timeout=60) as fresh:
+            assert fresh.get("/health").json()["status"] == "ok"
+            assert fresh.post("/artcloud/heartbeat").status_code == 200
+        assert train(c, "agent", groups)[-1]["data"]["step"] == 1
+
+        # A body that stops coming (with the token, so the app waits for it) ends its connection.
+        stalled = _open(s.url, b"POST /artcloud/models/agent/log HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                        + s.token.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"metr", source="127.0.0.3")
+        assert stalled is not None
+        # Nothing was authenticated: each connection goes within the head deadline (10 s), the stalled body in 3 s.
+        wait_for("the flood's connections closed by the server", lambda: all(map(_closed_by_server, held)), 30, every=0.5)
+        wait_for("the stalled body's connection closed", lambda: _closed_by_server(stalled), 30, every=0.5)
+        assert _descriptors(pid) < 64
+        assert s.log.stat().st_size - log_before < 64 << 10  # no traceback per connection or retry
+    for conn in [*held, stalled]:
+        conn.close()
