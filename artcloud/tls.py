@@ -11,8 +11,12 @@ import ipaddress
 import os
 import secrets
 import ssl
+import stat
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from artcloud.errors import ArtcloudError
 
 
 @dataclass(frozen=True)
@@ -25,17 +29,46 @@ class LaunchSecrets:
     token: str = field(repr=False)
 
     def write(self, folder: Path) -> "SecretPaths":
-        """Write the four files into `folder` (created 0700); key and token are 0600."""
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        """Write the four files into `folder` (private_folder); key and token are 0600."""
+        private_folder(folder)
         paths = SecretPaths(folder / "ca.pem", folder / "server.pem", folder / "server.key", folder / "token")
         for path, text, mode in ((paths.ca_cert, self.ca_cert, 0o644), (paths.server_cert, self.server_cert, 0o644),
                                  (paths.server_key, self.server_key, 0o600), (paths.token, self.token, 0o600)):
-            tmp = path.with_name(path.name + ".tmp")  # created with its mode: the key is never readable by others
-            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
-                f.write(text)
-            os.chmod(tmp, mode)
-            os.replace(tmp, path)
+            write_file(path, text, mode)
         return paths
+
+
+class UnsafeFolder(ArtcloudError):
+    """A folder for keys and tokens that others could read or change: the message says how to fix it."""
+
+    code = "unsafe_folder"
+
+
+def private_folder(folder: Path) -> Path:
+    """`folder` for keys and tokens: made 0700, or, if it is there, a real folder (no link) of this user's that
+    nobody else may read or write; UnsafeFolder otherwise (a key written there would be exposed)."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeFolder(f"{folder} is a link or not a folder: remove it, and a private one is made")
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise UnsafeFolder(f"{folder} is open to others (mode {stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid}): "
+                           f"`chmod 700 {folder}` if it is yours, else remove it")
+    return folder
+
+
+def write_file(path: Path, text: str, mode: int) -> None:
+    """`text` into `path` with `mode` from its first byte: a fresh private temporary file beside it, renamed over
+    it (a link at `path` is replaced, never followed)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ def test_launcher_supplied_certificate_and_token(tmp_path):
     env = {"ARTCLOUD_TLS_CERT": secrets.server_cert, "ARTCLOUD_TLS_KEY": secrets.server_key, "ARTCLOUD_TOKEN": secrets.token}
     server = Server(tmp_path / "data", env=env)
     server.path.mkdir(parents=True)
-    (server.path / ".tls").mkdir()
+    (server.path / ".tls").mkdir(mode=0o700)  # private: the server refuses to write its key into a folder open to others
     (server.path / ".tls" / "ca.pem").write_text(secrets.ca_cert)  # what the client trusts (the server never sees the CA key)
     try:
         server.start()

@@ -384,6 +384,41 @@ def test_write_modes(secrets_, tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["ca.pem", "server.key", "server.pem", "token"]
 
 
+def test_keys_go_only_into_a_private_folder_and_never_through_a_link(secrets_, tmp_path):
+    """Security review 9: a folder others may read or write, or one that is a link, is refused in one line; a
+    link where a key goes is replaced, never followed (nothing is written where it points)."""
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    with pytest.raises(tls.UnsafeFolder, match=r"is open to others \(mode 755, owner uid \d+\): `chmod 700 "):
+        secrets_.write(loose)
+    assert list(loose.iterdir()) == []
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    (tmp_path / "linked").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(tls.UnsafeFolder, match="is a link or not a folder"):
+        secrets_.write(tmp_path / "linked")
+    folder = tmp_path / "own"
+    folder.mkdir(mode=0o700)
+    bait = tmp_path / "bait"
+    bait.write_text("not a key")
+    (folder / "server.key").symlink_to(bait)
+    paths = secrets_.write(folder)
+    assert bait.read_text() == "not a key" and not paths.server_key.is_symlink()
+    assert paths.server_key.read_text() == secrets_.server_key and stat.S_IMODE(paths.server_key.stat().st_mode) == 0o600
+
+
+def test_serve_refuses_to_write_a_launchers_key_into_a_folder_open_to_others(tmp_path):
+    from test_cli import one_line_error, serve
+
+    made = tls.make_launch_secrets()
+    (tmp_path / "d" / ".tls").mkdir(parents=True)
+    os.chmod(tmp_path / "d" / ".tls", 0o755)
+    result = serve("--path", str(tmp_path / "d"), "--port", "0",
+                   env={"ARTCLOUD_TLS_CERT": made.server_cert, "ARTCLOUD_TLS_KEY": made.server_key, "ARTCLOUD_TOKEN": made.token})
+    one_line_error(result, ".tls is open to others (mode 755", "chmod 700")
+    assert not (tmp_path / "d" / ".tls" / "server.key").exists()
+
+
 def test_each_launch_is_new():
     a, b = tls.make_launch_secrets(), tls.make_launch_secrets()
     assert a.token != b.token and a.ca_cert != b.ca_cert and a.server_key != b.server_key

@@ -57,6 +57,7 @@ def serve(
 
     from artcloud.durations import parse_duration
     from artcloud.server.main import ServeError, run
+    from artcloud.tls import UnsafeFolder
 
     try:
         lease_s = parse_duration(lease, what="--lease") if lease is not None else None
@@ -86,7 +87,7 @@ def serve(
             engine=engine, engine_args=parsed_args, vllm_python=vllm_python, log_level=log_level, parent_pid=parent_pid, s3=s3, keep_last=keep_last, keep_best=keep_best,
             lease_s=lease_s, max_duration_s=max_duration_s, behind_https_proxy=behind_https_proxy, limits=limits,
             claim_timeout_s=claim_timeout_s, watch_preemption=watch_preemption, preload=preload or None)
-    except ServeError as e:
+    except (ServeError, UnsafeFolder) as e:
         raise CLIError(str(e)) from e
     except ssl.SSLError as e:
         raise CLIError(f"the TLS certificate or key cannot be used ({e.reason or e}): give a matching PEM pair") from e

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from artcloud._version import __version__
 from artcloud.errors import ArtcloudError
-from artcloud.tls import LaunchSecrets, make_launch_secrets
+from artcloud.tls import LaunchSecrets, make_launch_secrets, private_folder, write_file
 
 log = logging.getLogger("artcloud.server")
 
@@ -118,11 +118,8 @@ def _dead_peer_detection(sock: socket.socket) -> None:
 def _pem_or_path(value: str, what: str, tls_dir: Path, name: str) -> Path:
     """A PEM given inline (environment) goes into a 0600 file; a path is checked and used as it is."""
     if "-----BEGIN" in value:
-        tls_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        target = tls_dir / name
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(value)
+        target = private_folder(tls_dir) / name
+        write_file(target, value, 0o600)
         return target
     path = Path(value).expanduser()
     if not path.is_file():
@@ -175,6 +172,7 @@ def _reuse_own(tls_dir: Path, token: str | None) -> TLSFiles | None:
     names = ("ca.pem", "server.pem", "server.key", "token")
     if token is not None or not all((tls_dir / n).is_file() for n in names):
         return None
+    private_folder(tls_dir)  # files another user could have put there are never trusted
     try:
         cert = x509.load_pem_x509_certificate((tls_dir / "server.pem").read_bytes())
     except ValueError:
