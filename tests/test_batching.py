@@ -126,6 +126,55 @@ def test_stop_answers_every_request_it_leaves_waiting(concurrent):
     asyncio.run(main())
 
 
+def test_a_request_whose_caller_goes_is_not_generated_and_a_full_queue_is_429():
+    """Security review 5: the chat route cancels its submit when the client disconnects. A request still
+    queued then never reaches the engine (counted in `abandoned`), and past --max-queued-samples a request is
+    refused at once instead of waiting behind minutes of work."""
+    from artcloud.server.api_errors import ApiError
+
+    async def main():
+        running, release, seen = asyncio.Event(), asyncio.Event(), []
+
+        async def run(key, requests):
+            seen.append(list(requests))
+            running.set()
+            await release.wait()
+            return [[] for _ in requests], "m"
+
+        batcher = Batcher(run, max_queued_samples=3)
+        first = asyncio.create_task(batcher.submit("k", _request()))
+        await running.wait()  # the first batch runs; the next two wait behind it
+        gone, stays = (GenerationRequest([1], 1, SamplingParams(max_tokens=4)) for _ in range(2))
+        left = asyncio.create_task(batcher.submit("k", gone))
+        kept = asyncio.create_task(batcher.submit("k", stays))
+        await asyncio.sleep(0)
+        with pytest.raises(ApiError) as e:  # 3 samples wait or run: the limit
+            await batcher.submit("k", _request())
+        assert (e.value.status, e.value.code) == (429, "too_many_requests") and "--max-queued-samples" in e.value.message
+        left.cancel()  # its client went away
+        await asyncio.gather(left, return_exceptions=True)
+        assert gone.abandoned and batcher.abandoned == 1
+        release.set()
+        await asyncio.gather(first, kept)
+        assert [len(batch) for batch in seen] == [1, 1] and seen[1][0] is stays  # `gone` never generated
+        await batcher.submit("k", _request())  # room again
+        await batcher.stop()
+
+    asyncio.run(main())
+
+
+def test_the_cpu_sampler_drops_an_abandoned_requests_rows_at_the_next_step(one_torch_thread):
+    from conftest import tiny_engine_with_adapter
+
+    engine = tiny_engine_with_adapter("a", 0.1)
+    slot = "a"
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=3)
+    kept, gone = GenerationRequest([1, 2, 3], 2, params), GenerationRequest([1, 2, 3], 2, params, abandoned=True)
+    out = engine.generate(slot, [kept, gone])
+    assert [len(c.token_ids) for c in out[1]] == [1, 1]  # out after the first step
+    assert max(len(c.token_ids) for c in out[0]) > 1
+
+
 class _HeldSampler:
     """A sampler whose generations wait on `release` (set per call); it records what started."""
 

@@ -187,6 +187,28 @@ def test_a_non_finite_update_is_skipped_never_committed_and_the_adapter_rolls_ba
         assert checkpoints.committed_steps(tmp_path / "data" / "p" / "agent") == [0, 1]
 
 
+def test_a_chat_request_whose_client_gives_up_is_dropped_not_generated_to_its_end(start_server):
+    """Security review 5: ten clients that timed out made the next 8-token request wait 86.8 s. A non-streamed
+    request whose connection closes is cancelled: its rows leave the batch at the next step (the CPU engine),
+    and the server counts it in `abandoned`."""
+    import socket
+    import ssl
+
+    s = start_server(None)
+    with s.client() as c:
+        assert c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY}).status_code == 200
+        body = json.dumps({"model": "agent", "messages": [{"role": "user", "content": "Go on."}], "n": 8,
+                           "max_tokens": 1500, "stop": [], "temperature": 1.0}).encode()
+        host, port = s.url.removeprefix("https://").rsplit(":", 1)
+        raw = ssl.create_default_context(cafile=str(s.ca)).wrap_socket(socket.create_connection((host, int(port))),
+                                                                       server_hostname=host)
+        raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + s.token.encode()
+                    + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        raw.close()  # the client gives up at once: 8 x 1,500 tokens nobody will read
+        wait_for("the request counted as abandoned", lambda: c.get("/artcloud/status").json()["engines"][0]["abandoned"] == 1, 60)
+        assert chat(c, "agent")["choices"][0]["message"]["role"] == "assistant"  # the engine is free for the next one
+
+
 # ------------------------------------------------------------------------------------------ failures during a step
 
 # Loaded by the server under test (first on its PYTHONPATH): its commit of a step >= 1 waits at a barrier of

@@ -39,6 +39,7 @@ def serve(
     max_body_mb: float = typer.Option(Limits.max_body_mb, "--max-body-mb", min=0.001, help="Largest request body, in MiB (413 above it).", rich_help_panel="Limits"),
     max_request_tokens: int = typer.Option(Limits.max_request_tokens, "--max-request-tokens", min=1, help="Most tokens one chat request may ask for: n x max_tokens (400 above it).", rich_help_panel="Limits"),
     max_queued_jobs: int = typer.Option(Limits.max_queued_jobs, "--max-queued-jobs", min=1, help="Training jobs that may wait per model (429 above it).", rich_help_panel="Limits"),
+    max_queued_samples: int = typer.Option(Limits.max_queued_samples, "--max-queued-samples", min=1, help="Chat samples (n of each request) waiting for or in generation per base model (429 above it).", rich_help_panel="Limits"),
     max_kept_jobs: int = typer.Option(Limits.max_kept_jobs, "--max-kept-jobs", min=1, help="Finished jobs (and their event logs) kept per model; the oldest are forgotten.", rich_help_panel="Limits"),
     max_base_models: int = typer.Option(Limits.max_base_models, "--max-base-models", min=1, help="Base models loaded at once (409 above it): each is a whole engine.", rich_help_panel="Limits"),
     max_models: int = typer.Option(Limits.max_models, "--max-models", min=1, help="Models (LoRA adapters) registered at once (409 above it).", rich_help_panel="Limits"),
@@ -77,6 +78,7 @@ def serve(
     if vllm_python is not None:
         os.environ["ARTCLOUD_VLLM_PYTHON"] = vllm_python
     limits = Limits(max_body_mb=max_body_mb, max_request_tokens=max_request_tokens, max_queued_jobs=max_queued_jobs,
+                    max_queued_samples=max_queued_samples,
                     max_kept_jobs=max_kept_jobs, max_base_models=max_base_models, max_models=max_models)
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

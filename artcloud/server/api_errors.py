@@ -61,7 +61,8 @@ _ERRORS = {
     404: "no such model, step, job or route",
     409: "conflicts with the server's state (a model registered differently, a server shutting down, a limit)",
     413: "the request body is over artcloud serve --max-body-mb",
-    429: "too many training jobs waiting for this model (artcloud serve --max-queued-jobs)",
+    429: "too much waiting: training jobs for this model (artcloud serve --max-queued-jobs), or samples for its "
+         "engine (--max-queued-samples)",
     503: "the server is still loading its models (GET /health says ready), or its sampler process restarts",
 }
 

@@ -133,8 +133,8 @@ def create_app(registry: Registry, token: str) -> FastAPI:
         return _card(model_id, registry.resolve(model_id).model)
 
     @app.post("/v1/chat/completions", operation_id="chat_completions", response_model=wire.ChatCompletion,
-              responses={200: CHAT_STREAM, **errors(400, 404, 503)})
-    async def chat_completions(req: wire.ChatCompletionRequest) -> Any:
+              responses={200: CHAT_STREAM, **errors(400, 404, 429, 503)})
+    async def chat_completions(req: wire.ChatCompletionRequest, http: Request) -> Any:
         began = time.monotonic()
         if req.stream_options is not None and not req.stream:
             raise ApiError(400, "invalid_request", "stream_options is only allowed with stream=true", "stream_options")
@@ -172,7 +172,7 @@ def create_app(registry: Registry, token: str) -> FastAPI:
                 want_token_ids=req.return_token_ids, parse_tools=bool(req.tools),
                 include_usage=bool(req.stream_options and req.stream_options.include_usage),
             )
-        completions, served = await target.host.batcher.submit(target.key, GenerationRequest(prompt, req.n, params))
+        completions, served = await _unless_gone(http, target.host.batcher.submit(target.key, GenerationRequest(prompt, req.n, params)))
         registry.startup.rollout_done(time.monotonic() - began)  # kept for the first one only (GET /health)
         # On a thread, as the prompt's render: logprobs decode every sampled token and alternative one by one.
         return await asyncio.to_thread(
@@ -289,6 +289,30 @@ def create_app(registry: Registry, token: str) -> FastAPI:
         return JSONResponse({"ok": True, "models": models}, background=BackgroundTask(registry.lifecycle.exit_soon))
 
     return app
+
+
+async def _unless_gone(request: Request, work: Any) -> Any:
+    """`work`'s result, or, if the client disconnects first, `work` cancelled (the batcher then drops the
+    request: never generated, or its rows out of the batch at the next step) and a 499 nobody reads. The body
+    was read already: the next ASGI message is the disconnect (or nothing, until the answer is sent)."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise ApiError(499, "client_closed_request", "the client went away before its answer")
+    return task.result()
 
 
 def _card(model_id: str, model: ServedModel | None) -> dict[str, Any]:

@@ -84,7 +84,8 @@ class Batcher:
     """
 
     def __init__(self, run: RunBatch, *, max_rows: int = 64, gap_bounds: tuple[float, float] = (0.001, 0.02),
-                 wait_bounds: tuple[float, float] = (0.005, 0.25), concurrent: bool = False):
+                 wait_bounds: tuple[float, float] = (0.005, 0.25), concurrent: bool = False,
+                 max_queued_samples: int | None = None):
         self.run = run
         # concurrent: hand each batch over and go on gathering (a sampler with continuous batching of its
         # own, vLLM, takes new requests while others run); else wait for each batch (the torch sampler).
@@ -98,6 +99,9 @@ class Batcher:
         self._task: asyncio.Task | None = None
         self._waiting: set[asyncio.Future] = set()  # every submitted request's answer not yet given
         self.batches = 0  # engine calls made (GET /artcloud/status)
+        self.abandoned = 0  # requests whose client went away before their answer (GET /artcloud/status)
+        self.max_queued_samples = max_queued_samples
+        self._samples = 0  # of the requests not yet answered
 
     def _window(self) -> tuple[float, float]:
         """(gap: stop after this long without a new request, max_wait: stop after this long in all)."""
@@ -125,10 +129,25 @@ class Batcher:
                 future.set_exception(ApiError(503, "shutting_down", "the server stopped generating: it is shutting down"))
 
     async def submit(self, key: Any, request: GenerationRequest) -> tuple[list[Completion], str]:
+        """The request's completions once generated. A caller that is cancelled (its client went away) takes
+        the request out: not generated if its batch has not begun, its rows dropped at the next step if it has."""
+        if self.max_queued_samples is not None and self._samples + request.n > self.max_queued_samples:
+            raise ApiError(429, "too_many_requests", f"{self._samples} samples are waiting for this model's engine "
+                           f"(the limit, artcloud serve --max-queued-samples, is {self.max_queued_samples}): retry "
+                           "once some are answered, or send fewer at once")
         self.start()
         item = Pending(key, request)
         self._waiting.add(item.future)
-        item.future.add_done_callback(self._waiting.discard)
+        self._samples += request.n
+
+        def answered(future: asyncio.Future) -> None:
+            self._waiting.discard(future)
+            self._samples -= request.n
+            if future.cancelled():
+                request.abandoned = True
+                self.abandoned += 1
+
+        item.future.add_done_callback(answered)
         await self.queue.put(item)
         return await item.future
 
@@ -160,8 +179,8 @@ class Batcher:
             for item in items:
                 groups.setdefault(item.key, []).append(item)
             for key, group in groups.items():
-                for p in group:  # a streamed request whose client went away before its turn
-                    if p.request.sink is not None and p.request.sink.cancelled:
+                for p in group:  # a request whose client went away before its turn
+                    if p.request.gone:
                         p.future.cancel()
                 live = [p for p in group if not p.future.done()]  # a client may have gone away
                 if not live:

@@ -18,6 +18,9 @@ class Limits:
     max_body_mb: float = 128.0
     # n x max_tokens of one chat request: the tokens one request may make the engine generate.
     max_request_tokens: int = 131_072
+    # Samples (n of each request) waiting for or in generation per base model: beyond it a chat request
+    # gets 429 at once instead of queueing behind minutes of work.
+    max_queued_samples: int = 8192
     # Training jobs waiting per model (the one running not counted): a loop that posts without
     # waiting gets 429 instead of queueing hours of GPU work.
     max_queued_jobs: int = 8
@@ -33,6 +36,6 @@ class Limits:
         return int(self.max_body_mb * 1024 * 1024)
 
     def check(self) -> None:
-        for name in ("max_body_mb", "max_request_tokens", "max_queued_jobs", "max_kept_jobs", "max_base_models", "max_models"):
+        for name in ("max_body_mb", "max_request_tokens", "max_queued_samples", "max_queued_jobs", "max_kept_jobs", "max_base_models", "max_models"):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be positive")

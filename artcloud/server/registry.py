@@ -113,7 +113,8 @@ class Registry:
         host = EngineHost(base_model, self.factory, engine_args, self.weights)
         with self.startup.loading():
             await host.load()  # ApiError 400 when it cannot be loaded
-        host.batcher = Batcher(partial(self._run_batch, host), concurrent=host.engine.concurrent)
+        host.batcher = Batcher(partial(self._run_batch, host), concurrent=host.engine.concurrent,
+                               max_queued_samples=self.limits.max_queued_samples)
         self.hosts[base_model] = host
         return host
 
@@ -298,6 +299,7 @@ class Registry:
                 for m in self.models.values()
             ],
             "engines": [{"base_model": h.base_model, "kind": self.engine_kind, "batches": h.batcher.batches if h.batcher else 0,
+                         "abandoned": h.batcher.abandoned if h.batcher else 0,
                          **(h.engine.status() if h.engine is not None else {})}
                         for h in self.hosts.values()],
             "lease": self.lease.info(),

@@ -59,6 +59,13 @@ class GenerationRequest:
     n: int
     params: SamplingParams
     sink: TokenSink | None = None  # a streamed request: hear its tokens as they come
+    # The client went away (a non-streamed one; a streamed one's sink says `cancelled`): the torch sampler
+    # drops its rows at the next decoding step, the batcher before its batch.
+    abandoned: bool = False
+
+    @property
+    def gone(self) -> bool:
+        return self.abandoned or (self.sink is not None and self.sink.cancelled)
 
 
 @dataclass

@@ -101,6 +101,7 @@ class TorchSampler(Sampler):
         # Streamed requests hear each row's token as soon as it is sampled (one call per row and step).
         sinks = [requests[u].sink for u in row_req]
         streaming = any(s is not None for s in sinks)
+        rows_of = [requests[u] for u in row_req]
         sample_of = [k for r in requests for k in range(r.n)]  # row -> its sample's index in its request
 
         tokens: list[list[int]] = [[] for _ in range(B)]
@@ -128,7 +129,7 @@ class TorchSampler(Sampler):
                     tops[b].append(list(zip(top.indices[a, :k].tolist(), top.values[a, :k].tolist())))
                 if eos_l[a] or stops[b].check(tokens[b]):
                     finish[b] = "stop"
-                elif len(tokens[b]) < max_tokens[b] and not (streaming and sinks[b] is not None and sinks[b].cancelled):
+                elif len(tokens[b]) < max_tokens[b] and not rows_of[b].gone:
                     keep.append(a)  # a row whose client went away leaves the batch
             if streaming:
                 for b in alive:
