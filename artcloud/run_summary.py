@@ -33,7 +33,13 @@ _STATUS = {
 
 # A step summary is often readable by everyone with access to the repository, so a secret passed as a script
 # argument (`--api-key sk-...`) must not be echoed there even though the runner never means to put one in.
-_SECRET_FLAG = re.compile(r"^--?[\w-]*(token|key|secret|password|passwd|credential)[\w-]*$", re.IGNORECASE)
+# A flag is secret-looking when one of its words (split at - and _) is one of these: --hf-token, --api-key,
+# --openai_api_key, --apikey; not --max-tokens, --tokenizer or --keep-last.
+_SECRET_WORDS = {"token", "key", "apikey", "secret", "password", "passwd", "credential", "credentials"}
+
+
+def _secret_flag(arg: str) -> bool:
+    return arg.startswith("-") and bool(_SECRET_WORDS & set(re.split(r"[-_]+", arg.lstrip("-").lower())))
 
 
 def format_seconds(s: float) -> str:
@@ -146,11 +152,11 @@ def redacted(args: list) -> list[str]:
         flag, eq, _ = arg.partition("=")
         if hide_next:
             out.append("***")
-        elif eq and _SECRET_FLAG.match(flag):
+        elif eq and _secret_flag(flag):
             out.append(f"{flag}=***")
         else:
             out.append(arg)
-        hide_next = not eq and bool(_SECRET_FLAG.match(arg))
+        hide_next = not eq and _secret_flag(arg)
     return out
 
 
