@@ -28,6 +28,25 @@ from tests.helpers import gather_groups, wait_for
 from tests.sky_standin import LocalSky, cluster_pids
 from tests.test_sky import TINY, use_s3
 
+HOLD_STEP = """
+import os, pathlib, time
+try:
+    from artcloud.server.engines import engine as _engine
+except ImportError:  # the node's own pythons, before the wheel is installed
+    _engine = None
+if _engine is not None:
+    _train_step, _dir = _engine.Engine.train_step, pathlib.Path(os.environ["HOLD_STEP_DIR"])
+
+    def train_step(self, *args, **kwargs):
+        if (_dir / "hold").exists():
+            (_dir / "in-step").touch()
+            while (_dir / "hold").exists():
+                time.sleep(0.05)
+        return _train_step(self, *args, **kwargs)
+
+    _engine.Engine.train_step = train_step
+"""
+
 
 def _preempt_soon(name: str, *, notice_s: float) -> threading.Thread:
     thread = threading.Thread(target=LocalSky().preempt, args=(name,), kwargs={"notice_s": notice_s}, daemon=True)
@@ -37,7 +56,7 @@ def _preempt_soon(name: str, *, notice_s: float) -> threading.Thread:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monkeypatch, seaweed, caplog):
+def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monkeypatch, seaweed, caplog, tmp_path):
     caplog.set_level(logging.WARNING)
     s3 = use_s3(monkeypatch, seaweed, "spot")
     store = CheckpointStore(S3Config.from_uri(s3))
@@ -45,8 +64,15 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
     # requests in flight must wait for the replacement, not reach that responder.
     monkeypatch.setenv("ARTCLOUD_STANDIN_INSTALL_DELAY_S", "3")
 
+    # On the cluster (its PYTHONPATH): a training step waits in the engine while HOLD_STEP_DIR/hold exists, so the
+    # machine is taken in the middle of one on every run, however fast the step (it used to finish first, now and then).
+    hook, hold = tmp_path / "hook", tmp_path / "hold"
+    hook.mkdir(), hold.mkdir()
+    (hook / "sitecustomize.py").write_text(HOLD_STEP)
+
     async def main() -> SkyBackend:
-        backend = SkyBackend(gpu="H100:1", use_spot=True, cluster_name="spot", s3=s3, idle_minutes=1)
+        backend = SkyBackend(gpu="H100:1", use_spot=True, cluster_name="spot", s3=s3, idle_minutes=1,
+                             env={"PYTHONPATH": str(hook), "HOLD_STEP_DIR": str(hold)})
         assert backend.relaunch_on_loss
         async with backend:
             model = artcloud.TrainableModel(name="agent", project="spot", base_model=TINY,
@@ -95,9 +121,12 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
                 return await original(job_id, on_event=seen, **kw)
 
             backend.follow_job = follow
+            (hold / "hold").touch()  # the server's next step waits in the engine until the machine is gone
             training = asyncio.ensure_future(model.train(await groups(), progress=False))
             await started.wait()
+            await asyncio.to_thread(wait_for, "the step held in the engine", (hold / "in-step").exists, 120)
             await asyncio.to_thread(LocalSky().preempt, "spot", notice_s=0)
+            (hold / "hold").unlink()  # the replacement trains the step again, unheld
             step3 = await training
             assert step3.step == 3 and len(backend.replacements) == 2
 
