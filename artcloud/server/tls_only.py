@@ -59,20 +59,23 @@ class Connections:
             total = min(8192, limit - min(RESERVED_FDS, limit // 4))
         self.total, self.per_peer = total, per_peer or max(1, total // 2)
         self.by_peer: Counter[str] = Counter()
-        self.refused, self._logged_at = 0, -REFUSALS_LOGGED_EVERY_S
+        self.open = self.refused = 0
+        self._logged_at = -REFUSALS_LOGGED_EVERY_S
 
     def admit(self, peer: str) -> bool:
-        if sum(self.by_peer.values()) >= self.total or self.by_peer[peer] >= self.per_peer:
+        if self.open >= self.total or self.by_peer[peer] >= self.per_peer:
             self.refused += 1
             if time.monotonic() - self._logged_at >= REFUSALS_LOGGED_EVERY_S:
                 self._logged_at = time.monotonic()
                 log.warning("refusing connections (%d so far): %d open of %d, %d from %s of %d per address",
-                            self.refused, sum(self.by_peer.values()), self.total, self.by_peer[peer], peer, self.per_peer)
+                            self.refused, self.open, self.total, self.by_peer[peer], peer, self.per_peer)
             return False
         self.by_peer[peer] += 1
+        self.open += 1
         return True
 
     def release(self, peer: str) -> None:
+        self.open -= 1
         self.by_peer[peer] -= 1
         if self.by_peer[peer] <= 0:
             del self.by_peer[peer]
