@@ -23,6 +23,10 @@ sampled every second) at the window's start and end and its peak (goal: end / st
 also the engine batches run (GET /artcloud/status, else /health on an older server) and so the mean batch
 size, from which the script says what bounds the throughput.
 
+Then tiny-random's load runs again on the same server with --flood connections (1,000) held open from another
+loopback address without the token (TLS done, then nothing, or half a request head; one the server closes
+is opened again): the authenticated clients' rate, p50, p99, errors and the server's RSS, with and without.
+
 Bounded: each client stops starting requests after D seconds, each request has a timeout, and the
 whole run a request cap; both servers listen on 127.0.0.1 only and end with their parent.
 
@@ -356,6 +360,67 @@ async def load(server: Server | Floor, model: str, base_model: str, clients: int
 # ----------------------------------------------------------------------------------------- one model
 
 
+class Flood:
+    """`n` TLS connections from another loopback address (127.0.0.2) that finish the handshake and then send
+    nothing (every third sends half a request head): what a peer without the token can throw at the server.
+    One the server closes is opened again, so the flood holds at what the server lets it have."""
+
+    def __init__(self, url: str, n: int):
+        import socket
+        import ssl
+
+        self.host, self.port = url.removeprefix("https://").rsplit(":", 1)
+        self.n, self.socket_mod, self.ssl_mod = n, socket, ssl
+        self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        self.ctx.check_hostname, self.ctx.verify_mode = False, ssl.CERT_NONE
+        self.held: list[Any] = []
+        self.opened = self.refused = self.closed = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self) -> None:
+        try:
+            raw = self.socket_mod.create_connection((self.host, int(self.port)), timeout=2, source_address=("127.0.0.2", 0))
+            conn = self.ctx.wrap_socket(raw, server_hostname="x")
+            if self.opened % 3 == 0:
+                conn.sendall(b"GET /artcloud/status HTTP/1.1\r\nHost: x\r\n")
+            conn.setblocking(False)
+            self.held.append(conn)
+            self.opened += 1
+        except OSError:
+            self.refused += 1
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            for _ in range(min(50, self.n - len(self.held))):  # a burst at a time: the server's loop breathes
+                self._open()
+            alive = []
+            for conn in self.held:
+                try:
+                    gone = conn.recv(1) == b""
+                except (self.ssl_mod.SSLWantReadError, BlockingIOError):
+                    gone = False  # nothing to read: still open
+                except OSError:  # reset
+                    gone = True
+                if gone:
+                    conn.close()
+                    self.closed += 1
+                else:
+                    alive.append(conn)
+            self.held = alive
+            self.stop.wait(0.2)
+        for conn in self.held:
+            conn.close()
+
+    def __enter__(self) -> "Flood":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+
 def batcher_cap() -> int | None:
     """The server batcher's default row cap (requests x n per engine call), for the verdict."""
     import inspect
@@ -385,6 +450,13 @@ def bench_model(model: str, clients: int, args: argparse.Namespace, out) -> dict
                 r.raise_for_status()
                 canned = r.json()  # the floor answers with this very response
             result["artcloud"] = asyncio.run(load(server, "bench", model, clients, args, "artcloud", args.seconds))
+            if args.flood and model == TINY:
+                out.print(f"[bold]{model}[/]: the same load again, with {args.flood} TLS connections without the token "
+                          "held open from 127.0.0.2 meanwhile")
+                with Flood(server.url, args.flood) as flood:
+                    result["flooded"] = asyncio.run(load(server, "bench", model, clients, args, "flooded", args.seconds))
+                result["flood"] = {"connections": args.flood, "opened": flood.opened, "refused": flood.refused,
+                                   "closed_by_server": flood.closed, "log_bytes": server.log.stat().st_size}
         finally:
             server.stop()
         result["response_bytes"] = len(json.dumps(canned))
@@ -484,6 +556,22 @@ def show(res: dict, args: argparse.Namespace, out) -> None:
                       + ("; hit --max-requests" if s["capped"] else "")
                       + "".join(f"; {k} e.g. {v!r}" for k, v in s["error_examples"].items()) + "[/]")
     out.print(f"  what bounds it: {res['bound']}")
+    if res.get("flooded"):
+        g, fl = res["flooded"], res["flood"]
+        t = Table(title=f"{res['model']}: the same clients with {fl['connections']} connections without the token "
+                        "held open meanwhile (security review 1)")
+        for col in ["", "no flood", "flood", "flood / no flood"]:
+            t.add_column(col, justify="left" if not col else "right")
+        for label, key, spec in (("requests / s", lambda s: s["requests_per_s"], ".1f"),
+                                 ("latency p50 (s)", lambda s: s["latency_s"]["p50"], ".3f"),
+                                 ("latency p99 (s)", lambda s: s["latency_s"]["p99"], ".3f"),
+                                 ("server RSS peak (MiB)", lambda s: s["rss_mib"]["peak"], ".0f")):
+            va, vg = key(a), key(g)
+            t.add_row(label, fmt(va, spec), fmt(vg, spec), fmt(vg / va if va and vg is not None else None, ".2f"))
+        t.add_row("errors (goal 0)", *(", ".join(f"{k}: {n}" for k, n in s["errors"].items()) or "0" for s in (a, g)), "")
+        out.print(t)
+        out.print(f"  the flood opened {fl['opened']} TLS connections, {fl['refused']} more were refused, the server "
+                  f"closed {fl['closed_by_server']} (no request head within its deadline); server log: {fl['log_bytes']} bytes")
 
 
 def main() -> None:
@@ -499,6 +587,8 @@ def main() -> None:
     p.add_argument("--skip-tiny", action="store_true")
     p.add_argument("--skip-smollm2", action="store_true")
     p.add_argument("--skip-floor", action="store_true", help="artcloud only, no peer")
+    p.add_argument("--flood", type=int, default=1000,
+                   help="tiny-random again, with this many TLS connections without the token held open (0: no flood phase)")
     p.add_argument("--json", type=Path, help="also write every figure here")
     p.add_argument("--floor-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--floor-dir", help=argparse.SUPPRESS)
@@ -533,7 +623,7 @@ def main() -> None:
         args.json.write_text(json.dumps({"settings": settings, "time": time.time(), "machine": machine, "results": results}, indent=2))
         out.print(f"wrote {args.json}")
     # Exit 1 when artcloud answered any request with an error (goal 0), so `make bench-load` fails loudly.
-    sys.exit(1 if any(r["artcloud"]["errors"] for r in results) else 0)
+    sys.exit(1 if any(r["artcloud"]["errors"] or (r.get("flooded") or {}).get("errors") for r in results) else 0)
 
 
 if __name__ == "__main__":
