@@ -47,7 +47,10 @@ class UnsafeFolder(ArtcloudError):
 def private_folder(folder: Path) -> Path:
     """`folder` for keys and tokens: made 0700, or, if it is there, a real folder (no link) of this user's that
     nobody else may read or write; UnsafeFolder otherwise (a key written there would be exposed)."""
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except FileExistsError:  # a file there: said below
+        pass
     st = os.lstat(folder)
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeFolder(f"{folder} is a link or not a folder: remove it, and a private one is made")

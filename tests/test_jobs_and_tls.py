@@ -397,6 +397,9 @@ def test_keys_go_only_into_a_private_folder_and_never_through_a_link(secrets_, t
     (tmp_path / "linked").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(tls.UnsafeFolder, match="is a link or not a folder"):
         secrets_.write(tmp_path / "linked")
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(tls.UnsafeFolder, match="is a link or not a folder"):
+        secrets_.write(tmp_path / "a-file")
     folder = tmp_path / "own"
     folder.mkdir(mode=0o700)
     bait = tmp_path / "bait"
