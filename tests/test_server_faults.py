@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -36,6 +37,21 @@ def _store(seaweed, bucket: str) -> CheckpointStore:
     return CheckpointStore(S3Config.from_uri(f"s3://{bucket}/runs", endpoint_url=seaweed.endpoint, region="us-east-1",
                                              access_key_id=env["AWS_ACCESS_KEY_ID"],
                                              secret_access_key=env["AWS_SECRET_ACCESS_KEY"]))
+
+
+@contextmanager
+def _in_process(tmp_path, factory):
+    """The app in this process on `factory`'s engine, with `agent` registered: (client, registry, two groups)."""
+    from fastapi.testclient import TestClient
+
+    from artcloud.server.app import create_app
+    from artcloud.server.registry import Registry
+
+    token = "t" * 32
+    registry = Registry(tmp_path / "data", engine="cpu", factory=factory)
+    with TestClient(create_app(registry, token), headers={"Authorization": f"Bearer {token}"}) as c:
+        assert c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY}).status_code == 200
+        yield c, registry, rollout_groups(c, "agent", ["x", "y"], n=4)
 
 
 # ------------------------------------------------------------------------------------------ the lease
@@ -151,11 +167,8 @@ def test_a_non_finite_update_is_skipped_never_committed_and_the_adapter_rolls_ba
     import math
 
     import torch
-    from fastapi.testclient import TestClient
 
-    from artcloud.server.app import create_app
     from artcloud.server.engines.cpu import CPUEngine
-    from artcloud.server.registry import Registry
 
     class FlakyMemory(CPUEngine):  # the real engine; once, a LoRA weight goes NaN just before a step
         poisoned = False
@@ -167,11 +180,7 @@ def test_a_non_finite_update_is_skipped_never_committed_and_the_adapter_rolls_ba
                     self.trainer._params(slot)[0][1].view(-1)[0] = float("nan")
             return super().train_step(slot, *args, **kwargs)
 
-    token = "t" * 32
-    registry = Registry(tmp_path / "data", engine="cpu", factory=FlakyMemory)
-    with TestClient(create_app(registry, token), headers={"Authorization": f"Bearer {token}"}) as c:
-        assert c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY}).status_code == 200
-        groups = rollout_groups(c, "agent", ["x", "y"], n=4)
+    with _in_process(tmp_path, FlakyMemory) as (c, registry, groups):
         r = c.post("/artcloud/models/agent/train", json={"groups": groups})
         assert r.status_code == 202, r.text
         last = events(c, r.json()["job_id"])[-1]
@@ -278,12 +287,9 @@ def test_a_rollback_that_fails_stops_serving_the_model_until_a_reload_works(tmp_
     """A step fails (the sampler refuses it), and so does putting the adapter back (an I/O error): the update
     it could not undo is never served (503 model_unavailable, /health degraded). The server reloads the model
     in the background; once that works the model is served again and trains on."""
-    from fastapi.testclient import TestClient
 
     from artcloud.server import training
-    from artcloud.server.app import create_app
     from artcloud.server.engines.cpu import CPUEngine
-    from artcloud.server.registry import Registry
 
     monkeypatch.setattr(training, "RELOAD_EVERY_S", 0.1)
 
@@ -303,11 +309,7 @@ def test_a_rollback_that_fails_stops_serving_the_model_until_a_reload_works(tmp_
                 raise OSError(errno.EIO, "Input/output error")
             return super().load_adapter(*args, **kwargs)
 
-    token = "t" * 32
-    registry = Registry(tmp_path / "data", engine="cpu", factory=BadDisk)
-    with TestClient(create_app(registry, token), headers={"Authorization": f"Bearer {token}"}) as c:
-        assert c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY}).status_code == 200
-        groups = rollout_groups(c, "agent", ["x", "y"], n=4)
+    with _in_process(tmp_path, BadDisk) as (c, registry, groups):
         r = c.post("/artcloud/models/agent/train", json={"groups": groups})
         last = events(c, r.json()["job_id"])[-1]
         assert last["type"] == "error" and "load_lora_adapter" in last["data"]["message"], last
@@ -325,11 +327,8 @@ def test_a_rollback_that_fails_stops_serving_the_model_until_a_reload_works(tmp_
 def test_a_training_worker_that_dies_ends_its_job_and_is_started_again(tmp_path, one_torch_thread, monkeypatch):
     """A bug in the worker's own error handling ends the worker task: its job still ends (`internal_error`),
     and a new worker takes the next job."""
-    from fastapi.testclient import TestClient
 
-    from artcloud.server.app import create_app
     from artcloud.server.engines.cpu import CPUEngine
-    from artcloud.server.registry import Registry
     from artcloud.server.training import ModelTrainer
 
     class OnceBroken(CPUEngine):
@@ -345,11 +344,7 @@ def test_a_training_worker_that_dies_ends_its_job_and_is_started_again(tmp_path,
         raise KeyError("a bug in the error handling")
 
     monkeypatch.setattr(ModelTrainer, "_failed", failing_handler)
-    token = "t" * 32
-    registry = Registry(tmp_path / "data", engine="cpu", factory=OnceBroken)
-    with TestClient(create_app(registry, token), headers={"Authorization": f"Bearer {token}"}) as c:
-        assert c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY}).status_code == 200
-        groups = rollout_groups(c, "agent", ["x", "y"], n=4)
+    with _in_process(tmp_path, OnceBroken) as (c, registry, groups):
         last = events(c, c.post("/artcloud/models/agent/train", json={"groups": groups}).json()["job_id"])[-1]
         assert last["type"] == "error" and last["data"]["code"] == "internal_error", last
         assert "a bug in the error handling" in last["data"]["message"]
@@ -362,11 +357,8 @@ def test_a_training_worker_that_dies_ends_its_job_and_is_started_again(tmp_path,
 def test_a_step_the_sampler_cannot_serve_is_not_kept(tmp_path, one_torch_thread):
     """After a commit the sampler must serve the new adapter (vLLM loads it). If that fails, the step is
     taken back off the disk and the model stays where it was: the disk never gets ahead of the model."""
-    from fastapi.testclient import TestClient
 
-    from artcloud.server.app import create_app
     from artcloud.server.engines.cpu import CPUEngine
-    from artcloud.server.registry import Registry
 
     class RefusingSampler(CPUEngine):  # the real engine; the publish of step 1 fails once
         refused = False
@@ -377,11 +369,7 @@ def test_a_step_the_sampler_cannot_serve_is_not_kept(tmp_path, one_torch_thread)
                 raise RuntimeError("vLLM /v1/load_lora_adapter answered 500")
             return super().publish(slot, lora, folder)
 
-    token = "t" * 32
-    registry = Registry(tmp_path / "data", engine="cpu", factory=RefusingSampler)
-    with TestClient(create_app(registry, token), headers={"Authorization": f"Bearer {token}"}) as c:
-        assert c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY}).status_code == 200
-        groups = rollout_groups(c, "agent", ["x", "y"], n=4)
+    with _in_process(tmp_path, RefusingSampler) as (c, registry, groups):
         r = c.post("/artcloud/models/agent/train", json={"groups": groups})
         last = events(c, r.json()["job_id"])[-1]
         assert last["type"] == "error" and "load_lora_adapter" in last["data"]["message"], last
