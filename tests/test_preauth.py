@@ -95,3 +95,65 @@ def test_a_tls_flood_without_the_token_costs_a_training_client_nothing(start_ser
         assert s.log.stat().st_size - log_before < 64 << 10  # no traceback per connection or retry
     for conn in [*held, stalled]:
         conn.close()
+
+
+@pytest.mark.slow
+def test_behind_an_https_proxy_idle_and_stalled_connections_end_by_the_same_deadlines(tmp_path):
+    """--behind-https-proxy (Modal's tunnel): plain HTTP, every connection from the proxy's address. Idle and
+    half-sent heads are closed by the head deadline (3 s here) from the connection's start, a stalled body by
+    BODY_IDLE_S; a client with the token is served meanwhile. Before, uvicorn held them all for ever."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOOK + "tls_only.HEAD_TIMEOUT_S = 3.0\n")
+    token = "t" * 32
+    env = {**os.environ, "ARTCLOUD_TOKEN": token, "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))}
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "artcloud", "serve", "--path", str(tmp_path / "data"), "--port", "0",
+                                 "--behind-https-proxy"], stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        found = wait_for("the server's address", lambda: proc.poll() is None and re.findall(
+            r"serving plain HTTP on http://localhost:(\d+)", log.read_text()), 120)
+        port = int(found[0])
+
+        def plain(send: bytes) -> socket.socket:
+            conn = socket.create_connection(("127.0.0.1", port), timeout=5)
+            if send:
+                conn.sendall(send)
+            return conn
+
+        held = [plain(b"GET /artcloud/status HTTP/1.1\r\nHost: x\r\n" if i % 3 == 0 else b"") for i in range(100)]
+        stalled = plain(b"POST /artcloud/models/agent/log HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + token.encode()
+                        + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"metr")
+        began = time.monotonic()
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
+                          headers={"Authorization": f"Bearer {token}"}) as c:
+            assert c.get("/health").json()["status"] == "ok"
+            assert c.post("/artcloud/heartbeat").status_code == 200
+
+        def closed(conn: socket.socket) -> bool:
+            conn.settimeout(0.05)
+            try:
+                return conn.recv(1) == b""
+            except socket.timeout:
+                return False
+            except OSError:
+                return True
+
+        wait_for("idle and half-sent connections closed", lambda: all(map(closed, held)), 30, every=0.5)
+        wait_for("the stalled body's connection closed", lambda: closed(stalled), 30, every=0.5)
+        assert time.monotonic() - began >= 2.5  # by the deadlines, not at once
+        assert _descriptors(proc.pid) < 64
+        for conn in [*held, stalled]:
+            conn.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -250,12 +250,12 @@ def run(
     app = create_app(registry, tls.token if tls is not None else token)
     # A bad cert/key pair fails here, before serving.
     context = server_context(str(tls.cert), str(tls.key)) if tls is not None else None
-    # TLS is done by TLSOnlyProtocol (so plain HTTP gets a readable 400), on asyncio's own loop.
+    # TLS is done by TLSOnlyProtocol (so plain HTTP gets a readable 400), on asyncio's own loop; behind a
+    # proxy, ProxiedProtocol keeps the same deadlines and the cap in all.
     config = uvicorn.Config(app, loop="asyncio", log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             timeout_keep_alive=30)
     config.load()
-    if context is not None:
-        wrap_uvicorn_protocol(config, context, hint=url, connections=Connections())
+    wrap_uvicorn_protocol(config, context, hint=url, connections=Connections(by_peer=context is not None))
     server = uvicorn.Server(config)
     lifecycle = registry.lifecycle
     lifecycle.server, lifecycle.parent_pid = server, parent_pid

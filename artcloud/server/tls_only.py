@@ -13,6 +13,10 @@ kept-alive one is uvicorn's to close, after its keep-alive timeout); a request b
 BODY_IDLE_S ends the connection. `Connections` caps how many are open in all and per peer address, so that
 descriptors stay for the checkpoints, and the accept loop's out-of-descriptors errors are logged once per
 minute, not once per retry (`quiet_accept_errors`).
+
+Behind an HTTPS-terminating proxy (`--behind-https-proxy`, Modal's tunnel) the same deadlines hold for the
+plain HTTP the proxy forwards (`ProxiedProtocol`), from the connection's start, and the cap in all; not the
+cap per address, since every connection comes from the proxy.
 """
 
 from __future__ import annotations
@@ -53,11 +57,11 @@ class Connections:
     From the descriptor limit, raised to the hard limit first: what RESERVED_FDS leaves (at most 8,192), half of it
     per peer; a refused connection is closed at once, and logged once per REFUSALS_LOGGED_EVERY_S."""
 
-    def __init__(self, total: int | None = None, per_peer: int | None = None):
+    def __init__(self, total: int | None = None, per_peer: int | None = None, *, by_peer: bool = True):
         if total is None:
             limit = descriptors()
             total = min(8192, limit - min(RESERVED_FDS, limit // 4))
-        self.total, self.per_peer = total, per_peer or max(1, total // 2)
+        self.total, self.per_peer = total, per_peer or (max(1, total // 2) if by_peer else total)
         self.by_peer: Counter[str] = Counter()
         self.open = self.refused = 0
         self._logged_at = -REFUSALS_LOGGED_EVERY_S
@@ -177,6 +181,26 @@ class TLSOnlyProtocol(asyncio.Protocol):
             self._head_from = None
 
 
+class ProxiedProtocol(TLSOnlyProtocol):
+    """Plain HTTP from an HTTPS-terminating proxy: uvicorn's protocol at once, under the same deadlines (the
+    request head's from the connection's start)."""
+
+    def __init__(self, make_inner: Callable[[], asyncio.BaseProtocol], connections: Connections | None = None):
+        super().__init__(make_inner, None, "", connections)  # type: ignore[arg-type]
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)  # admitted, or aborted
+        if self._timer is None:
+            return
+        self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        self.inner = self.make_inner()
+        transport.set_protocol(_Watched(self))
+        self.inner.connection_made(transport)
+        self._head_from = self._last_data = loop.time()
+        self._timer = loop.call_later(CHECK_EVERY_S, self._check)
+
+
 class _TLS(sslproto.SSLProtocol):
     """asyncio's TLS protocol, telling the TLSOnlyProtocol that handed it the connection when it ends
     (whether or not its handshake was done: only then would uvicorn hear of it)."""
@@ -206,6 +230,7 @@ class _Watched(asyncio.Protocol):
         return self._inner.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._owner.connection_lost(exc)  # a second call (through _TLS) does nothing
         self._inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -258,12 +283,15 @@ def server_context(certfile: str, keyfile: str) -> ssl.SSLContext:
     return ctx
 
 
-def wrap_uvicorn_protocol(config: Any, context: ssl.SSLContext, hint: str, connections: Connections | None = None) -> None:
-    """Make a loaded uvicorn Config serve every connection through TLSOnlyProtocol (within `connections`)."""
+def wrap_uvicorn_protocol(config: Any, context: ssl.SSLContext | None, hint: str, connections: Connections | None = None) -> None:
+    """Make a loaded uvicorn Config serve every connection through TLSOnlyProtocol, or ProxiedProtocol when
+    `context` is None (within `connections`)."""
     inner_cls = config.http_protocol_class
 
     def factory(config: Any, server_state: Any, app_state: Any, _loop: Any = None) -> asyncio.Protocol:
         inner = partial(inner_cls, config=config, server_state=server_state, app_state=app_state, _loop=_loop)
+        if context is None:
+            return ProxiedProtocol(inner, connections)
         return TLSOnlyProtocol(inner, context, hint, connections)
 
     config.http_protocol_class = factory
