@@ -8,9 +8,12 @@ and NAME@1 answers again as before. `make test` builds .venv-vllm first (.ci/vll
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 from pathlib import Path
+from stat import S_IMODE
 
 import pytest
 from conftest import SMOLLM2, Server
@@ -39,6 +42,10 @@ def test_vllm_sampler_behind_the_server_in_its_own_environment_survives_its_deat
             assert eng["engine"].startswith("vllm + peft") and eng["sampler"]["kind"] == "vllm", eng
             assert eng["sampler"]["python"] == str(VLLM_PYTHON) and eng["sampler"]["state"] == "ready"
             assert eng["sampler"]["args"]["max_model_len"] == 1024 and eng["sampler"]["args"]["max_lora_rank"] == 16
+            # vLLM is reachable only through a Unix socket in a folder of the server's user alone: no port.
+            sock = Path(eng["sampler"]["socket"])
+            assert sock.is_socket() and S_IMODE(sock.parent.stat().st_mode) == 0o700, sock
+            assert tcp_listeners(eng["sampler"]["pid"]) == []
 
             greedy = dict(temperature=0.0, max_tokens=12)
             r0 = chat(c, "agent", "What is the capital of France?", **greedy)
@@ -57,6 +64,28 @@ def test_vllm_sampler_behind_the_server_in_its_own_environment_survives_its_deat
             at0 = chat(c, "agent@0", probe, **greedy)
             assert at1["model"] == "agent@1" and at0["model"] == "agent@0"
             assert at1["choices"][0]["token_ids"] != at0["choices"][0]["token_ids"]
+
+            # A non-streamed request whose client goes away stops generating in vLLM (security review 5). vLLM's
+            # engine core is held (SIGSTOP) from before the request, so it cannot finish by itself meanwhile.
+            sampler = lambda: c.get("/artcloud/status").json()["engines"][0]["sampler"]  # noqa: E731
+            (core,) = [int(p.split()[0]) for p in group_members(eng["sampler"]["pid"]) if "EngineCor" in p]
+            os.kill(core, signal.SIGSTOP)
+            try:
+                body = json.dumps({"model": "agent", "messages": [{"role": "user", "content": probe}],
+                                   "max_tokens": 500}).encode()
+                host, port = server.url.removeprefix("https://").rsplit(":", 1)
+                raw = server.ssl_context().wrap_socket(socket.create_connection((host, int(port))), server_hostname=host)
+                raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                            + server.token.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                            + str(len(body)).encode() + b"\r\n\r\n" + body)
+                wait_for("the request sent to vLLM", lambda: sampler()["in_flight"] == 1, 30)
+                raw.close()
+                # With the core still stopped: only giving the request up can end it.
+                wait_for("the request given up", lambda: sampler()["in_flight"] == 0, 30)
+            finally:
+                os.kill(core, signal.SIGCONT)
+            assert c.get("/artcloud/status").json()["engines"][0]["abandoned"] == 1
+            assert chat(c, "agent", probe, **greedy)["choices"][0]["token_ids"] == at1["choices"][0]["token_ids"]
 
             # vLLM dies (as a CUDA fault would take it): the server says so, and restarts it.
             os.kill(eng["sampler"]["pid"], signal.SIGKILL)
@@ -86,6 +115,26 @@ def test_vllm_sampler_behind_the_server_in_its_own_environment_survives_its_deat
     # vLLM's whole process group (API server, engine core, workers) went with the server; SIGKILLed
     # processes take a moment to go.
     wait_for("vLLM's processes to go", lambda: group_members(status["pid"]) == [], timeout=15)
+    assert not sock.parent.exists()
+
+
+def tcp_listeners(pid: int) -> list[str]:
+    """The TCP ports process `pid` listens on (its socket descriptors found in /proc/net/tcp{,6} in state LISTEN)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:
+                found.append(fields[1])
+    return found
 
 
 def group_members(pgid: int) -> list[str]:

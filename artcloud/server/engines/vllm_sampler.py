@@ -5,7 +5,9 @@ another Python environment (`artcloud serve --vllm-python`, ARTCLOUD_VLLM_PYTHON
 (CUDA OOM, a driver fault) does not take the server and its committed steps down; and it is what ART
 runs, so its sleep, LoRA and logprob behaviour is vLLM's own.
 
-- It listens on 127.0.0.1 only, with a random key of its own (passed in its environment, never argv).
+- It listens on a Unix socket in a folder of mode 0700, not on a port: no other user of the machine can
+  reach any of its routes (its key guards only /v1, and on a shared GPU its dev-mode routes /sleep,
+  /collective_rpc ... are on); it still has a random key of its own (in its environment, never argv).
 - The server keeps TLS, the token, NAME@STEP, chat rendering and tool parsing. It sends vLLM the prompt
   as token ids (POST /v1/completions), so sampling and training see the same tokens, and gets back the
   sampled token ids and their logprobs. `--logprobs-mode processed_logprobs`: the logprob of each token
@@ -23,15 +25,18 @@ runs, so its sleep, LoRA and logprob behaviour is vLLM's own.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
 import secrets
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +58,9 @@ from artcloud.types import LoraConfig
 log = logging.getLogger("artcloud.engine")
 
 BASE_NAME = "base"  # what vLLM calls the bare base model
+SOCKET = "vllm.sock"
+GONE_EVERY_S = 0.2  # how often a non-streamed request waiting for vLLM checks that its client is still there
+ANSWER_TIMEOUT_S = 600.0
 START_TIMEOUT_S = float(os.environ.get("ARTCLOUD_VLLM_START_TIMEOUT", "900"))  # a 14B model cold: minutes
 MAX_RESTARTS = 5  # in a row without a healthy minute between them; then the sampler stays down
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -74,9 +82,9 @@ class VLLMArgs:
     env: dict[str, str]
     workdir: Path  # its log and its copies of the adapters
 
-    def argv(self, port: int) -> list[str]:
+    def argv(self, uds: Path) -> list[str]:
         argv = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                "--served-model-name", BASE_NAME, "--host", "127.0.0.1", "--port", str(port),
+                "--served-model-name", BASE_NAME, "--uds", str(uds),
                 "--enable-lora", "--return-tokens-as-token-ids", "--logprobs-mode", "processed_logprobs",
                 "--disable-uvicorn-access-log"]
         for key, value in sorted(self.args.items()):
@@ -90,10 +98,15 @@ class VLLMArgs:
         return argv
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _socket_folder() -> Path:
+    """A fresh folder of mode 0700 (mkdtemp) for vLLM's socket, in the temp folder: a socket's path may not
+    be longer than 107 bytes, which a deep working folder would pass."""
+    folder = Path(tempfile.mkdtemp(prefix="artcloud-vllm-"))
+    if len(str(folder / SOCKET)) > 107:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise EngineError(f"the temp folder's path {folder.parent} is too long for vLLM's Unix socket: set TMPDIR "
+                          "to a shorter one (e.g. /tmp)")
+    return folder
 
 
 def _kill_group(pgid: int, sig: int) -> None:
@@ -137,6 +150,19 @@ def _die_with_parent() -> None:  # runs in the child before exec (Linux): no vLL
     os.setsid()  # its own process group, so its engine workers are stopped with it
 
 
+class _SocketConnection(http.client.HTTPConnection):
+    """HTTP/1.1 to vLLM's Unix socket, on a connection of its own that the caller may close at any time."""
+
+    def __init__(self, path: Path, timeout: float):
+        super().__init__("vllm", timeout=timeout)
+        self._path = str(path)
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
 class VLLMSampler(Sampler):
     concurrent = True  # vLLM batches continuously: a request sent while others run joins them
 
@@ -153,14 +179,23 @@ class VLLMSampler(Sampler):
         self.restarts = 0
         self.asleep = False
         self.proc: subprocess.Popen | None = None
-        self.url = ""
+        self.in_flight = 0  # generation requests sent to vLLM and not yet answered (or given up)
+        self._counting = threading.Lock()
         self._lock = threading.RLock()  # the process and the adapter table change together
         self._pool = ThreadPoolExecutor(64, thread_name_prefix="artcloud-vllm")
         import httpx
 
-        self._http = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0), limits=httpx.Limits(max_connections=64))
+        self.socket = _socket_folder() / SOCKET
+        transport = httpx.HTTPTransport(uds=str(self.socket), limits=httpx.Limits(max_connections=64))
+        self._http = httpx.Client(transport=transport, timeout=httpx.Timeout(600.0, connect=10.0))
+        self.url = "http://vllm"  # a name for the logs: every request goes to the socket
         (args.workdir / "adapters").mkdir(parents=True, exist_ok=True)
-        self._start()
+        try:
+            self._start()
+        except BaseException:
+            self._http.close()
+            shutil.rmtree(self.socket.parent, ignore_errors=True)
+            raise
         self._watcher = threading.Thread(target=self._watch, name="artcloud-vllm-watch", daemon=True)
         self._watcher.start()
 
@@ -184,11 +219,11 @@ class VLLMSampler(Sampler):
                 pass
         if self.state == "closed":
             raise EngineError("the vLLM sampler is closed")
-        port = _free_port()
+        self.socket.unlink(missing_ok=True)  # a dead vLLM's: binding would fail on it
         env = {**child_env(os.environ), **self.cfg.env, "VLLM_API_KEY": self.key, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
                "VLLM_SERVER_DEV_MODE": "1" if self.can_sleep else "0", "VLLM_NO_USAGE_STATS": "1",
                "DO_NOT_TRACK": "1"}
-        argv = self.cfg.argv(port)
+        argv = self.cfg.argv(self.socket)
         log.info("starting vLLM (%s): %s", self.cfg.python, " ".join(argv[1:]))
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -197,7 +232,6 @@ class VLLMSampler(Sampler):
         if self.state == "closed":  # closed while this one was being started (a restart racing a shutdown)
             self._kill()
             raise EngineError("the vLLM sampler is closed")
-        self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             code = self.proc.poll()
@@ -217,7 +251,7 @@ class VLLMSampler(Sampler):
         self.asleep = False
         if ready:
             self.state, self.detail = "ready", None
-        log.info("vLLM answers at %s (pid %d)", self.url, self.proc.pid)
+        log.info("vLLM answers on %s (pid %d)", self.socket, self.proc.pid)
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -287,6 +321,7 @@ class VLLMSampler(Sampler):
         self._kill()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
+        shutil.rmtree(self.socket.parent, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------- HTTP
 
@@ -303,6 +338,31 @@ class VLLMSampler(Sampler):
         if r.status_code >= 400:
             raise EngineError(f"vLLM {path} answered {r.status_code}: {r.text[:500]}")
         return r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
+
+    def _completions_unless_gone(self, payload: dict[str, Any], req: GenerationRequest) -> dict[str, Any] | None:
+        """POST /v1/completions, not streamed, on a connection of its own that is closed (None returned) once
+        the request's client has gone away: vLLM aborts a request whose connection closes (@with_cancellation,
+        vllm/entrypoints/serve/utils/api_utils.py:51), so an abandoned request stops generating at its next step."""
+        self._check_ready()
+        conn = _SocketConnection(self.socket, timeout=ANSWER_TIMEOUT_S)
+        try:
+            conn.request("POST", "/v1/completions", body=json.dumps(payload).encode(),
+                         headers={"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"})
+            deadline = time.monotonic() + ANSWER_TIMEOUT_S
+            while not select.select([conn.sock], [], [], GONE_EVERY_S)[0]:
+                if req.gone:
+                    return None
+                if time.monotonic() > deadline:
+                    raise EngineError(f"vLLM did not answer /v1/completions within {ANSWER_TIMEOUT_S:.0f} s")
+            r = conn.getresponse()
+            body = r.read()
+        except (OSError, http.client.HTTPException) as e:
+            raise self._lost(e) from e
+        finally:
+            conn.close()
+        if r.status >= 400:
+            raise EngineError(f"vLLM /v1/completions answered {r.status}: {body[:500].decode(errors='replace')}")
+        return json.loads(body)
 
     def _check_ready(self, force: bool = False) -> None:
         if self.state != "ready" and not force:
@@ -422,9 +482,17 @@ class VLLMSampler(Sampler):
             payload["stop"] = p.stop
         if p.seed is not None:
             payload["seed"] = p.seed
-        if req.sink is not None:
-            return self._streamed(payload, req)
-        out = self._post("/v1/completions", payload)
+        with self._counting:
+            self.in_flight += 1
+        try:
+            if req.sink is not None:
+                return self._streamed(payload, req)
+            out = self._completions_unless_gone(payload, req)
+        finally:
+            with self._counting:
+                self.in_flight -= 1
+        if out is None:  # its client went away: nobody reads these
+            return []
         choices = sorted(out["choices"], key=lambda c: c["index"])
         return [self._completion(c, p.top_logprobs, p.temperature) for c in choices]
 
@@ -468,7 +536,8 @@ class VLLMSampler(Sampler):
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": "vllm", "state": self.state, "restarts": self.restarts, "asleep": self.asleep,
-                               "adapters": len(self.adapters), "python": self.cfg.python,
+                               "adapters": len(self.adapters), "python": self.cfg.python, "socket": str(self.socket),
+                               "in_flight": self.in_flight,
                                "args": {k: v for k, v in sorted(self.cfg.args.items())}}
         if self.proc is not None:
             out["pid"] = self.proc.pid
