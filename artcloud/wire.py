@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal, TypeVar, Union
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -176,14 +177,35 @@ class ChatCompletionRequest(BaseModel):
 # ---------------------------------------------------------------------------------------------- training
 
 
-class TokenLogprob(_Open):
-    token: str = ""
-    # JSON from Python may carry NaN: a NaN logprob would train a NaN adapter.
-    logprob: FiniteFloat
+# What one training request may hold. A body of these sizes is refused by --max-body-mb long before;
+# the caps put the shape in the schema, and each list stops validating at its first bad entry
+# (fail_fast), so that an invalid body costs one error, not one per entry.
+MAX_TURN_TOKENS = 262_144  # a sampled turn: token_ids and logprobs.content
+MAX_ITEMS = 4_096  # messages and choices of a conversation
+MAX_GROUPS = 1_024  # groups of a request, trajectories of a group
+
+
+NOT_AN_ENTRY = "each entry is an object with the sampled token's logprob, as the server returned it"
+
+
+def _logprob_of(entry: Any) -> Any:
+    if not isinstance(entry, dict) or "logprob" not in entry:
+        raise InvalidArgument(NOT_AN_ENTRY)
+    return entry["logprob"]
+
+
+# An entry of `logprobs.content` ({"token": ..., "logprob": ..., "top_logprobs": ...}) parses to its logprob
+# alone: the only part training reads, and a float costs a tenth of a model per sampled token.
+# JSON from Python may carry NaN: a NaN logprob would train a NaN adapter.
+TokenLogprob = Annotated[
+    FiniteFloat, BeforeValidator(_logprob_of),
+    WithJsonSchema({"type": "object", "required": ["logprob"], "additionalProperties": True,
+                    "properties": {"token": {"type": "string"}, "logprob": {"type": "number"}}}),
+]
 
 
 class ChoiceLogprobs(_Open):
-    content: list[TokenLogprob] | None = None
+    content: list[TokenLogprob] | None = Field(None, max_length=MAX_TURN_TOKENS, fail_fast=True)
 
 
 class Choice(_Open):
@@ -194,7 +216,7 @@ class Choice(_Open):
     finish_reason: str | None = None
     message: Message
     logprobs: ChoiceLogprobs | None = None
-    token_ids: list[int] | None = None
+    token_ids: list[int] | None = Field(None, max_length=MAX_TURN_TOKENS, fail_fast=True)
     # Optional here so that a choice without them gets the training route's own message (what to keep),
     # not a bare "field required".
     prompt_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
@@ -221,7 +243,7 @@ class WireHistory(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    messages_and_choices: list[Item] = Field(min_length=1)
+    messages_and_choices: list[Item] = Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)
     tools: list[dict[str, Any]] | None = None
 
 
@@ -233,11 +255,11 @@ class WireTrajectory(WireHistory):
 class WireGroup(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    trajectories: list[WireTrajectory] = Field(min_length=1)
+    trajectories: list[WireTrajectory] = Field(min_length=1, max_length=MAX_GROUPS, fail_fast=True)
 
 
 class TrainRequest(_Strict):
-    groups: list[WireGroup] = Field(min_length=1)
+    groups: list[WireGroup] = Field(min_length=1, max_length=MAX_GROUPS, fail_fast=True)
     config: TrainConfig = Field(default_factory=TrainConfig)
     # A retried POST with the same key returns the first job instead of training twice.
     idempotency_key: str | None = Field(None, min_length=1, max_length=200)

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from artcloud import tls
-from artcloud.server.jobs import JobStore, request_hash
+from artcloud.server.app import parse_train_body
+from artcloud.server.jobs import JobStore
 from artcloud.wire import Event
 
 # ------------------------------------------------------------------------------------------ jobs
@@ -30,7 +31,7 @@ def _lines(path: Path) -> list[dict]:
 
 def test_events_are_on_disk_as_ndjson(tmp_path):
     store = JobStore("m", tmp_path)
-    job = store.create(idempotency_key="k1", body_hash=request_hash({"a": 1}))
+    job = store.create(idempotency_key="k1", body_hash="ab" * 32)
     assert job.status == "queued" and not job.done
     job.emit("queued")
     job.emit("start", step=1)
@@ -49,12 +50,18 @@ def test_events_are_on_disk_as_ndjson(tmp_path):
         job.emit("step")
     assert len(_lines(path)) == 4
     meta = json.loads((tmp_path / f"{job.id}.json").read_text())
-    assert meta["idempotency_key"] == "k1" and meta["request_sha256"] == request_hash({"a": 1})
+    assert meta["idempotency_key"] == "k1" and meta["request_sha256"] == "ab" * 32
 
 
-def test_request_hash_ignores_key_order():
-    assert request_hash({"a": 1, "b": [1, 2]}) == request_hash({"b": [1, 2], "a": 1})
-    assert request_hash({"a": 1}) != request_hash({"a": 2})
+def test_request_hash_ignores_key_order_and_the_idempotency_key():
+    def hashed(body: dict) -> str:
+        return parse_train_body(json.dumps(body).encode())[1]
+
+    turn = {"role": "user", "content": "hi"}
+    body = {"groups": [{"trajectories": [{"messages_and_choices": [turn], "reward": 1.0}]}], "config": {"learning_rate": 1e-5}}
+    reordered = {"config": {"learning_rate": 1e-5}, "groups": [{"trajectories": [{"reward": 1.0, "messages_and_choices": [turn]}]}]}
+    assert hashed(body) == hashed(reordered) == hashed({**body, "idempotency_key": "k"})
+    assert hashed(body) != hashed({**body, "config": {"learning_rate": 2e-5}})
 
 
 def test_reload_marks_unfinished_jobs_interrupted(tmp_path):

@@ -4,15 +4,23 @@ grows without bound. A real server process over HTTPS, tiny-random."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import threading
 from pathlib import Path
 
 import httpx
 import pytest
 from conftest import TINY, serving_agent
-from helpers import chat, rollout_groups
+from fastapi.exceptions import RequestValidationError
+from helpers import chat, events, rollout_groups, wait_for
 
+from artcloud import wire
+from artcloud.server.app import parse_train_body
+
+# --max-train-bodies 8: the eight posts that fill the job queue at once are all read.
 LIMITED = ("--max-body-mb", "0.2", "--max-request-tokens", "64", "--max-queued-jobs", "1", "--max-kept-jobs", "2",
-           "--max-models", "2")
+           "--max-models", "2", "--max-train-bodies", "8")
 
 
 @pytest.fixture(scope="module")
@@ -193,3 +201,125 @@ def test_a_failed_load_ends_its_engine_thread_at_once(failure):
         assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
     finally:
         gc.enable()
+
+
+# ------------------------------------------------------------------------------- training bodies
+
+PARSE_BARRIER = """
+import os, pathlib, time
+from artcloud.server import app
+
+_parse, _where = app.parse_train_body, pathlib.Path(os.environ["ARTCLOUD_TEST_BARRIER"])
+
+def parse_train_body(raw):
+    (_where / f"parsing-{len(list(_where.glob('parsing-*')))}").touch()
+    while not (_where / "go").exists():
+        time.sleep(0.05)
+    return _parse(raw)
+
+app.parse_train_body = parse_train_body
+"""
+
+
+def test_training_bodies_are_parsed_off_the_event_loop_and_beyond_the_limit_get_429(start_server, tmp_path):
+    """Two training bodies are held in their parse (a barrier in the worker thread, where a big body spends
+    seconds): meanwhile /health and a chat request answer, a third training POST gets 429 naming
+    --max-train-bodies, and once the two are parsed every POST is taken again."""
+    hook, barrier = tmp_path / "hook", tmp_path / "barrier"
+    hook.mkdir(), barrier.mkdir()
+    (hook / "sitecustomize.py").write_text(PARSE_BARRIER)
+    env = {"ARTCLOUD_TEST_BARRIER": str(barrier),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))}
+    s = start_server(tmp_path / "srv", "--max-train-bodies", "2", env=env)
+    with s.client() as c:
+        assert c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY}).status_code == 200
+        groups = rollout_groups(c, "agent", ["x", "y"], n=4)
+    answers: list[httpx.Response] = []
+
+    def post() -> None:
+        with s.client() as pc:
+            answers.append(pc.post("/artcloud/models/agent/train", json={"groups": groups}))
+
+    held = [threading.Thread(target=post) for _ in range(2)]
+    for i, t in enumerate(held):
+        t.start()
+        wait_for(f"body {i + 1} in its parse", (barrier / f"parsing-{i}").exists, 30)
+    with s.client() as c:
+        assert c.get("/health").json()["status"] == "ok"
+        assert chat(c, "agent")["model"] == "agent@0"
+        err = _error(c.post("/artcloud/models/agent/train", json={"groups": groups}), 429, "too_many_requests")
+        assert "2 training requests are being read" in err["message"] and "--max-train-bodies" in err["message"]
+        # The SDK's model.train asks again until a body may be read: its first POST gets the same 429.
+        sdk_step: list[int] = []
+        sdk = threading.Thread(target=lambda: sdk_step.append(asyncio.run(_sdk_train(s))))
+        sdk.start()
+        refused = '/train HTTP/1.1" 429'  # uvicorn's access log
+        wait_for("the SDK's POST refused", lambda: s.log.read_text().count(refused) == 2, 60)
+        (barrier / "go").touch()
+        for t in [*held, sdk]:
+            t.join(60)
+        assert sdk_step == [1]  # its model trained a step once the two held bodies were read
+        assert sorted(r.status_code for r in answers) == [202, 202], [r.text for r in answers]
+        third = c.post("/artcloud/models/agent/train", json={"groups": groups})
+        assert third.status_code == 202, third.text
+        for r in [*answers, third]:
+            assert events(c, r.json()["job_id"])[-1]["type"] == "end"
+
+
+async def _sdk_train(s) -> int:
+    """model.train through RemoteBackend: the step the job ended at."""
+    import artcloud
+    from artcloud.backends.remote import RemoteBackend
+    from helpers import gather_groups
+
+    backend = RemoteBackend(s.url, token=s.token, ca_cert=s.ca, heartbeat_every_s=0)
+    model = artcloud.TrainableModel(name="sdk", project="p", base_model=TINY)
+    await model.register(backend)
+    try:
+        await model.train(await gather_groups(model))
+        return await model.get_step()
+    finally:
+        await backend.close()
+
+
+def _body(choice: dict) -> bytes:
+    traj = {"messages_and_choices": [{"role": "user", "content": "hi"}, choice], "reward": 1.0}
+    return json.dumps({"groups": [{"trajectories": [traj]}]}).encode()
+
+
+def _choice(k: int, logprob: object = -0.5) -> dict:
+    return {"message": {"role": "assistant", "content": "x"}, "token_ids": [1] * k,
+            "logprobs": {"content": [{"token": "a", "logprob": logprob, "top_logprobs": []}] * k},
+            "prompt_sha256": "0" * 64, "temperature": 1.0}
+
+
+def test_an_invalid_body_costs_one_error_not_one_per_entry():
+    """100,000 bad logprobs: pydantic stops at the first (fail_fast), and the 400 names it."""
+    with pytest.raises(Exception) as caught:
+        wire.TrainRequest.model_validate_json(_body(_choice(100_000, "x")))
+    assert caught.value.error_count() == 1
+    with pytest.raises(RequestValidationError) as caught:
+        parse_train_body(_body(_choice(100_000, "x")))
+    (only,) = caught.value.errors()
+    assert only["loc"] == ("body", "groups", 0, "trajectories", 0, "messages_and_choices", 1, "choice", "logprobs",
+                           "content", 0, "logprob")
+
+
+def test_a_sampled_turn_longer_than_any_context_is_refused_by_the_schema():
+    for field in ("token_ids", "logprobs"):
+        choice = {**_choice(3), field: _choice(wire.MAX_TURN_TOKENS + 1)[field]}
+        with pytest.raises(RequestValidationError) as caught:
+            parse_train_body(_body(choice))
+        (only,) = caught.value.errors()
+        assert only["type"] == "too_long" and field in only["loc"], only
+    req, _ = parse_train_body(_body(_choice(3)))  # an entry parses to its logprob: all training reads
+    assert req.groups[0].trajectories[0].messages_and_choices[1].logprobs.content == [-0.5] * 3
+
+
+def test_a_logprob_entry_that_is_not_an_object_is_named_as_the_entry():
+    choice = _choice(3)
+    choice["logprobs"]["content"] = [{"logprob": -1.0}, 0.5, {"logprob": -1.0}]
+    with pytest.raises(RequestValidationError) as caught:
+        parse_train_body(_body(choice))
+    (only,) = caught.value.errors()
+    assert only["loc"][-3:] == ("logprobs", "content", 1) and wire.NOT_AN_ENTRY in only["msg"]

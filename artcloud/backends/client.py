@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -74,10 +75,14 @@ def check_version(server_version: Any) -> None:
         )
 
 
-def _retryable(exc: BaseException) -> bool:
+def _retryable(exc: BaseException, busy: bool = False) -> bool:
+    """A lost connection or a 5xx; with `busy`, also a 429 `too_many_requests` (the server is reading as many
+    training bodies as it takes at once: seconds)."""
     if isinstance(exc, httpx.TransportError):
         return True
-    return isinstance(exc, ArtcloudError) and exc.status is not None and exc.status >= 500
+    if not isinstance(exc, ArtcloudError) or exc.status is None:
+        return False
+    return exc.status >= 500 or busy and exc.status == 429 and exc.code == "too_many_requests"
 
 
 def _answer(response: httpx.Response) -> dict[str, Any]:
@@ -241,14 +246,15 @@ class Client:
         """Drop the connection without closing it: the event loop it was bound to is gone."""
         self._http = None
 
-    async def call(self, method: str, path: str, *, json_body: Any = None, retry: bool = True,
+    async def call(self, method: str, path: str, *, json_body: Any = None, retry: bool = True, busy: bool = False,
                    params: dict[str, Any] | None = None, timeout: float | None = None) -> dict[str, Any]:
         """One request and its answer's JSON object, raw (the typed calls below parse it); retried, unless
-        retry=False, on a lost connection or a 5xx. A server that does not answer at all is ServerGone."""
+        retry=False, on a lost connection or a 5xx (and a busy 429 with `busy`). A server that does not answer
+        at all is ServerGone."""
         attempts = AsyncRetrying(
             stop=stop_after_attempt(self.retries if retry else 1),
             wait=wait_exponential_jitter(initial=0.5, max=15.0),
-            retry=retry_if_exception(_retryable),
+            retry=retry_if_exception(partial(_retryable, busy=busy)),
             reraise=True,
         )
         try:
@@ -315,10 +321,11 @@ class Client:
         await self.call("POST", "/artcloud/heartbeat", retry=False)
 
     async def start_train(self, name: str, body: dict[str, Any]) -> JobSummary:
-        """POST a training job. The body's idempotency_key makes a retried POST return the same job."""
+        """POST a training job. The body's idempotency_key makes a retried POST return the same job; a server
+        busy reading other training bodies (--max-train-bodies) is asked again."""
         assert body.get("idempotency_key"), "training posts must carry an idempotency key"
         path = f"/artcloud/models/{name}/train"
-        return parse(JobSummary, await self.call("POST", path, json_body=body), f"POST {path}")
+        return parse(JobSummary, await self.call("POST", path, json_body=body, busy=True), f"POST {path}")
 
     async def follow_job(self, job_id: str, on_event: EventCallback | None = None,
                          reconnect_for_s: float = 300.0) -> list[Event]:

@@ -37,6 +37,7 @@ def serve(
     preload: Optional[str] = typer.Option(None, "--preload", envvar="ARTCLOUD_PRELOAD", help="Load this base model (a hub id or a folder) while the server comes up, so that GET /health says ready only once it is loaded and the first register finds it loaded. Default: $ARTCLOUD_PRELOAD (SkyBackend and ModalBackend set it when model.register started the sandbox)."),
     s3_claim_timeout: str = typer.Option("15m", "--s3-claim-timeout", help="A model's S3 claim (one server trains it) is renewed every third of this; another server may take the model over after this long without renewal."),
     max_body_mb: float = typer.Option(Limits.max_body_mb, "--max-body-mb", min=0.001, help="Largest request body, in MiB (413 above it).", rich_help_panel="Limits"),
+    max_train_bodies: int = typer.Option(Limits.max_train_bodies, "--max-train-bodies", min=1, help="Training request bodies read and parsed at once (429 above it); each may take ~20x its size in memory while it is parsed.", rich_help_panel="Limits"),
     max_request_tokens: int = typer.Option(Limits.max_request_tokens, "--max-request-tokens", min=1, help="Most tokens one chat request may ask for: n x max_tokens (400 above it).", rich_help_panel="Limits"),
     max_queued_jobs: int = typer.Option(Limits.max_queued_jobs, "--max-queued-jobs", min=1, help="Training jobs that may wait per model (429 above it).", rich_help_panel="Limits"),
     max_queued_samples: int = typer.Option(Limits.max_queued_samples, "--max-queued-samples", min=1, help="Chat samples (n of each request) waiting for or in generation per base model (429 above it).", rich_help_panel="Limits"),
@@ -77,7 +78,7 @@ def serve(
         raise CLIError(f"--vllm-python {vllm_python}: no executable there; give the path of a python with vllm installed")
     if vllm_python is not None:
         os.environ["ARTCLOUD_VLLM_PYTHON"] = vllm_python
-    limits = Limits(max_body_mb=max_body_mb, max_request_tokens=max_request_tokens, max_queued_jobs=max_queued_jobs,
+    limits = Limits(max_body_mb=max_body_mb, max_train_bodies=max_train_bodies, max_request_tokens=max_request_tokens, max_queued_jobs=max_queued_jobs,
                     max_queued_samples=max_queued_samples,
                     max_kept_jobs=max_kept_jobs, max_base_models=max_base_models, max_models=max_models)
 

@@ -31,6 +31,7 @@ from typing import Any
 from fastapi import FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -118,7 +119,7 @@ def create_app(registry: Registry, token: str) -> FastAPI:
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> dict[str, Any]:
-        return app.openapi()
+        return _with_models(app.openapi(), wire.TrainRequest)
 
     # ------------------------------------------------------------------------------------- OpenAI
 
@@ -221,17 +222,35 @@ def create_app(registry: Registry, token: str) -> FastAPI:
 
     # ------------------------------------------------------------------------------------- training
 
+    reading = 0  # training bodies being read and parsed now
+
+    async def read_train_body(request: Request) -> tuple[wire.TrainRequest, str]:
+        """The body, read and parsed under --max-train-bodies, off the event loop (a big one takes seconds
+        of pydantic-core, which lets the loop run between its steps)."""
+        nonlocal reading
+        if reading >= registry.limits.max_train_bodies:
+            raise ApiError(429, "too_many_requests", f"{reading} training requests are being read (the limit, artcloud "
+                           "serve --max-train-bodies): wait for their answers, then retry")
+        reading += 1
+        try:
+            return await asyncio.to_thread(parse_train_body, await request.body())
+        finally:
+            reading -= 1
+
+    # The body is read by the route, not by FastAPI (which parses on the event loop): its schema is declared here.
     @app.post("/artcloud/models/{name}/train", status_code=202, operation_id="train", response_model=wire.JobSummary,
               responses={202: {"links": _JOB_LINKS}, 200: {"model": wire.JobSummary, "links": _JOB_LINKS,
                                                             "description": "a retried POST: the job its key started"},
-                         **errors(400, 404, 409, 429, 503)})
+                         **errors(400, 404, 409, 429, 503)},
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": {"$ref": "#/components/schemas/TrainRequest"}}}}})
     async def train(
-        req: wire.TrainRequest, name: str = ModelName,
+        request: Request, name: str = ModelName,
         idempotency_key: str | None = Header(None, alias="Idempotency-Key", min_length=1, max_length=200),
     ) -> JSONResponse:
         trainer = registry.trainer(name)
+        req, body_hash = await read_train_body(request)
         key = req.idempotency_key or idempotency_key
-        body_hash = request_hash(req.model_dump(mode="json", exclude={"idempotency_key"}))
         if key:
             existing = trainer.jobs.find_by_key(key)
             if existing is not None and existing.status != "failed":
@@ -321,6 +340,31 @@ def _card(model_id: str, model: ServedModel | None) -> dict[str, Any]:
         return {"id": model_id, "object": "model", "owned_by": "artcloud", "root": model_id}
     return {"id": model_id, "object": "model", "owned_by": model.spec.project, "root": model.spec.base_model,
             "step": model.step}
+
+
+def parse_train_body(raw: bytes) -> tuple[wire.TrainRequest, str]:
+    """A training POST's body -> (the request, its hash). Errors as FastAPI's own body errors are."""
+    try:
+        req = wire.TrainRequest.model_validate_json(raw)
+    except ValidationError as e:
+        first = e.errors(include_url=False, include_input=False)[0]  # fail_fast lists make few
+        loc = first["loc"]
+        if loc[-3:-1] == ("logprobs", "content") and wire.NOT_AN_ENTRY not in first["msg"]:
+            loc = (*loc, "logprob")  # an entry parses to its logprob (wire.TokenLogprob): that is what was wrong
+        raise RequestValidationError([{**first, "loc": ("body", *loc)}]) from None
+    return req, request_hash(req)
+
+
+def _with_models(schema: dict[str, Any], *models: type[BaseModel]) -> dict[str, Any]:
+    """Add to the schema's components the models a route reads itself (so FastAPI never saw them)."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for model in models:
+        if model.__name__ not in components:
+            own = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            for name, sub in own.pop("$defs", {}).items():
+                components.setdefault(name, sub)
+            components[model.__name__] = own
+    return schema
 
 
 def _check_same(job: Job, body_hash: str) -> Job:

@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator, Callable
 
 from artcloud.errors import WrongState
 from artcloud.server.api_errors import ApiError
-from artcloud.wire import Event
+from artcloud.wire import Event, TrainRequest
 
 log = logging.getLogger("artcloud.server")
 
@@ -184,8 +184,10 @@ class Job:
                 "last_event": last, "created_at": self.meta.get("created_at")}
 
 
-def request_hash(body: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+def request_hash(request: TrainRequest) -> str:
+    """What a retried POST must repeat: the request as parsed (fields in the model's order, whatever order
+    the JSON had), less its idempotency key. Dumped by pydantic-core straight to bytes: no dict tree."""
+    return hashlib.sha256(request.model_dump_json(exclude={"idempotency_key"}).encode()).hexdigest()
 
 
 class JobStore:

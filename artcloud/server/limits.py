@@ -16,6 +16,9 @@ class Limits:
     # Request bodies. A training request of 64 groups x 8 trajectories x 1,000 sampled tokens with
     # logprobs is ~40 MB of JSON; parsing takes several times that in memory.
     max_body_mb: float = 128.0
+    # Training bodies read and parsed at once (429 above it): parsing takes up to ~20x a body's bytes
+    # (an invalid one the most), so this times --max-body-mb bounds the memory bodies can cost.
+    max_train_bodies: int = 2
     # n x max_tokens of one chat request: the tokens one request may make the engine generate.
     max_request_tokens: int = 131_072
     # Samples (n of each request) waiting for or in generation per base model: beyond it a chat request
@@ -36,6 +39,6 @@ class Limits:
         return int(self.max_body_mb * 1024 * 1024)
 
     def check(self) -> None:
-        for name in ("max_body_mb", "max_request_tokens", "max_queued_samples", "max_queued_jobs", "max_kept_jobs", "max_base_models", "max_models"):
+        for name in ("max_body_mb", "max_train_bodies", "max_request_tokens", "max_queued_samples", "max_queued_jobs", "max_kept_jobs", "max_base_models", "max_models"):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be positive")

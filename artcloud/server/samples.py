@@ -96,7 +96,7 @@ def history_turns(engine: Any, traj: WireHistory, where: str) -> list[Turn]:
             raise ApiError(400, "context_too_long", f"{where}, turn messages_and_choices[{i}]: {len(prompt)} prompt and "
                            f"{len(ids)} sampled tokens make {len(prompt) + len(ids)}, over the {engine.max_context} "
                            "positions this model takes: drop or shorten this turn", f"{here}.token_ids")
-        turns.append(Turn(prompt, list(ids), [float(c.logprob) for c in content], logprob_temperature(item.temperature)))
+        turns.append(Turn(prompt, list(ids), list(content), logprob_temperature(item.temperature)))
         context.append(item.message.model_dump(exclude_none=True))
     return turns
 
