@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, TypeVar, Union
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -177,12 +178,22 @@ class ChatCompletionRequest(BaseModel):
 # ---------------------------------------------------------------------------------------------- training
 
 
-# What one training request may hold. A body of these sizes is refused by --max-body-mb long before;
-# the caps put the shape in the schema, and each list stops validating at its first bad entry
-# (fail_fast), so that an invalid body costs one error, not one per entry.
+# What one training request may hold. Each list stops validating at its first bad entry (fail_fast), so
+# that an invalid body costs one error, not one per entry. The caps are checked after a list is parsed, not
+# by pydantic's max_length: its too_long error carries the whole input list, which it converts to Python
+# objects (for 6 M logprob entries: 3.5 GB and seconds holding the GIL).
 MAX_TURN_TOKENS = 262_144  # a sampled turn: token_ids and logprobs.content
 MAX_ITEMS = 4_096  # messages and choices of a conversation
 MAX_GROUPS = 1_024  # groups of a request, trajectories of a group
+
+
+def _at_most(cap: int) -> Any:
+    def check(value: list[Any] | None) -> list[Any] | None:
+        if value is not None and len(value) > cap:
+            raise InvalidArgument(f"takes at most {cap} entries, not {len(value)}")
+        return value
+
+    return AfterValidator(check)
 
 
 NOT_AN_ENTRY = "each entry is an object with the sampled token's logprob, as the server returned it"
@@ -205,7 +216,8 @@ TokenLogprob = Annotated[
 
 
 class ChoiceLogprobs(_Open):
-    content: list[TokenLogprob] | None = Field(None, max_length=MAX_TURN_TOKENS, fail_fast=True)
+    content: Annotated[list[TokenLogprob] | None, _at_most(MAX_TURN_TOKENS)] = Field(
+        None, fail_fast=True, json_schema_extra={"maxItems": MAX_TURN_TOKENS})
 
 
 class Choice(_Open):
@@ -216,7 +228,8 @@ class Choice(_Open):
     finish_reason: str | None = None
     message: Message
     logprobs: ChoiceLogprobs | None = None
-    token_ids: list[int] | None = Field(None, max_length=MAX_TURN_TOKENS, fail_fast=True)
+    token_ids: Annotated[list[int] | None, _at_most(MAX_TURN_TOKENS)] = Field(
+        None, fail_fast=True, json_schema_extra={"maxItems": MAX_TURN_TOKENS})
     # Optional here so that a choice without them gets the training route's own message (what to keep),
     # not a bare "field required".
     prompt_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
@@ -243,7 +256,8 @@ class WireHistory(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    messages_and_choices: list[Item] = Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)
+    messages_and_choices: Annotated[list[Item], _at_most(MAX_ITEMS)] = Field(
+        min_length=1, fail_fast=True, json_schema_extra={"maxItems": MAX_ITEMS})
     tools: list[dict[str, Any]] | None = None
 
 
@@ -255,11 +269,13 @@ class WireTrajectory(WireHistory):
 class WireGroup(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    trajectories: list[WireTrajectory] = Field(min_length=1, max_length=MAX_GROUPS, fail_fast=True)
+    trajectories: Annotated[list[WireTrajectory], _at_most(MAX_GROUPS)] = Field(
+        min_length=1, fail_fast=True, json_schema_extra={"maxItems": MAX_GROUPS})
 
 
 class TrainRequest(_Strict):
-    groups: list[WireGroup] = Field(min_length=1, max_length=MAX_GROUPS, fail_fast=True)
+    groups: Annotated[list[WireGroup], _at_most(MAX_GROUPS)] = Field(
+        min_length=1, fail_fast=True, json_schema_extra={"maxItems": MAX_GROUPS})
     config: TrainConfig = Field(default_factory=TrainConfig)
     # A retried POST with the same key returns the first job instead of training twice.
     idempotency_key: str | None = Field(None, min_length=1, max_length=200)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from artcloud import tls
-from artcloud.server.app import parse_train_body
+from artcloud.server import train_body
 from artcloud.server.jobs import JobStore
 from artcloud.wire import Event
 
@@ -55,7 +55,7 @@ def test_events_are_on_disk_as_ndjson(tmp_path):
 
 def test_request_hash_ignores_key_order_and_the_idempotency_key():
     def hashed(body: dict) -> str:
-        return parse_train_body(json.dumps(body).encode())[1]
+        return train_body.parse(json.dumps(body).encode())[1]
 
     turn = {"role": "user", "content": "hi"}
     body = {"groups": [{"trajectories": [{"messages_and_choices": [turn], "reward": 1.0}]}], "config": {"learning_rate": 1e-5}}

@@ -12,11 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import TINY, serving_agent
-from fastapi.exceptions import RequestValidationError
 from helpers import chat, events, rollout_groups, wait_for
 
 from artcloud import wire
-from artcloud.server.app import parse_train_body
+from artcloud.server import train_body
 
 # --max-train-bodies 8: the eight posts that fill the job queue at once are all read.
 LIMITED = ("--max-body-mb", "0.2", "--max-request-tokens", "64", "--max-queued-jobs", "1", "--max-kept-jobs", "2",
@@ -207,17 +206,17 @@ def test_a_failed_load_ends_its_engine_thread_at_once(failure):
 
 PARSE_BARRIER = """
 import os, pathlib, time
-from artcloud.server import app
+from artcloud.server import train_body
 
-_parse, _where = app.parse_train_body, pathlib.Path(os.environ["ARTCLOUD_TEST_BARRIER"])
+_parse, _where = train_body.parse, pathlib.Path(os.environ["ARTCLOUD_TEST_BARRIER"])
 
-def parse_train_body(raw):
+def parse(raw):
     (_where / f"parsing-{len(list(_where.glob('parsing-*')))}").touch()
     while not (_where / "go").exists():
         time.sleep(0.05)
     return _parse(raw)
 
-app.parse_train_body = parse_train_body
+train_body.parse = parse
 """
 
 
@@ -268,9 +267,10 @@ def test_training_bodies_are_parsed_off_the_event_loop_and_beyond_the_limit_get_
 
 async def _sdk_train(s) -> int:
     """model.train through RemoteBackend: the step the job ended at."""
+    from helpers import gather_groups
+
     import artcloud
     from artcloud.backends.remote import RemoteBackend
-    from helpers import gather_groups
 
     backend = RemoteBackend(s.url, token=s.token, ca_cert=s.ca, heartbeat_every_s=0)
     model = artcloud.TrainableModel(name="sdk", project="p", base_model=TINY)
@@ -282,9 +282,9 @@ async def _sdk_train(s) -> int:
         await backend.close()
 
 
-def _body(choice: dict) -> bytes:
+def _body(choice: dict, padding: str = "") -> bytes:
     traj = {"messages_and_choices": [{"role": "user", "content": "hi"}, choice], "reward": 1.0}
-    return json.dumps({"groups": [{"trajectories": [traj]}]}).encode()
+    return json.dumps({"groups": [{"trajectories": [traj], "padding": padding}]}).encode()  # a group ignores it
 
 
 def _choice(k: int, logprob: object = -0.5) -> dict:
@@ -294,32 +294,56 @@ def _choice(k: int, logprob: object = -0.5) -> dict:
 
 
 def test_an_invalid_body_costs_one_error_not_one_per_entry():
-    """100,000 bad logprobs: pydantic stops at the first (fail_fast), and the 400 names it."""
+    """100,000 bad logprobs: pydantic stops at the first (fail_fast), and the error names it."""
     with pytest.raises(Exception) as caught:
         wire.TrainRequest.model_validate_json(_body(_choice(100_000, "x")))
     assert caught.value.error_count() == 1
-    with pytest.raises(RequestValidationError) as caught:
-        parse_train_body(_body(_choice(100_000, "x")))
-    (only,) = caught.value.errors()
-    assert only["loc"] == ("body", "groups", 0, "trajectories", 0, "messages_and_choices", 1, "choice", "logprobs",
-                           "content", 0, "logprob")
+    invalid = train_body.parse(_body(_choice(100_000, "x")))
+    assert invalid["loc"] == ("body", "groups", 0, "trajectories", 0, "messages_and_choices", 1, "choice", "logprobs",
+                              "content", 0, "logprob")
 
 
 def test_a_sampled_turn_longer_than_any_context_is_refused_by_the_schema():
     for field in ("token_ids", "logprobs"):
         choice = {**_choice(3), field: _choice(wire.MAX_TURN_TOKENS + 1)[field]}
-        with pytest.raises(RequestValidationError) as caught:
-            parse_train_body(_body(choice))
-        (only,) = caught.value.errors()
-        assert only["type"] == "too_long" and field in only["loc"], only
-    req, _ = parse_train_body(_body(_choice(3)))  # an entry parses to its logprob: all training reads
+        invalid = train_body.parse(_body(choice))
+        assert f"takes at most {wire.MAX_TURN_TOKENS} entries, not {wire.MAX_TURN_TOKENS + 1}" in invalid["msg"], invalid
+        assert field in invalid["loc"], invalid
+    req, _ = train_body.parse(_body(_choice(3)))  # an entry parses to its logprob: all training reads
     assert req.groups[0].trajectories[0].messages_and_choices[1].logprobs.content == [-0.5] * 3
 
 
 def test_a_logprob_entry_that_is_not_an_object_is_named_as_the_entry():
     choice = _choice(3)
     choice["logprobs"]["content"] = [{"logprob": -1.0}, 0.5, {"logprob": -1.0}]
-    with pytest.raises(RequestValidationError) as caught:
-        parse_train_body(_body(choice))
-    (only,) = caught.value.errors()
-    assert only["loc"][-3:] == ("logprobs", "content", 1) and wire.NOT_AN_ENTRY in only["msg"]
+    invalid = train_body.parse(_body(choice))
+    assert invalid["loc"][-3:] == ("logprobs", "content", 1) and wire.NOT_AN_ENTRY in invalid["msg"]
+
+
+def test_a_big_body_is_parsed_in_a_child_process_with_the_same_answers(tiny_server):
+    """A body over IN_THREAD_MAX_BYTES (here padded by a key a group ignores) is parsed by
+    `python -m artcloud.server.train_body`: the same job for a valid one, the same 400 for an invalid one."""
+    pad = "x" * (train_body.IN_THREAD_MAX_BYTES + 1)
+    with tiny_server.client() as c:
+        groups = [{**g, "padding": pad} for g in rollout_groups(c, "agent", ["x", "y"], n=2)]
+        r = c.post("/artcloud/models/agent/train", json={"groups": groups})
+        assert r.status_code == 202, r.text
+        assert events(c, r.json()["job_id"])[-1]["type"] == "end"
+        bad = [groups[0], {**groups[1], "trajectories": [{**groups[1]["trajectories"][0], "reward": "high"}]}]
+        err = _error(c.post("/artcloud/models/agent/train", json={"groups": bad}), 400, "invalid_request")
+        assert err["field"] == "groups[1].trajectories[0].reward", err
+
+
+def test_a_big_body_goes_to_a_child_process_and_a_small_one_does_not(monkeypatch):
+    spawned = []
+    real = asyncio.create_subprocess_exec
+
+    async def spy(*args, **kw):
+        spawned.append(args)
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", spy)
+    small, big = _body(_choice(3)), _body(_choice(3), "x" * train_body.IN_THREAD_MAX_BYTES)
+    for raw in (small, big, _body(_choice(3, "x"), "x" * train_body.IN_THREAD_MAX_BYTES)):
+        assert asyncio.run(train_body.parse_off_loop(raw)) == train_body.parse(raw)
+    assert [args[1:] for args in spawned] == [("-m", "artcloud.server.train_body")] * 2

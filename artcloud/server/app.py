@@ -31,16 +31,16 @@ from typing import Any
 from fastapi import FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from artcloud import wire
 from artcloud._version import __version__
-from artcloud.server import chat, chat_stream
+from artcloud.server import chat, chat_stream, train_body
 from artcloud.server.api_errors import ApiError, errors, field_path
 from artcloud.server.engines.base import GenerationRequest, SamplingParams
-from artcloud.server.jobs import Job, request_hash
+from artcloud.server.jobs import Job
 from artcloud.server.middleware import BodyLimit, TokenAuth
 from artcloud.server.models import ServedModel
 from artcloud.server.registry import Registry
@@ -225,17 +225,19 @@ def create_app(registry: Registry, token: str) -> FastAPI:
     reading = 0  # training bodies being read and parsed now
 
     async def read_train_body(request: Request) -> tuple[wire.TrainRequest, str]:
-        """The body, read and parsed under --max-train-bodies, off the event loop (a big one takes seconds
-        of pydantic-core, which lets the loop run between its steps)."""
+        """The body, read and parsed under --max-train-bodies, off the event loop (server/train_body.py)."""
         nonlocal reading
         if reading >= registry.limits.max_train_bodies:
             raise ApiError(429, "too_many_requests", f"{reading} training requests are being read (the limit, artcloud "
                            "serve --max-train-bodies): wait for their answers, then retry")
         reading += 1
         try:
-            return await asyncio.to_thread(parse_train_body, await request.body())
+            parsed = await train_body.parse_off_loop(await request.body())
         finally:
             reading -= 1
+        if isinstance(parsed, dict):
+            raise RequestValidationError([parsed])
+        return parsed
 
     # The body is read by the route, not by FastAPI (which parses on the event loop): its schema is declared here.
     @app.post("/artcloud/models/{name}/train", status_code=202, operation_id="train", response_model=wire.JobSummary,
@@ -340,19 +342,6 @@ def _card(model_id: str, model: ServedModel | None) -> dict[str, Any]:
         return {"id": model_id, "object": "model", "owned_by": "artcloud", "root": model_id}
     return {"id": model_id, "object": "model", "owned_by": model.spec.project, "root": model.spec.base_model,
             "step": model.step}
-
-
-def parse_train_body(raw: bytes) -> tuple[wire.TrainRequest, str]:
-    """A training POST's body -> (the request, its hash). Errors as FastAPI's own body errors are."""
-    try:
-        req = wire.TrainRequest.model_validate_json(raw)
-    except ValidationError as e:
-        first = e.errors(include_url=False, include_input=False)[0]  # fail_fast lists make few
-        loc = first["loc"]
-        if loc[-3:-1] == ("logprobs", "content") and wire.NOT_AN_ENTRY not in first["msg"]:
-            loc = (*loc, "logprob")  # an entry parses to its logprob (wire.TokenLogprob): that is what was wrong
-        raise RequestValidationError([{**first, "loc": ("body", *loc)}]) from None
-    return req, request_hash(req)
 
 
 def _with_models(schema: dict[str, Any], *models: type[BaseModel]) -> dict[str, Any]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -28,7 +27,7 @@ from typing import Any, AsyncIterator, Callable
 
 from artcloud.errors import WrongState
 from artcloud.server.api_errors import ApiError
-from artcloud.wire import Event, TrainRequest
+from artcloud.wire import Event
 
 log = logging.getLogger("artcloud.server")
 
@@ -182,12 +181,6 @@ class Job:
         last = self.events[-1].model_dump() if self.events else None
         return {"job_id": self.id, "model": self.model, "status": self.status, "events": len(self.events),
                 "last_event": last, "created_at": self.meta.get("created_at")}
-
-
-def request_hash(request: TrainRequest) -> str:
-    """What a retried POST must repeat: the request as parsed (fields in the model's order, whatever order
-    the JSON had), less its idempotency key. Dumped by pydantic-core straight to bytes: no dict tree."""
-    return hashlib.sha256(request.model_dump_json(exclude={"idempotency_key"}).encode()).hexdigest()
 
 
 class JobStore:

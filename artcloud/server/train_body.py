@@ -1,0 +1,77 @@
+"""A training POST's body, parsed where it cannot freeze the server (security review 3).
+
+pydantic-core parses JSON into a tree of its own before it validates, and holds the GIL while it does: 100 MB
+of tiny logprob entries took 11 s and 4 GB, with the event loop stalled for 6 s of it. So a body up to
+IN_THREAD_MAX_BYTES (a few tens of milliseconds of parsing) is parsed in a worker thread; a bigger one in a
+child process (`python -m artcloud.server.train_body`: ~0.2 s to start), which frees its memory when it exits
+and shares no GIL with the loop. Either way the answer is (the request, its hash) or the first error, as
+FastAPI reports a body's errors. How many bodies are parsed at once is the app's --max-train-bodies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import pickle
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from artcloud import wire
+from artcloud.server.api_errors import ApiError
+
+IN_THREAD_MAX_BYTES = 4 << 20
+
+Parsed = tuple[wire.TrainRequest, str]  # the request and its hash
+Invalid = dict[str, Any]  # its first error: loc (from "body"), msg, type
+
+
+def parse(raw: bytes) -> Parsed | Invalid:
+    try:
+        req = wire.TrainRequest.model_validate_json(raw)
+    except ValidationError as e:
+        first = e.errors(include_url=False, include_input=False, include_context=False)[0]  # fail_fast lists: few
+        loc = first["loc"]
+        if loc[-3:-1] == ("logprobs", "content") and wire.NOT_AN_ENTRY not in first["msg"]:
+            loc = (*loc, "logprob")  # an entry parses to its logprob (wire.TokenLogprob): that is what was wrong
+        return {"loc": ("body", *loc), "msg": first["msg"], "type": first["type"]}
+    return req, request_hash(req)
+
+
+def request_hash(request: wire.TrainRequest) -> str:
+    """What a retried POST must repeat: the request as parsed (fields in the model's order, whatever order
+    the JSON had), less its idempotency key. Dumped by pydantic-core straight to bytes: no dict tree."""
+    return hashlib.sha256(request.model_dump_json(exclude={"idempotency_key"}).encode()).hexdigest()
+
+
+async def parse_off_loop(raw: bytes) -> Parsed | Invalid:
+    if len(raw) <= IN_THREAD_MAX_BYTES:
+        return await asyncio.to_thread(parse, raw)
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    child = await asyncio.create_subprocess_exec(sys.executable, "-m", "artcloud.server.train_body", env=env,
+                                                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                                                 stderr=asyncio.subprocess.DEVNULL)
+    try:
+        out, _ = await child.communicate(raw)
+    finally:
+        if child.returncode is None:  # cancelled (the client went away): no parser outlives its request
+            child.kill()
+            await child.wait()
+    if child.returncode != 0 or not out:  # killed, out of memory
+        raise ApiError(503, "parse_failed", f"parsing the request body failed (its parser process exited with code "
+                       f"{child.returncode}): retry, and if it fails again send fewer groups per request")
+    # The child is this module, run by this server on bytes it validated: its pickle is ours, not the client's.
+    return pickle.loads(out)
+
+
+def main() -> None:
+    result = parse(sys.stdin.buffer.read())
+    sys.stdout.buffer.write(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+if __name__ == "__main__":
+    main()
