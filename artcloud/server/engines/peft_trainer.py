@@ -172,13 +172,23 @@ class PeftTrainer(Trainer):
 
     def save_adapter(self, slot: str, folder: Path, *, optimizer: bool) -> list[str]:
         from peft import get_peft_model_state_dict
+
+        # save_embedding_layers=False: LoRA never targets embeddings here, and "auto" would look the
+        # base model up on the hub at every save.
+        state = get_peft_model_state_dict(self.peft, adapter_name=self.names[slot], save_embedding_layers=False)
+        files = self._write_adapter(slot, state, folder)
+        if optimizer:
+            state = _cpu(self._optimizer(slot).state_dict())
+            torch.save(state, folder / OPTIMIZER_FILE)
+            files.append(OPTIMIZER_FILE)
+        return files
+
+    def _write_adapter(self, slot: str, state: dict[str, torch.Tensor], folder: Path) -> list[str]:
+        """The PEFT layout: `state` (keys without the adapter's name) and the adapter's config."""
         from safetensors.torch import save_file
 
         name = self.names[slot]
-        # save_embedding_layers=False: LoRA never targets embeddings here, and "auto" would look the
-        # base model up on the hub at every save.
-        state = get_peft_model_state_dict(self.peft, adapter_name=name, save_embedding_layers=False)
-        # Keys carry no adapter name (PEFT layout); tensors are saved in the dtype of the trainer.
+        # Tensors are saved in the dtype of the trainer.
         save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()},
                   folder / "adapter_model.safetensors")
         cfg = self.peft.peft_config[name].to_dict()
@@ -186,12 +196,7 @@ class PeftTrainer(Trainer):
         # peft keeps target_modules as a set; written as a string it would become a regex matching nothing.
         cfg = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in cfg.items()}
         (folder / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
-        files = ["adapter_config.json", "adapter_model.safetensors"]
-        if optimizer:
-            state = _cpu(self._optimizer(slot).state_dict())
-            torch.save(state, folder / OPTIMIZER_FILE)
-            files.append(OPTIMIZER_FILE)
-        return files
+        return ["adapter_config.json", "adapter_model.safetensors"]
 
     def load_adapter(self, slot: str, lora: LoraConfig, folder: Path, *, optimizer: bool) -> None:
         from peft import set_peft_model_state_dict

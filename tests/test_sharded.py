@@ -1,0 +1,127 @@
+"""The sharded trainer (FSDP2 over 2 processes under torchrun, gloo, SmolLM2) against the single-process
+peft trainer on the same samples: the same metrics, and the same LoRA weights after a step but for AdamW's
+sign noise (below); its checkpoints are the peft trainer's files exactly, both ways, and a step resumed
+across world sizes (1 -> 2, 2 -> 1) matches too.
+
+AdamW's first updates are lr x sign(gradient): an element whose gradient is at the level of float32
+summation noise (two ranks add in another order than one process) can move either way. So weights must
+match to 1e-6 but for under 1 % of their elements, and those by at most 2 x lr per gradient step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SMOLLM2
+from safetensors.torch import load_file
+
+from artcloud.server import chat
+from artcloud.server.engines.base import TrainSample
+from artcloud.server.engines.peft_trainer import OPTIMIZER_FILE, PeftTrainer
+from artcloud.train import packing
+from artcloud.types import LoraConfig, TrainConfig
+
+pytestmark = pytest.mark.slow
+
+RANK = Path(__file__).with_name("sharded_rank.py")
+LORA = LoraConfig(rank=8, alpha=16)
+CONFIG = TrainConfig(learning_rate=1e-4, gradient_steps=2)
+WEIGHTS_ATOL = 1e-6
+SIGN_NOISE_SHARE = 0.01
+
+
+def _samples(trainer: PeftTrainer, seed: int) -> list[TrainSample]:
+    """Four groups of two completions (random tokens, of several lengths) with the base policy's own logprobs."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for group, question in enumerate(["Name a colour.", "Name a fruit.", "Count to three.", "Say hello."]):
+        prompt = chat.render_prompt(trainer.tokenizer, [{"role": "user", "content": question}], None)
+        for j in range(2):
+            completion = torch.randint(0, trainer.vocab_size, (5 + 4 * j + group,), generator=g).tolist()
+            samples.append(TrainSample(prompt, completion, [0.0] * len(completion), 1.0 if j == 0 else -1.0, group))
+    with torch.no_grad():
+        lp = packing.completion_logprobs(trainer.model, packing.pack(samples, trainer.pad_id))
+    for i, s in enumerate(samples):
+        s.old_logprobs = lp[i, :len(s.completion_ids)].tolist()
+    return samples
+
+
+def _single(samples: list[TrainSample], out: Path, resume: Path | None = None) -> list[dict]:
+    trainer = PeftTrainer(SMOLLM2)
+    if resume is None:
+        trainer.create_adapter("agent", LORA)
+    else:
+        trainer.load_adapter("agent", LORA, resume, optimizer=True)
+    metrics = trainer.train_step("agent", samples, CONFIG, lambda m: None) if samples else []
+    out.mkdir(parents=True)
+    trainer.save_adapter("agent", out, optimizer=True)
+    return metrics
+
+
+def _sharded(tmp_path: Path, samples: list[TrainSample], out: Path, resume: Path | None = None) -> list[dict]:
+    spec = tmp_path / f"{out.name}.spec"
+    spec.write_bytes(pickle.dumps({"base_model": SMOLLM2, "lora": LORA, "config": CONFIG, "samples": samples,
+                                   "resume": str(resume) if resume else None}))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(RANK), str(spec), str(out)], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads((out / "metrics.json").read_text())
+
+
+def _tensors(folder: Path) -> tuple[dict, dict]:
+    return load_file(folder / "adapter_model.safetensors"), torch.load(folder / OPTIMIZER_FILE, weights_only=True)
+
+
+def _assert_same_files(a: Path, b: Path) -> None:
+    (wa, oa), (wb, ob) = _tensors(a), _tensors(b)
+    assert sorted(wa) == sorted(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert oa["param_groups"] == ob["param_groups"] and sorted(oa["state"]) == sorted(ob["state"])
+    assert all(torch.equal(oa["state"][i][k], ob["state"][i][k]) for i in oa["state"] for k in oa["state"][i])
+    assert json.loads((a / "adapter_config.json").read_text()) == json.loads((b / "adapter_config.json").read_text())
+
+
+def _assert_same_step(a: Path, b: Path, metrics_a: list[dict], metrics_b: list[dict]) -> None:
+    (wa, oa), (wb, ob) = _tensors(a), _tensors(b)
+    assert sorted(wa) == sorted(wb) and len(wa) == 2 * len(LORA.target_modules) * 30  # A and B, 30 layers
+    diff = torch.cat([(wa[k] - wb[k]).abs().flatten() for k in sorted(wa)])
+    noisy = float((diff > WEIGHTS_ATOL).float().mean())
+    assert noisy < SIGN_NOISE_SHARE and float(diff.max()) <= 2 * CONFIG.learning_rate * CONFIG.gradient_steps, (
+        noisy, float(diff.max()))
+    assert oa["param_groups"] == ob["param_groups"] and sorted(oa["state"]) == sorted(ob["state"])
+    assert all(torch.equal(oa["state"][i]["step"], ob["state"][i]["step"]) for i in oa["state"])
+    assert [m["gradient_step"] for m in metrics_a] == [m["gradient_step"] for m in metrics_b] == [1, 2]
+    for ma, mb in zip(metrics_a, metrics_b):
+        assert (ma["tokens"], ma["samples"]) == (mb["tokens"], mb["samples"])
+        for key in ("loss", "grad_norm", "mean_ratio", "clip_fraction"):
+            assert ma[key] == pytest.approx(mb[key], rel=1e-4, abs=1e-6), key
+
+
+def test_two_ranks_train_as_one_process_and_resume_across_world_sizes(tmp_path):
+    reference = PeftTrainer(SMOLLM2)
+    first, second = _samples(reference, 1), _samples(reference, 2)
+    del reference
+
+    single1 = _single(first, tmp_path / "single-1")
+    sharded1 = _sharded(tmp_path, first, tmp_path / "sharded-1")
+    _assert_same_step(tmp_path / "single-1", tmp_path / "sharded-1", single1, sharded1)
+    assert sharded1[0]["mean_ratio"] == pytest.approx(1.0, abs=1e-4)  # the old logprobs are the policy's own
+
+    # A checkpoint loaded and saved again is the same files, on either side.
+    _sharded(tmp_path, [], tmp_path / "sharded-again", resume=tmp_path / "single-1")
+    _assert_same_files(tmp_path / "single-1", tmp_path / "sharded-again")
+    _single([], tmp_path / "single-again", resume=tmp_path / "sharded-1")
+    _assert_same_files(tmp_path / "sharded-1", tmp_path / "single-again")
+
+    # The next step from either checkpoint, on either side: 1 -> 2 ranks and 1 -> 1, 2 -> 1 and 2 -> 2.
+    for start in ("single-1", "sharded-1"):
+        single2 = _single(second, tmp_path / f"single-2-from-{start}", resume=tmp_path / start)
+        sharded2 = _sharded(tmp_path, second, tmp_path / f"sharded-2-from-{start}", resume=tmp_path / start)
+        _assert_same_step(tmp_path / f"single-2-from-{start}", tmp_path / f"sharded-2-from-{start}", single2, sharded2)
