@@ -16,8 +16,9 @@ class Limits:
     # Request bodies. A training request of 64 groups x 8 trajectories x 1,000 sampled tokens with
     # logprobs is ~40 MB of JSON; parsing takes several times that in memory.
     max_body_mb: float = 128.0
-    # Training bodies read and parsed at once (429 above it): parsing takes up to ~20x a body's bytes
-    # (an invalid one the most), so this times --max-body-mb bounds the memory bodies can cost.
+    # Training bodies read and parsed at once (429 above it). A body over 4 MiB is parsed in a child
+    # process (server/train_body.py) that may take up to ~35x its bytes (108 MiB of tiny logprob entries:
+    # 3.7 GB for 7 s), so this times --max-body-mb bounds the memory bodies can cost.
     max_train_bodies: int = 2
     # n x max_tokens of one chat request: the tokens one request may make the engine generate.
     max_request_tokens: int = 131_072
