@@ -394,6 +394,7 @@ class EngineSummary(_Open):
     turn: str | None = None
     switches: int | None = None
     sampler: dict[str, Any] | None = None
+    trainer: dict[str, Any] | None = Field(None, description="a trainer in processes of its own: its ranks and restarts")
 
 
 class LeaseInfo(_Open):

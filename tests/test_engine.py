@@ -454,7 +454,7 @@ def test_delete_adapter(engine):
 def test_the_vllm_child_gets_the_servers_environment_without_its_secrets():
     """D13: vLLM runs as our child; it needs the machine's settings (PATH, HOME, CUDA, the hub, torch), never the
     server's token, TLS key, S3 or cloud credentials, or a secret the user passed to the sandbox."""
-    from artcloud.server.engines.vllm_sampler import child_env
+    from artcloud.server.engines.children import child_env
 
     kept = {"PATH": "/usr/bin", "HOME": "/root", "CUDA_VISIBLE_DEVICES": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
             "HF_HOME": "/hf", "HF_TOKEN": "hf_x", "HF_HUB_OFFLINE": "1", "TORCH_CUDA_ARCH_LIST": "9.0",

@@ -40,6 +40,9 @@ NOT_ARTCLOUD = {
     ("server/app.py", "RequestValidationError"): "FastAPI's own error for an invalid body, which the app answers "
                                                  "as 400 naming the field: the training route reads its body itself "
                                                  "(off the event loop) and reports it as FastAPI would",
+    ("server/engines/sharded.py", "EOFError"): "the sharded trainer's control socket closed mid-message: "
+                                               "ShardedTrainer._call in the same module turns it into an "
+                                               "EngineError (the ranks stopped); in a rank, the server is gone",
     ("backends/forwarder.py", "RemoteProtocolError"): "h11's own error for a request that ends early, caught by "
                                                       "the connection handler in the same module (the connection "
                                                       "closes); it never leaves the forwarder's thread",

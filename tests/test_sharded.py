@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +126,86 @@ def test_two_ranks_train_as_one_process_and_resume_across_world_sizes(tmp_path):
         single2 = _single(second, tmp_path / f"single-2-from-{start}", resume=tmp_path / start)
         sharded2 = _sharded(tmp_path, second, tmp_path / f"sharded-2-from-{start}", resume=tmp_path / start)
         _assert_same_step(tmp_path / f"single-2-from-{start}", tmp_path / f"sharded-2-from-{start}", single2, sharded2)
+
+
+# Loaded by the ranks (first on their PYTHONPATH; the server ignores it): each rank's training step waits at a
+# barrier of files, where the test kills one rank. Not named ARTCLOUD_*: the ranks get no such variable.
+RANK_BARRIER = """
+import os, pathlib, time
+if os.environ.get("RANK") is not None:
+    from artcloud.train import loop
+
+    _train, _where = loop.train_step, pathlib.Path(os.environ["SHARDED_TEST_BARRIER"])
+
+    def train_step(*args, **kwargs):
+        if not (_where / "go").exists():
+            (_where / f"rank{os.environ['RANK']}").write_text(str(os.getpid()))
+            while not (_where / "go").exists():
+                time.sleep(0.05)
+        return _train(*args, **kwargs)
+
+    loop.train_step = train_step
+"""
+
+
+def test_a_server_trains_through_two_ranks_and_a_rank_that_dies_fails_only_its_step(start_server, tmp_path):
+    """`--engine-args '{"trainer_procs": 2}'`: the CPU engine's sampler serves what two FSDP ranks train. A rank
+    killed in the middle of a step fails that job with an error event; the model stays at its step and is
+    served; the server starts a new group, reloads the model into it, and the next job trains."""
+    from helpers import chat, events, rollout_groups, wait_for
+
+    hook, barrier = tmp_path / "hook", tmp_path / "barrier"
+    hook.mkdir(), barrier.mkdir()
+    (hook / "sitecustomize.py").write_text(RANK_BARRIER)
+    env = {"SHARDED_TEST_BARRIER": str(barrier),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))}
+    s = start_server(tmp_path / "srv", "--engine-args", json.dumps({"trainer_procs": 2}), env=env)
+    with s.client() as c:
+        r = c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": "artcloud/tiny-random"})
+        assert r.status_code == 200, r.text
+        (engine,) = c.get("/artcloud/status").json()["engines"]
+        assert "sharded over 2 processes" in engine["engine"], engine
+        assert (engine["trainer"]["kind"], engine["trainer"]["ranks"], engine["trainer"]["restarts"]) == ("sharded", 2, 0)
+        groups = rollout_groups(c, "agent", ["x", "y"], n=4)
+
+        first = c.post("/artcloud/models/agent/train", json={"groups": groups}).json()["job_id"]
+        wait_for("both ranks in the step", lambda: all((barrier / f"rank{r}").exists() for r in (0, 1)), 120)
+        os.kill(int((barrier / "rank1").read_text()), signal.SIGKILL)
+        failed = events(c, first)
+        assert failed[-1]["type"] == "error" and "ranks stopped during train_step" in failed[-1]["data"]["message"], failed[-1]
+        assert c.get("/artcloud/models/agent").json()["step"] == 0
+        assert chat(c, "agent")["model"] == "agent@0"
+
+        (barrier / "go").touch()
+        second = c.post("/artcloud/models/agent/train", json={"groups": groups}).json()["job_id"]
+        done = events(c, second)
+        assert done[-1]["type"] == "end" and done[-1]["data"]["step"] == 1, done[-1]
+        assert chat(c, "agent")["model"] == "agent@1"
+        trainer = c.get("/artcloud/status").json()["engines"][0]["trainer"]
+        assert trainer["restarts"] == 1 and trainer["pid"] != engine["trainer"]["pid"]
+        assert not Path(f"/proc/{int((barrier / 'rank0').read_text())}").exists()  # the first group is gone
+
+
+def test_local_backend_trains_with_the_sharded_trainer(tmp_path):
+    """LocalBackend(trainer_procs=2): the embedded default with its training on two gloo ranks."""
+    import asyncio
+
+    from helpers import gather_groups
+
+    import artcloud
+
+    async def main() -> tuple[int, dict]:
+        backend = artcloud.LocalBackend(tmp_path / "local", trainer_procs=2)
+        try:
+            model = artcloud.TrainableModel(name="agent", project="p", base_model="artcloud/tiny-random")
+            await model.register(backend)
+            await model.train(await gather_groups(model))
+            (engine,) = (await backend.client.status()).engines
+            return await model.get_step(), engine.trainer
+        finally:
+            await backend.down()
+
+    step, trainer = asyncio.run(main())
+    assert step == 1 and (trainer["kind"], trainer["ranks"]) == ("sharded", 2)
+    with pytest.raises(artcloud.errors.InvalidArgument, match="trainer_procs"):
+        artcloud.LocalBackend(tmp_path / "bad", trainer_procs=0)

@@ -23,7 +23,7 @@ from artcloud.backends.client import ServerGone
 from artcloud.backends.providers import Credentials, Provisioner
 from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
 from artcloud.backends.spec import SandboxSpec
-from artcloud.errors import ArtcloudError
+from artcloud.errors import ArtcloudError, InvalidArgument
 from artcloud.tls import LaunchSecrets, make_launch_secrets
 
 DEFAULT_PATH = Path(".artcloud") / "local"
@@ -162,6 +162,8 @@ class LocalBackend(SandboxBackend):
     settings (artcloud serve --engine-args), the defaults under each model's own: the CPU engine takes
     max_model_len, max_seq_length, dtype and seed, and refuses vLLM's other settings by name. s3: push checkpoints to
     s3://BUCKET/PREFIX too (credentials from this environment). lease, max_duration: as `artcloud serve`.
+    trainer_procs: train with the sharded trainer (FSDP2 over that many processes, gloo) while the server's own
+    model samples (the CPU engine's engine_args trainer_procs).
     """
 
     def __init__(
@@ -177,9 +179,14 @@ class LocalBackend(SandboxBackend):
         s3: str | None = None,
         lease: str | float | None = None,
         max_duration: str | float | None = None,
+        trainer_procs: int = 1,
         in_process: bool = False,
         **kwargs: Any,
     ):
+        if type(trainer_procs) is not int or trainer_procs < 1:
+            raise InvalidArgument(f"trainer_procs must be a whole number >= 1, not {trainer_procs!r}")
+        if trainer_procs > 1:
+            engine_args = {**(engine_args or {}), "trainer_procs": trainer_procs}
         if in_process:
             warnings.warn("LocalBackend(in_process=True): artcloud always runs the server as a child process "
                           "(it trains the same); in_process is ignored", UserWarning, stacklevel=2)

@@ -142,6 +142,10 @@ class Trainer(abc.ABC):
     def offload(self) -> None:
         """Move what can move off the accelerator (while the sampler serves on a shared GPU)."""
 
+    def status(self) -> dict[str, Any] | None:
+        """What GET /artcloud/status shows of a trainer that runs in processes of its own (None: it does not)."""
+        return None
+
     def close(self) -> None: ...
 
 

@@ -62,7 +62,7 @@ MODEL_ARGS = {"gpu_memory_utilization", "max_model_len", "max_loras", "max_cpu_l
 
 
 # What the CPU engine honours (see the module's docstring), and the dtypes it loads as vLLM spells them.
-CPU_ARGS = ("max_model_len", "max_seq_length", "dtype", "seed")
+CPU_ARGS = ("max_model_len", "max_seq_length", "dtype", "seed", "trainer_procs")
 CPU_DTYPES = {"auto": None, "float": "float32", "float32": "float32", "bfloat16": "bfloat16"}
 
 
@@ -172,7 +172,7 @@ def cpu_engine_args(args: dict[str, Any]) -> dict[str, Any]:
                               f"takes {', '.join(CPU_ARGS)} (or run artcloud serve --engine vllm on a GPU)",
                               field=f"engine_args.{refused[0]}")
     out: dict[str, Any] = {}
-    for key, least in (("max_model_len", 1), ("max_seq_length", 1), ("seed", 0)):
+    for key, least in (("max_model_len", 1), ("max_seq_length", 1), ("seed", 0), ("trainer_procs", 1)):
         if key in args:
             if type(args[key]) is not int or args[key] < least:
                 raise EngineArgsError(f"engine_args {key} must be a whole number >= {least}, not {args[key]!r}",

@@ -185,8 +185,10 @@ class Engine:
     # ------------------------------------------------------------------------------------- state
 
     def status(self) -> dict[str, Any]:
-        return {"engine": self.description, "max_context": self.max_context, "colocated": self.colocated, "turn": self.turn,
-                "switches": self.switches, "sampler": self.sampler.status()}
+        out = {"engine": self.description, "max_context": self.max_context, "colocated": self.colocated, "turn": self.turn,
+               "switches": self.switches, "sampler": self.sampler.status()}
+        trainer = self.trainer.status()
+        return out if trainer is None else {**out, "trainer": trainer}
 
     def close(self) -> None:
         for part in (self.sampler, self.trainer):

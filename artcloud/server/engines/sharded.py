@@ -8,7 +8,11 @@ fits in several); the LoRA weights and AdamW's state are sharded with them.
 Checkpoints are the peft trainer's layout exactly: rank 0 writes the gathered adapter (PEFT) and AdamW's
 state indexed by the LoRA parameters sorted by name, so a checkpoint resumes on any world size and with
 any trainer (1 -> 2 -> 1 ranks, CPU or GPU). Every method is collective: each rank calls it, in the same
-order. Not built yet: the driver in the server that starts the ranks and sends them these calls.
+order: `ShardedTrainer`, the server's side, starts the ranks (`python -m torch.distributed.run --standalone
+--nproc-per-node K -m artcloud.server.engines.sharded`) and sends rank 0 each call over a Unix socket in a
+folder of mode 0700; rank 0 passes it to the others (`broadcast_object_list`) and answers. A rank that dies
+takes its group down (torchrun stops the others): the call fails, the server rolls the model back with
+load_adapter, and that call starts a new group.
 
 gloo on a CPU, NCCL on GPUs. gloo has no pre-multiplied sum, so FSDP's default average over ranks stays,
 and the loop scales each rank's loss by the world's size instead.
@@ -16,16 +20,34 @@ and the loop scales each rank's loss by the world's size instead.
 
 from __future__ import annotations
 
+import logging
+import os
+import pickle
+import select
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from artcloud.errors import NotSupported
+from artcloud.errors import ArtcloudError, NotSupported
+from artcloud.server.engines import loading
+from artcloud.server.engines.base import EngineError, StepCallback, Trainer, TrainSample
+from artcloud.server.engines.children import child_env, die_with_parent, kill_group
 from artcloud.server.engines.peft_trainer import OPTIMIZER_FILE, PeftTrainer
 from artcloud.train import loop
 from artcloud.types import LoraConfig, TrainConfig
+
+log = logging.getLogger("artcloud.engine")
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a rank that died leaves the others waiting this long at most
 
@@ -134,3 +156,219 @@ def _full(t: Any) -> Any:
     if hasattr(t, "full_tensor"):
         t = t.full_tensor()
     return t.detach().to("cpu") if isinstance(t, torch.Tensor) else t
+
+
+# ----------------------------------------------------------------------------------------- the server's side
+
+START_TIMEOUT_S = 600.0  # torchrun, then each rank loading the model
+CALLS = ("create_adapter", "delete_adapter", "train_step", "save_adapter", "load_adapter", "rng_state", "set_rng_state")
+
+
+class ShardedTrainer(Trainer):
+    """The sharded trainer as the server's engine sees it: `procs` ranks of ShardedPeftTrainer in other
+    processes, each call made on all of them. The tokenizer and the model's shape are read here (no weights)."""
+
+    def __init__(self, base_model: str, procs: int, *, dtype: str = "float32", device: str = "cpu"):
+        from transformers import AutoConfig, AutoTokenizer
+
+        where = loading.resolve(base_model)
+        self.base_model, self.procs, self.dtype, self.device = base_model, procs, dtype, device
+        self.tokenizer = AutoTokenizer.from_pretrained(where)
+        loading.prepare_tokenizer(self.tokenizer, base_model)
+        config = AutoConfig.from_pretrained(where)
+        self.vocab_size = int(config.vocab_size)
+        self.max_context = int(getattr(config, "max_position_embeddings", 0) or 4096)
+        self.pad_id = self.tokenizer.pad_token_id
+        self.restarts = -1  # groups started so far, less the first
+        self.proc: subprocess.Popen | None = None
+        self.conn: socket.socket | None = None
+        self._folder: Path | None = None
+        self._lock = threading.Lock()
+        self._start()
+
+    # ------------------------------------------------------------------------------------- the ranks
+
+    def _start(self) -> None:
+        self._folder = Path(tempfile.mkdtemp(prefix="artcloud-ranks-"))  # mode 0700
+        path = self._folder / "control.sock"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(path))
+        listener.listen(1)
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.procs),
+                "-m", "artcloud.server.engines.sharded", str(path), self.base_model, self.dtype, self.device]
+        log.info("starting the sharded trainer: %d ranks of %s (%s, %s)", self.procs, self.base_model, self.device, self.dtype)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, env=child_env(os.environ))
+        self.restarts += 1
+        deadline = time.monotonic() + START_TIMEOUT_S
+        try:
+            while not select.select([listener], [], [], 0.5)[0]:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise EngineError(f"the sharded trainer's ranks did not start (torchrun exit code {self.proc.poll()}; "
+                                      "their errors are in the server's log above)", code="trainer_failed")
+            self.conn, _ = listener.accept()
+            _, ready = _recv(self.conn)
+        except BaseException:
+            self._stop()
+            raise
+        finally:
+            listener.close()
+        log.info("the sharded trainer is up: %d ranks on %s", ready["ranks"], ready["backend"])
+
+    def _stop(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        if self.proc is not None and self.proc.poll() is None:
+            kill_group(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+
+    def _call(self, name: str, *args: Any, on_event: Callable[[Any], None] | None = None, **kwargs: Any) -> Any:
+        with self._lock:
+            if self.conn is None or self.proc is None or self.proc.poll() is not None:
+                code = self.proc.poll() if self.proc is not None else None
+                self._stop()
+                self._start()  # a group that died: a fresh one, which holds no adapter yet
+                if name not in ("create_adapter", "load_adapter"):
+                    raise EngineError(f"the sharded trainer's ranks had stopped (torchrun exit code {code}; their errors "
+                                      "are in the server's log) and were started again: the model is reloaded from its "
+                                      "last committed step", code="trainer_failed")
+            assert self.conn is not None
+            try:
+                _send(self.conn, (name, args, kwargs))
+                while True:
+                    kind, value = _recv(self.conn)
+                    if kind == "event" and on_event is not None:
+                        on_event(value)
+                    elif kind == "result":
+                        return value
+                    elif kind == "error":
+                        raise _rebuilt(value)
+            except (OSError, EOFError) as e:
+                code = self.proc.wait() if self.proc is not None else None
+                self._stop()
+                raise EngineError(f"the sharded trainer's ranks stopped during {name} (torchrun exit code {code}; their "
+                                  "errors are in the server's log): the step is not committed, and the next call starts "
+                                  "them again", code="trainer_failed") from e
+
+    # ------------------------------------------------------------------------------------- Trainer
+
+    def create_adapter(self, slot: str, lora: LoraConfig) -> None:
+        self._call("create_adapter", slot, lora)
+
+    def delete_adapter(self, slot: str) -> None:
+        self._call("delete_adapter", slot)
+
+    def train_step(self, slot: str, samples: list[TrainSample], config: TrainConfig,
+                   on_step: StepCallback) -> list[dict[str, Any]]:
+        return self._call("train_step", slot, samples, config, on_event=on_step)
+
+    def save_adapter(self, slot: str, folder: Path, *, optimizer: bool) -> list[str]:
+        return self._call("save_adapter", slot, folder, optimizer=optimizer)
+
+    def load_adapter(self, slot: str, lora: LoraConfig, folder: Path, *, optimizer: bool) -> None:
+        self._call("load_adapter", slot, lora, folder, optimizer=optimizer)
+
+    def rng_state(self) -> dict[str, Any]:
+        return self._call("rng_state")
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        self._call("set_rng_state", state)
+
+    def status(self) -> dict[str, Any]:
+        return {"kind": "sharded", "ranks": self.procs, "restarts": self.restarts,
+                "pid": self.proc.pid if self.proc is not None else None}
+
+    def close(self) -> None:
+        with self._lock:
+            if self.conn is not None and self.proc is not None and self.proc.poll() is None:
+                try:
+                    _send(self.conn, ("close", (), {}))
+                    self.proc.wait(timeout=30)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+            self._stop()
+
+
+# ----------------------------------------------------------------------------------------- a rank's side
+
+
+def serve_rank(control: str, base_model: str, dtype: str, device: str) -> None:
+    """One rank: the trainer, and the calls rank 0 receives from the server, made on every rank in order."""
+    import torch.distributed as dist
+
+    world = join_world()
+    if device == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(device)
+    trainer = ShardedPeftTrainer(base_model, world, dtype=dtype, device=device)
+    conn = None
+    if world.rank == 0:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(control)
+        _send(conn, ("ready", {"ranks": world.size, "backend": dist.get_backend()}))
+    while True:
+        box = [_recv(conn) if conn is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        name, args, kwargs = box[0]
+        if name == "close":
+            break
+        if name not in CALLS:
+            raise EngineError(f"not a trainer call: {name}")
+        if name == "train_step":
+            args = (*args, (lambda m: _send(conn, ("event", m))) if conn is not None else (lambda m: None))
+        try:
+            result = getattr(trainer, name)(*args, **kwargs)
+        except ArtcloudError as e:  # raised alike on every rank (the loop sums its checks): the group goes on
+            if conn is not None:
+                _send(conn, ("error", _portable(e)))
+            continue
+        if conn is not None:
+            _send(conn, ("result", result))
+    dist.destroy_process_group()
+
+
+def _portable(e: ArtcloudError) -> dict[str, Any]:
+    """An error that crosses to the server: its class's name and what rebuilds it."""
+    out = {"cls": type(e).__name__, "message": str(e), "code": getattr(e, "code", None)}
+    if isinstance(e, loop.NonFiniteError):
+        out.update(cause=e.cause, gradient_step=e.gradient_step)
+    return out
+
+
+def _rebuilt(info: dict[str, Any]) -> ArtcloudError:
+    if info["cls"] == "NonFiniteError":
+        return loop.NonFiniteError(info["cause"], info["gradient_step"])
+    if info["cls"] == "NotSupported":
+        return NotSupported(info["message"])
+    return EngineError(info["message"], code=info["code"] or "trainer_failed")
+
+
+def _send(conn: socket.socket, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    conn.sendall(struct.pack("!Q", len(data)) + data)
+
+
+def _recv(conn: socket.socket | None) -> Any:
+    """The next message. Both ends are this module, in processes the server started, over a socket in a
+    folder only its user can open: the pickles are its own."""
+    assert conn is not None
+    size = struct.unpack("!Q", _exactly(conn, 8))[0]
+    return pickle.loads(_exactly(conn, size))
+
+
+def _exactly(conn: socket.socket, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = conn.recv(min(left, 1 << 20))
+        if not chunk:
+            raise EOFError("the other end closed the connection")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+if __name__ == "__main__":
+    serve_rank(*sys.argv[1:5])

@@ -42,7 +42,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator
 
 from artcloud.errors import ArtcloudError, InvalidArgument
 from artcloud.server.engines.base import (
@@ -53,6 +53,7 @@ from artcloud.server.engines.base import (
     SamplerUnavailable,
     TokenSink,
 )
+from artcloud.server.engines.children import child_env, die_with_parent, kill_group
 from artcloud.types import LoraConfig
 
 log = logging.getLogger("artcloud.engine")
@@ -109,13 +110,6 @@ def _socket_folder() -> Path:
     return folder
 
 
-def _kill_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _group_is_vllm(pgid: int) -> bool:
     """Whether process group `pgid` still holds a vLLM process (a pid file may outlive its group)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -126,28 +120,6 @@ def _group_is_vllm(pgid: int) -> bool:
         except (OSError, IndexError, ValueError):
             continue
     return False
-
-
-def child_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The server's environment less its secrets, for vLLM: none of artcloud's (the token, the TLS key, S3), no
-    AWS credentials, nothing named like a secret but the hub's token (vLLM may fetch a tokenizer)."""
-    def secret(name: str) -> bool:
-        upper = name.upper()
-        words = upper.split("_")
-        return upper.startswith(("ARTCLOUD_", "AWS_")) or not upper.startswith(("HF_", "HUGGING_FACE_")) and (
-            words[-1] == "KEY" or not {"TOKEN", "SECRET", "PASSWORD", "CREDENTIALS"}.isdisjoint(words))
-
-    return {k: v for k, v in env.items() if not secret(k)}
-
-
-def _die_with_parent() -> None:  # runs in the child before exec (Linux): no vLLM outlives the server
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-    os.setsid()  # its own process group, so its engine workers are stopped with it
 
 
 class _SocketConnection(http.client.HTTPConnection):
@@ -214,7 +186,7 @@ class VLLMSampler(Sampler):
                 stale = int(self.pgid_file.read_text())
                 if _group_is_vllm(stale):
                     log.warning("stopping vLLM process group %d left by an earlier server", stale)
-                    _kill_group(stale, signal.SIGKILL)
+                    kill_group(stale, signal.SIGKILL)
             except ValueError:
                 pass
         if self.state == "closed":
@@ -227,7 +199,7 @@ class VLLMSampler(Sampler):
         log.info("starting vLLM (%s): %s", self.cfg.python, " ".join(argv[1:]))
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, preexec_fn=_die_with_parent)
+                                         env=env, preexec_fn=die_with_parent)
         self.pgid_file.write_text(str(self.proc.pid))  # setsid: its pid is its group's id
         if self.state == "closed":  # closed while this one was being started (a restart racing a shutdown)
             self._kill()
@@ -270,7 +242,7 @@ class VLLMSampler(Sampler):
             with self._lock:
                 if self.proc is not proc:  # replaced meanwhile
                     continue
-                _kill_group(proc.pid, signal.SIGKILL)  # its engine core may outlive it, holding the GPU
+                kill_group(proc.pid, signal.SIGKILL)  # its engine core may outlive it, holding the GPU
                 failures = failures + 1 if time.monotonic() - getattr(self, "_ready_at", 0) < 60 else 1
                 self.state = "restarting"
                 self.detail = f"the vLLM sampler process exited (code {code}) and is restarting"
@@ -300,13 +272,13 @@ class VLLMSampler(Sampler):
         proc = self.proc
         if proc is None:
             return
-        _kill_group(proc.pid, signal.SIGTERM)
+        kill_group(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=5)  # within the server's own shutdown grace (main.GRACEFUL_SHUTDOWN_S)
         except subprocess.TimeoutExpired:
             pass
         time.sleep(0.5)
-        _kill_group(proc.pid, signal.SIGKILL)
+        kill_group(proc.pid, signal.SIGKILL)
         proc.wait()
         self.pgid_file.unlink(missing_ok=True)
 
