@@ -45,6 +45,21 @@ if _engine is not None:
         return _train_step(self, *args, **kwargs)
 
     _engine.Engine.train_step = train_step
+
+    # And while HOLD_STEP_DIR/hold-exit exists, a server that stopped serving (its port closed) does not exit.
+    import asyncio
+    from artcloud.server.registry import Registry
+
+    _close = Registry.close
+
+    async def close(self):
+        if (_dir / "hold-exit").exists():
+            (_dir / "at-exit").touch()
+            while (_dir / "hold-exit").exists():
+                await asyncio.sleep(0.05)
+        return await _close(self)
+
+    Registry.close = close
 """
 
 
@@ -90,6 +105,27 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
 
             # 1. The cloud's notice while the loop gathers rollouts: the server pushes and exits; the next
             #    request finds it gone, the backend brings up a new machine, and the same client goes on.
+            #    The old server is held between closing its port and exiting (hold-exit) until a refused request
+            #    has made the client find it going: that request must wait for the replacement, not fail.
+            (hold / "hold-exit").touch()
+            seen_going = asyncio.Event()
+            going = backend.provisioner.going
+
+            async def watched_going() -> bool:
+                answer = await going()
+                if answer:
+                    seen_going.set()
+                return answer
+
+            backend.provisioner.going = watched_going
+
+            async def release_exit() -> None:
+                await seen_going.wait()
+                while not (hold / "at-exit").exists():
+                    await asyncio.sleep(0.1)
+                (hold / "hold-exit").unlink()
+
+            releaser = asyncio.create_task(release_exit())
             preemption = _preempt_soon("spot", notice_s=60)
             while not any("preemption notice (" in line for line in backend.provisioner.log_tail(400)):
                 await asyncio.sleep(0.5)
@@ -101,7 +137,7 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
                 assert time.monotonic() < deadline, "the server was still answering 2 minutes after the notice"
                 batch = await groups()
             # (the new machine may get the old one's port back: the URL proves nothing, the replacement does)
-            assert len(backend.replacements) == 1
+            assert len(backend.replacements) == 1 and releaser.done()
             preemption.join(timeout=90)
             assert (await backend.model_info("agent")).step == 1  # resumed from S3
             step2 = await model.train(batch, progress=False)

@@ -88,6 +88,11 @@ class Provisioner:
         """Whether `cause` means the machine itself is gone (so a new one should take its place)."""
         return False
 
+    async def going(self) -> bool:
+        """Whether the server announced its end (a cloud's preemption notice): it pushes its last checkpoints,
+        closes its port, then exits."""
+        return False
+
     async def gone(self, *, ours: bool) -> bool:
         """True once nothing of the sandbox is left (`ours`: this machine launched it, so a dead one may be reaped)."""
         raise NotImplementedError

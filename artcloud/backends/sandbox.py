@@ -36,6 +36,7 @@ from artcloud.errors import ArtcloudError, first_line
 log = logging.getLogger("artcloud.client")  # what the client says about its sandbox
 
 ATTACH_TIMEOUT_S = 300.0  # an attached server was ready once: it should answer within this
+GOING_WAIT_S = 180.0  # a server that had its preemption notice: its final push, then it exits (AWS gives 2 min)
 
 
 def heartbeat_every(lease_s: float | None) -> float:
@@ -319,6 +320,16 @@ class SandboxBackend(RemoteBackend):
 
     async def _check_alive(self) -> None:
         await self.provisioner.alive(answered=self.client.version_checked)
+        if not await self.provisioner.going():
+            return
+        # Its port is closed (or about to be) while the process pushes its last checkpoints: wait for it to exit,
+        # so that a request that found it closed goes to the machine that replaces it, after the push.
+        deadline = time.monotonic() + GOING_WAIT_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(1.0)
+            await self.provisioner.alive(answered=self.client.version_checked)  # ServerGone once it has exited
+        raise ServerGone(f"{self.sandbox_name} announced its end (a preemption notice) and has not exited within "
+                         f"{GOING_WAIT_S:.0f} s: treating it as gone", code="server_exiting")
 
     async def gone(self) -> bool:
         """True once nothing of the sandbox is left; a dead one of ours (it may still bill) is torn down first."""

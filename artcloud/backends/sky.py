@@ -447,6 +447,9 @@ class SkyProvisioner(Provisioner):
         info = await asyncio.to_thread(self.api.status, self.name, refresh=True)
         if info is None or self.dead(info) is not None:
             return True
+        return await self.going()
+
+    async def going(self) -> bool:
         lines = await asyncio.to_thread(self.log_tail, 400)
         return any(PREEMPTION_LINE in line for line in lines)
 
