@@ -197,7 +197,10 @@ class ShardedTrainer(Trainer):
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.procs),
                 "-m", "artcloud.server.engines.sharded", str(path), self.base_model, self.dtype, self.device]
         log.info("starting the sharded trainer: %d ranks of %s (%s, %s)", self.procs, self.base_model, self.device, self.dtype)
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, env=child_env(os.environ))
+        env = child_env(os.environ)
+        if self.device == "cpu":  # torchrun's default is 1 thread a rank: the cores are shared out instead
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.procs)))
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, env=env)
         self.restarts += 1
         deadline = time.monotonic() + START_TIMEOUT_S
         try:
