@@ -250,7 +250,10 @@ class ShardedTrainer(Trainer):
                     elif kind == "error":
                         raise _rebuilt(value)
             except (OSError, EOFError) as e:
-                code = self.proc.wait() if self.proc is not None else None
+                try:  # torchrun stops the other ranks, then exits
+                    code = self.proc.wait(timeout=30) if self.proc is not None else None
+                except subprocess.TimeoutExpired:
+                    code = None
                 self._stop()
                 raise EngineError(f"the sharded trainer's ranks stopped during {name} (torchrun exit code {code}; their "
                                   "errors are in the server's log): the step is not committed, and the next call starts "
