@@ -157,9 +157,9 @@ def train_step(policy: TrainablePolicy, samples: Sequence[Any], config: TrainCon
                     raise NonFiniteError("loss", step, loss)
                 (out.loss * (world.size if world else 1) * (1.0 if counted else 0.0)).backward()
                 if counted:
-                    share = float(batch.completion_mask.sum()) / tokens
-                    sums = [sums[0] + loss, sums[1] + out.clip_fraction * share, sums[2] + out.mean_ratio * share,
-                            sums[3] + (out.kl or 0.0) * share]
+                    weight = float(batch.completion_mask.sum()) / tokens
+                    sums = [sums[0] + loss, sums[1] + out.clip_fraction * weight, sums[2] + out.mean_ratio * weight,
+                            sums[3] + (out.kl or 0.0) * weight]
             if world is not None:
                 sums = world.sum(sums)
                 if not math.isfinite(sums[0]):
