@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from artcloud import wire
 from artcloud.server.api_errors import ApiError
+from artcloud.server.engines.children import child_env
 
 IN_THREAD_MAX_BYTES = 4 << 20
 
@@ -51,7 +52,8 @@ async def parse_off_loop(raw: bytes) -> Parsed | Invalid:
     if len(raw) <= IN_THREAD_MAX_BYTES:
         return await asyncio.to_thread(parse, raw)
     package_root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    env = {**child_env(os.environ),  # not the server's token or keys: the parser needs none
+           "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     child = await asyncio.create_subprocess_exec(sys.executable, "-m", "artcloud.server.train_body", env=env,
                                                  stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                                                  stderr=asyncio.subprocess.DEVNULL)

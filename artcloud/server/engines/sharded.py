@@ -147,9 +147,6 @@ class ShardedPeftTrainer(PeftTrainer):
                         st[k] = distribute_tensor(v.to(p.dtype), p.device_mesh, p.placements)
             self._optimizer(slot).load_state_dict(state)
 
-    def rng_state(self) -> dict[str, Any]:
-        return {"torch": torch.get_rng_state().tolist(), "world_size": self.world.size}
-
 
 def _full(t: Any) -> Any:
     """A sharded tensor gathered whole (a collective) on the CPU; anything else as it is."""
