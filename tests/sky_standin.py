@@ -745,7 +745,7 @@ class LocalSky:
             time.sleep(0.1)
         data = same_machine()
         if data is not None:
-            _teardown(self.root, cluster_name, data.get("supervisor_pid"))
+            _teardown(self.root, cluster_name, data.get("supervisor_pid"), abrupt=True)
 
     def break_cluster(self, cluster_name: str, *, head_alive: bool = False) -> None:
         """A node gone bad: a refresh then finds the cluster INIT ('unhealthy'). With `head_alive`, its runtime is
@@ -891,17 +891,30 @@ def _tail(path: Path, lines: int) -> str:
         return ""
 
 
-def _teardown(root: Path, name: str, supervisor_pid: int | None) -> None:
+def _freeze_all(root: Path, name: str, supervisor_pid: int | None) -> None:
+    """SIGSTOP every process of the cluster, again until no new one shows up (a child forked meanwhile)."""
+    stopped: set[int] = set()
+    while pids := cluster_pids(root, name, supervisor_pid=supervisor_pid) - {os.getpid()} - stopped:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGSTOP)
+        stopped |= pids
+
+
+def _teardown(root: Path, name: str, supervisor_pid: int | None, *, abrupt: bool = False) -> None:
     """Like terminating the VM: the folder vanishes at once (atomically, by a rename), then every process
-    of the cluster is ended."""
+    of the cluster is ended. `abrupt` (a spot machine taken, its notice over or never given): every process is
+    frozen first and killed after, so none of them sees its disk gone (on a real VM they go together)."""
     folder = root / "clusters" / name
     trash = root / "trash" / f"{name}-{uuid.uuid4().hex[:8]}"
     trash.parent.mkdir(parents=True, exist_ok=True)
     with _name_lock(root, name):
         with contextlib.suppress(FileNotFoundError):
-            with _locked(folder):
+            with _locked(folder):  # first: no process is frozen holding it
+                if abrupt:
+                    _freeze_all(root, name, supervisor_pid)
                 folder.rename(trash)
-        _kill_all(root, name, supervisor_pid)
+        _kill_all(root, name, supervisor_pid, grace_s=0.0 if abrupt else DOWN_GRACE_S)
     shutil.rmtree(trash, ignore_errors=True)
 
 

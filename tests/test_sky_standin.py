@@ -302,6 +302,19 @@ def test_status_is_the_api_servers_cache_until_refreshed(sky, root, monkeypatch)
     assert sky.down("c") is False
 
 
+def test_a_preempted_machine_goes_whole_no_process_sees_its_disk_gone(sky, root, tmp_path):
+    """A spot VM taken without notice: its processes and its disk go together. A job that ignores SIGTERM (as a
+    server's final push does) and writes into $HOME without pause never finds $HOME gone."""
+    saw, started = tmp_path / "saw", tmp_path / "started"
+    sky.launch(small_task(f"trap '' TERM; touch {started}; "
+                          f"while true; do echo x > \"$HOME/f\" || echo gone >> {saw}; done"),
+               secrets={}, cluster_name="c", idle_minutes=5)
+    wait_for("the writer writes", started.exists, timeout=20)
+    sky.preempt("c", notice_s=0)
+    assert leftover_processes(root) == {}
+    assert not saw.exists(), saw.read_text()
+
+
 def test_autostopping_still_answers_and_then_goes(sky, root, monkeypatch):
     hold = root / "hold"
     root.mkdir(parents=True, exist_ok=True)
