@@ -67,15 +67,16 @@ $(VLLM_STAMP): pyproject.toml .ci/vllm_venv.sh
 install: $(STAMP) $(LAPTOP_STAMP) $(VLLM_STAMP)
 
 # make test, in three stages, each running its parts side by side (a part's output is printed whole when it ends):
-# 1. the three venvs (unpacking wheels mostly waits on the disk); their editable installs of this checkout take
-#    turns (EDITABLE: each writes artcloud.egg-info here);
-# 2. the .venv suite (test-main), alone: beside the vLLM conformance suite it took 24.5 min instead of 17 on a
-#    clean clone;
+# 1. the two venvs the .venv suite needs (.venv, and .venv-vllm for tests/test_vllm_server.py); unpacking wheels
+#    mostly waits on the disk; their editable installs of this checkout take turns (EDITABLE: each writes
+#    artcloud.egg-info here);
+# 2. the .venv suite (test-main), with only the laptop venv's build beside it: beside the vLLM conformance suite
+#    it took 24.5 min instead of 17 on a clean clone;
 # 3. the vLLM conformance suite, the extra Pythons (their venvs' build is mostly downloads and unpacking) and
 #    tests/laptop.
 test:
-	$(MAKE) --no-print-directory -j3 $(STAMP) $(LAPTOP_STAMP) $(VLLM_STAMP)
-	$(MAKE) --no-print-directory test-main
+	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-main $(LAPTOP_STAMP)
 	$(MAKE) --no-print-directory -j3 --output-sync=target test-engines test-pythons test-laptop
 
 test-main: $(STAMP)
