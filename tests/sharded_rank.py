@@ -1,7 +1,8 @@
 """One rank of tests/test_sharded.py's runs: `python -m torch.distributed.run --standalone --nproc-per-node N
 tests/sharded_rank.py SPEC OUT` trains one step with artcloud's sharded trainer (FSDP2, gloo) on the samples
 in SPEC (a pickle the test wrote; none: no step), from a fresh adapter or from SPEC's checkpoint, and saves
-it to OUT (rank 0 writes it, with the step's metrics in metrics.json)."""
+it to OUT (rank 0 writes it, with the step's metrics in metrics.json). SPEC may set the trainer's dtype and
+checkpointing."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from artcloud.server.engines.sharded import ShardedPeftTrainer, join_world
 spec = pickle.loads(Path(sys.argv[1]).read_bytes())
 out = Path(sys.argv[2])
 world = join_world("gloo")
-trainer = ShardedPeftTrainer(spec["base_model"], world)
+trainer = ShardedPeftTrainer(spec["base_model"], world, dtype=spec.get("dtype", "float32"),
+                             checkpointing=spec.get("checkpointing"))
 if spec["resume"] is None:
     trainer.create_adapter("agent", spec["lora"])
 else:

@@ -17,10 +17,11 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from conftest import SMOLLM2
+from conftest import SMOLLM2, TINY
 from safetensors.torch import load_file
 
 from artcloud.server import chat
@@ -66,10 +67,11 @@ def _single(samples: list[TrainSample], out: Path, resume: Path | None = None) -
     return metrics
 
 
-def _sharded(tmp_path: Path, samples: list[TrainSample], out: Path, resume: Path | None = None) -> list[dict]:
+def _sharded(tmp_path: Path, samples: list[TrainSample], out: Path, resume: Path | None = None, *,
+             base_model: str = SMOLLM2, **trainer: Any) -> list[dict]:
     spec = tmp_path / f"{out.name}.spec"
-    spec.write_bytes(pickle.dumps({"base_model": SMOLLM2, "lora": LORA, "config": CONFIG, "samples": samples,
-                                   "resume": str(resume) if resume else None}))
+    spec.write_bytes(pickle.dumps({"base_model": base_model, "lora": LORA, "config": CONFIG, "samples": samples,
+                                   "resume": str(resume) if resume else None, **trainer}))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         str(RANK), str(spec), str(out)], capture_output=True, text=True, env=env, timeout=900)
@@ -126,6 +128,29 @@ def test_two_ranks_train_as_one_process_and_resume_across_world_sizes(tmp_path):
         single2 = _single(second, tmp_path / f"single-2-from-{start}", resume=tmp_path / start)
         sharded2 = _sharded(tmp_path, second, tmp_path / f"sharded-2-from-{start}", resume=tmp_path / start)
         _assert_same_step(tmp_path / f"single-2-from-{start}", tmp_path / f"sharded-2-from-{start}", single2, sharded2)
+
+
+def test_activation_checkpointing_changes_nothing_but_memory_and_bfloat16_weights_train_float32_loras(tmp_path):
+    """What the ranks do on CUDA (checkpointing on, the base in bfloat16), here on the CPU with tiny-random:
+    recomputing each layer's activations gives the step of the run that kept them; a bfloat16 base trains
+    float32 LoRA weights and AdamW state, saved as the peft trainer saves them."""
+    tiny = PeftTrainer(TINY)
+    samples = _samples(tiny, 3)
+    del tiny
+    kept = _sharded(tmp_path, samples, tmp_path / "kept", base_model=TINY, checkpointing=False)
+    recomputed = _sharded(tmp_path, samples, tmp_path / "recomputed", base_model=TINY, checkpointing=True)
+    for a, b in zip(kept, recomputed, strict=True):
+        for key in ("loss", "grad_norm", "mean_ratio"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    (wa, _), (wb, _) = _tensors(tmp_path / "kept"), _tensors(tmp_path / "recomputed")
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+    _sharded(tmp_path, samples, tmp_path / "bf16", base_model=TINY, dtype="bfloat16", checkpointing=True)
+    weights, optimizer = _tensors(tmp_path / "bf16")
+    assert {w.dtype for w in weights.values()} == {torch.float32}
+    assert {v.dtype for st in optimizer["state"].values() for v in st.values() if v.dim()} == {torch.float32}
+    again = PeftTrainer(TINY, dtype="bfloat16")
+    again.load_adapter("agent", LORA, tmp_path / "bf16", optimizer=True)  # any trainer resumes it
 
 
 # Loaded by the ranks (first on their PYTHONPATH; the server ignores it): each rank's training step waits at a

@@ -91,8 +91,10 @@ def _full_sequences(model: Any, batch: PackedBatch) -> torch.Tensor:
     ids = torch.cat([batch.prompts[batch.prompt_of], batch.completions], dim=1)  # (B, P + C)
     mask = torch.cat([batch.prompt_mask[batch.prompt_of], batch.completion_mask.long()], dim=1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    # Positions P-1 .. P+C-2 predict the C completion tokens.
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=C + 1).logits
+    # Positions P-1 .. P+C-2 predict the C completion tokens. No KV cache: one pass needs none, and a layer
+    # recomputed in the backward pass (activation checkpointing) would append to it a second time.
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=C + 1,
+                   use_cache=False).logits
     return token_logprobs(logits[:, :-1], batch.completions, batch.temperatures)
 
 

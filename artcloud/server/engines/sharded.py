@@ -76,20 +76,31 @@ def _collective_device() -> torch.device:
 
 
 class ShardedPeftTrainer(PeftTrainer):
-    """The peft trainer on one rank of `world`. It holds one adapter: the model is sharded when it is made."""
+    """The peft trainer on one rank of `world`. It holds one adapter: the model is sharded when it is made.
+    In bfloat16 (on GPUs) the base weights stay bfloat16 and the LoRA weights and AdamW's state float32, as in
+    the peft trainer. `checkpointing` (default: on CUDA): each decoder layer's activations are recomputed in
+    the backward pass instead of kept (torch's composable checkpoint, which keeps parameter names), and a
+    group's prompt is no longer run once for all its completions (that reuses a KV cache through the layers)."""
 
-    def __init__(self, base_model: str, world: loop.World, *, dtype: str = "float32", device: str = "cpu"):
+    def __init__(self, base_model: str, world: loop.World, *, dtype: str = "float32", device: str = "cpu",
+                 checkpointing: bool | None = None):
         super().__init__(base_model, dtype=dtype, device=device)
         self.world = world
+        self.checkpointing = self.device.type == "cuda" if checkpointing is None else checkpointing
+        if self.checkpointing:
+            self.packs_prompts = False
 
     def create_adapter(self, slot: str, lora: LoraConfig) -> None:
         if self.peft is not None:
             raise NotSupported(f"the sharded trainer holds one adapter per base model (it has {next(iter(self.names))!r}): "
                                "register other models on a server of their own")
         super().create_adapter(slot, lora)  # the same seeded initialisation on every rank
+        from torch.distributed._composable import checkpoint
         from torch.distributed.fsdp import fully_shard
 
         for layer in self.peft.base_model.model.model.layers:
+            if self.checkpointing:
+                checkpoint(layer)
             fully_shard(layer)
         fully_shard(self.peft)
 
@@ -165,11 +176,14 @@ class ShardedTrainer(Trainer):
     """The sharded trainer as the server's engine sees it: `procs` ranks of ShardedPeftTrainer in other
     processes, each call made on all of them. The tokenizer and the model's shape are read here (no weights)."""
 
-    def __init__(self, base_model: str, procs: int, *, dtype: str = "float32", device: str = "cpu"):
+    def __init__(self, base_model: str, procs: int, *, dtype: str = "float32", device: str = "cpu",
+                 env: dict[str, str] | None = None):
+        """`device` "cpu" or "cuda" (rank r on the r-th GPU torchrun's environment shows); `env`: more environment for
+        the ranks (CUDA_VISIBLE_DEVICES: the trainer's GPUs)."""
         from transformers import AutoConfig, AutoTokenizer
 
         where = loading.resolve(base_model)
-        self.base_model, self.procs, self.dtype, self.device = base_model, procs, dtype, device
+        self.base_model, self.procs, self.dtype, self.device, self.env = base_model, procs, dtype, device, dict(env or {})
         self.tokenizer = AutoTokenizer.from_pretrained(where)
         loading.prepare_tokenizer(self.tokenizer, base_model)
         config = AutoConfig.from_pretrained(where)
@@ -194,7 +208,7 @@ class ShardedTrainer(Trainer):
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.procs),
                 "-m", "artcloud.server.engines.sharded", str(path), self.base_model, self.dtype, self.device]
         log.info("starting the sharded trainer: %d ranks of %s (%s, %s)", self.procs, self.base_model, self.device, self.dtype)
-        env = child_env(os.environ)
+        env = {**child_env(os.environ), **self.env}
         if self.device == "cpu":  # torchrun's default is 1 thread a rank: the cores are shared out instead
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.procs)))
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, env=env)
