@@ -67,16 +67,22 @@ def _single(samples: list[TrainSample], out: Path, resume: Path | None = None) -
     return metrics
 
 
-def _sharded(tmp_path: Path, samples: list[TrainSample], out: Path, resume: Path | None = None, *,
-             base_model: str = SMOLLM2, **trainer: Any) -> list[dict]:
-    spec = tmp_path / f"{out.name}.spec"
-    spec.write_bytes(pickle.dumps({"base_model": base_model, "lora": LORA, "config": CONFIG, "samples": samples,
-                                   "resume": str(resume) if resume else None, **trainer}))
+def run(samples: list[TrainSample], out: Path, resume: Path | None = None, *, base_model: str = SMOLLM2,
+        **trainer: Any) -> dict[str, Any]:
+    """One run for _sharded: a step on `samples` (none: no step) from a fresh adapter or `resume`, saved to `out`."""
+    return {"base_model": base_model, "lora": LORA, "config": CONFIG, "samples": samples, "out": str(out),
+            "resume": str(resume) if resume else None, **trainer}
+
+
+def _sharded(tmp_path: Path, *runs: dict[str, Any]) -> list[list[dict]]:
+    """The runs, in turn, on one group of 2 ranks (tests/sharded_rank.py); each run's step metrics."""
+    spec = tmp_path / f"{Path(runs[0]['out']).name}.spec"
+    spec.write_bytes(pickle.dumps(list(runs)))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(RANK), str(spec), str(out)], capture_output=True, text=True, env=env, timeout=900)
+                        str(RANK), str(spec)], capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return json.loads((out / "metrics.json").read_text())
+    return [json.loads((Path(each["out"]) / "metrics.json").read_text()) for each in runs]
 
 
 def _tensors(folder: Path) -> tuple[dict, dict]:
@@ -113,20 +119,24 @@ def test_two_ranks_train_as_one_process_and_resume_across_world_sizes(tmp_path):
     del reference
 
     single1 = _single(first, tmp_path / "single-1")
-    sharded1 = _sharded(tmp_path, first, tmp_path / "sharded-1")
+    # The sharded side's runs in one group of ranks (each with a trainer of its own): a step from a fresh
+    # adapter; single-1 loaded and saved again; the next step from single-1 (1 -> 2 ranks) and from its own
+    # first step (2 -> 2).
+    sharded1, _, sharded2_from_single, sharded2_from_sharded = _sharded(
+        tmp_path, run(first, tmp_path / "sharded-1"), run([], tmp_path / "sharded-again", tmp_path / "single-1"),
+        run(second, tmp_path / "sharded-2-from-single-1", tmp_path / "single-1"),
+        run(second, tmp_path / "sharded-2-from-sharded-1", tmp_path / "sharded-1"))
     _assert_same_step(tmp_path / "single-1", tmp_path / "sharded-1", single1, sharded1)
     assert sharded1[0]["mean_ratio"] == pytest.approx(1.0, abs=1e-4)  # the old logprobs are the policy's own
 
     # A checkpoint loaded and saved again is the same files, on either side.
-    _sharded(tmp_path, [], tmp_path / "sharded-again", resume=tmp_path / "single-1")
     _assert_same_files(tmp_path / "single-1", tmp_path / "sharded-again")
     _single([], tmp_path / "single-again", resume=tmp_path / "sharded-1")
     _assert_same_files(tmp_path / "sharded-1", tmp_path / "single-again")
 
     # The next step from either checkpoint, on either side: 1 -> 2 ranks and 1 -> 1, 2 -> 1 and 2 -> 2.
-    for start in ("single-1", "sharded-1"):
+    for start, sharded2 in (("single-1", sharded2_from_single), ("sharded-1", sharded2_from_sharded)):
         single2 = _single(second, tmp_path / f"single-2-from-{start}", resume=tmp_path / start)
-        sharded2 = _sharded(tmp_path, second, tmp_path / f"sharded-2-from-{start}", resume=tmp_path / start)
         _assert_same_step(tmp_path / f"single-2-from-{start}", tmp_path / f"sharded-2-from-{start}", single2, sharded2)
 
 
@@ -137,15 +147,14 @@ def test_activation_checkpointing_changes_nothing_but_memory_and_bfloat16_weight
     tiny = PeftTrainer(TINY)
     samples = _samples(tiny, 3)
     del tiny
-    kept = _sharded(tmp_path, samples, tmp_path / "kept", base_model=TINY, checkpointing=False)
-    recomputed = _sharded(tmp_path, samples, tmp_path / "recomputed", base_model=TINY, checkpointing=True)
+    kept, recomputed, _ = _sharded(tmp_path, run(samples, tmp_path / "kept", base_model=TINY, checkpointing=False),
+                                   run(samples, tmp_path / "recomputed", base_model=TINY, checkpointing=True),
+                                   run(samples, tmp_path / "bf16", base_model=TINY, dtype="bfloat16", checkpointing=True))
     for a, b in zip(kept, recomputed, strict=True):
         for key in ("loss", "grad_norm", "mean_ratio"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
     (wa, _), (wb, _) = _tensors(tmp_path / "kept"), _tensors(tmp_path / "recomputed")
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
-
-    _sharded(tmp_path, samples, tmp_path / "bf16", base_model=TINY, dtype="bfloat16", checkpointing=True)
     weights, optimizer = _tensors(tmp_path / "bf16")
     assert {w.dtype for w in weights.values()} == {torch.float32}
     assert {v.dtype for st in optimizer["state"].values() for v in st.values() if v.dim()} == {torch.float32}
