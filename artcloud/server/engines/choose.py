@@ -218,10 +218,7 @@ def build_vllm_engine(base_model: str, *, trainer: str, workdir: Path, engine_ar
         if "trainer_gpus" in where:
             raise EngineArgsError("engine_args trainer_gpus is for CUDA GPUs; on a CPU, trainer_procs shards the trainer "
                                   "over processes", field="engine_args.trainer_gpus")
-        procs = where.get("trainer_procs", 1)
-        if type(procs) is not int or procs < 1:
-            raise EngineArgsError(f"engine_args trainer_procs must be a whole number >= 1, not {procs!r}",
-                                  field="engine_args.trainer_procs")
+        procs = whole_number(where, "trainer_procs", 1) if "trainer_procs" in where else 1
     elif "trainer_procs" in where:
         raise EngineArgsError("engine_args trainer_procs is for a CPU; on GPUs, trainer_gpus shards the trainer over GPUs",
                               field="engine_args.trainer_procs")
@@ -282,6 +279,15 @@ def build_vllm_engine(base_model: str, *, trainer: str, workdir: Path, engine_ar
     return Engine(sampler, part, colocated=colocated, description=f"vllm + {name} ({placement}){why}")
 
 
+def whole_number(args: dict[str, Any], key: str, least: int) -> int:
+    """engine_args[key], checked to be a whole number >= `least` (EngineArgsError naming it otherwise)."""
+    value = args[key]
+    if type(value) is not int or value < least:
+        raise EngineArgsError(f"engine_args {key} must be a whole number >= {least}, not {value!r}",
+                              field=f"engine_args.{key}")
+    return value
+
+
 def cpu_engine_args(args: dict[str, Any]) -> dict[str, Any]:
     """CPUEngine's keywords for engine_args `args`; EngineArgsError naming every key it cannot honour."""
     refused = sorted(k for k in args if k not in CPU_ARGS)
@@ -292,10 +298,7 @@ def cpu_engine_args(args: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, least in (("max_model_len", 1), ("max_seq_length", 1), ("seed", 0), ("trainer_procs", 1)):
         if key in args:
-            if type(args[key]) is not int or args[key] < least:
-                raise EngineArgsError(f"engine_args {key} must be a whole number >= {least}, not {args[key]!r}",
-                                      field=f"engine_args.{key}")
-            out[key] = args[key]
+            out[key] = whole_number(args, key, least)
     if "dtype" in args:
         if args["dtype"] not in CPU_DTYPES:
             raise EngineArgsError(f"engine_args dtype {args['dtype']!r}: the CPU engine loads "
