@@ -61,6 +61,22 @@ def test_latest_only_moves_forward_and_uncommitted_steps_are_invisible(seaweed, 
         store.pull("p", "m", 3, tmp_path / "out")
 
 
+def test_a_step_whose_manifest_went_up_before_latest_did_is_the_newest(seaweed, tmp_path):
+    """A machine lost between a step's manifest and LATEST: the step is committed (its manifest is there), so it is
+    what a resume or `artcloud pull` takes, not the older step LATEST still names."""
+    store = store_for(seaweed)
+    store.push("p", "m", commit(tmp_path / "m", 1, {"a.bin": 1000}))
+    two = commit(tmp_path / "m", 2, {"a.bin": 1000})
+    store.push("p", "m", two)
+    seaweed.client().put_object(Bucket=store.config.bucket, Key="runs/p/m/LATEST", Body=b'{"step": 1}')  # as it was
+    seaweed.client().put_object(Bucket=store.config.bucket, Key="runs/p/m/checkpoints/3/a.bin", Body=b"partial")
+    assert store.latest("p", "m") == 1 and store.committed_steps("p", "m") == [1, 2]
+    assert store.newest("p", "m") == 2  # step 3 has no manifest: not committed
+    pulled = store.pull("p", "m", None, tmp_path / "out")
+    assert pulled.name == "2" and (pulled / "a.bin").read_bytes() == (two / "a.bin").read_bytes()
+    assert store.newest("p", "nobody") is None
+
+
 def test_a_corrupted_object_is_refused_on_pull(seaweed, tmp_path):
     store = store_for(seaweed)
     folder = commit(tmp_path / "m", 1, {"a.bin": 5000})

@@ -194,11 +194,17 @@ def _checkpoint_paths(step: int, *, manifest_only: bool = False):
     return match
 
 
+def _latest_pointer(request) -> bool:
+    """Matches the write of the LATEST pointer (a push writes it after the step's manifest)."""
+    return request.method in ("PUT", "POST") and request.path.split("?")[0].endswith("/LATEST")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_preemption_at_any_phase_loses_no_step_and_trains_none_twice(sky_env, monkeypatch, seaweed, caplog):
     """The machine goes, with no notice, at each phase of a step, each one reached by a barrier on every run:
-    1. between steps, everything pushed: a rollout request finds it gone;
+    1. between steps, step 1's manifest on S3 but not yet the LATEST pointer that follows it (held at the network):
+       a rollout request finds it gone, and the new machine resumes from step 1 (committed by its manifest);
     2. inside the train call, before the step is committed (the machine frozen at the step's first gradient step,
        checked not committed): the train call finds it gone and trains the same groups on the new machine;
     3. after the step committed and model.train returned, before any of it reached S3 (its upload held at the
@@ -235,11 +241,15 @@ def test_a_preemption_at_any_phase_loses_no_step_and_trains_none_twice(sky_env, 
         async def groups():
             return await gather_groups(model, client)
 
+        await asyncio.to_thread(wait_for, "step 0's LATEST on S3", lambda: store.latest("spot", "agent") == 0, 60)
+        held = proxy.hold(_latest_pointer)
         assert (await model.train(await groups(), config=config, progress=False)).step == 1
 
-        # 1. Between steps, step 1 on S3: the next rollout finds the machine gone.
-        await asyncio.to_thread(wait_for, "step 1 on S3", lambda: on_s3(1), 60)
+        # 1. Between steps, step 1's manifest on S3, its LATEST held: the next rollout finds the machine gone.
+        assert await asyncio.to_thread(held.arrived.wait, 60), "the push never reached LATEST"
+        assert on_s3(1) and store.latest("spot", "agent") == 0
         await asyncio.to_thread(go_now)
+        held.release(forward=False)
         batch = await groups()
         assert len(backend.replacements) == 1 and (await backend.model_info("agent")).step == 1
         assert (await model.train(batch, config=config, progress=False)).step == 2

@@ -140,7 +140,7 @@ class ModelTrainer:
         store, model = self.pusher.store, self.model
         loop = asyncio.get_running_loop()
         try:
-            remote = await loop.run_in_executor(None, store.latest, model.spec.project, self.name)
+            remote = await loop.run_in_executor(None, store.newest, model.spec.project, self.name)
             local = checkpoints.committed_steps(model.folder)
             if remote is not None and (not local or remote > local[-1]):
                 log.info("pulling %s step %d from %s", self.name, remote, store.config.uri)

@@ -1,10 +1,11 @@
 """Checkpoints on S3 (or R2, MinIO, SeaweedFS, GCS interop): s3://BUCKET/PREFIX/PROJECT/MODEL/checkpoints/STEP/.
 
 The same layout as on disk. A step is committed on S3 by writing its `manifest.json` (size and sha256 of
-every file) after all its files, then the model's `LATEST` pointer; a reader trusts only committed
-manifests and checks every hash, so a half-finished upload is never read. A push uploads only the files
-that are not already there with the same sha256 (kept in the object's metadata), in parallel, multipart
-for large ones, with retries and backoff on throttling, 5xx and connection errors.
+every file) after all its files; the model's `LATEST` pointer goes up after it (a step with a manifest above
+LATEST is committed all the same: `newest`). A reader trusts only committed manifests and checks every
+hash, so a half-finished upload is never read. A push uploads only the files that are not already there
+with the same sha256 (kept in the object's metadata), in parallel, multipart for large ones, with retries
+and backoff on throttling, 5xx and connection errors.
 
 Everything read from the bucket is untrusted: anyone holding its keys (every sandbox does) can write
 there. Manifests, LATEST and OWNER are parsed with a size cap and validated completely before anything
@@ -509,6 +510,14 @@ class CheckpointStore(Bucket):
         return sorted(step for step, keys in self._step_objects(project, model).items()
                       if self._step_key(project, model, step, checkpoints.MANIFEST) in keys)
 
+    def newest(self, project: str, model: str) -> int | None:
+        """The newest committed step (None if there is none): LATEST, or a step above it whose manifest is there.
+        A step is committed by its manifest; LATEST goes up just after it, so a machine lost between the two
+        leaves LATEST one step behind, and a resume that trusted LATEST alone would lose that step."""
+        latest = self.latest(project, model)
+        above = [step for step in self.committed_steps(project, model) if latest is None or step > latest]
+        return above[-1] if above else latest
+
     def read_manifest(self, project: str, model: str, step: int) -> dict[str, Any] | None:
         """The committed manifest of `step`, validated (checkpoints.validate_manifest: names, sizes,
         hashes, and that it is step `step`'s); None if the step is not committed. A bad manifest raises
@@ -527,7 +536,7 @@ class CheckpointStore(Bucket):
     def pull(self, project: str, model: str, step: int | None, dest: Path,
              on_manifest: Callable[[dict[str, Any]], None] | None = None,
              on_bytes: Callable[[int], None] | None = None) -> Path:
-        """Download step (None: LATEST) into dest/STEP, every file checked against the committed manifest.
+        """Download step (None: the newest committed one) into dest/STEP, every file checked against the committed manifest.
 
         The manifest is untrusted: it is validated completely (read_manifest) before anything is written,
         so a hostile one (a name like "../../x", an absolute path, a huge count...) raises
@@ -536,7 +545,7 @@ class CheckpointStore(Bucket):
         its manifest size, and is checked against its sha256; the folder is then renamed to dest/STEP. A
         failed or corrupt pull leaves nothing behind. A garbage LATEST is a StorageError."""
         if step is None:
-            step = self.latest(project, model)
+            step = self.newest(project, model)
             if step is None:
                 raise StorageError(f"no committed checkpoint of {project}/{model} under {self.config.uri}")
         if type(step) is not int or step < 0:
