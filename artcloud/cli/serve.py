@@ -1,4 +1,5 @@
-"""`artcloud serve` (the training + inference server) and `artcloud pull` (a checkpoint from S3)."""
+"""`artcloud serve` (the training + inference server), `artcloud replica` (an inference replica on another node)
+and `artcloud pull` (a checkpoint from S3)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def serve(
     max_duration: Optional[str] = typer.Option(None, "--max-duration", help="Exit (after a final checkpoint push) this long after start, clients or not: 8h, 1d. Default: never."),
     watch_preemption: bool = typer.Option(False, "--watch-preemption", envvar="ARTCLOUD_WATCH_PREEMPTION", help="On a spot machine: poll the cloud's preemption notice (AWS, GCP, Azure metadata) and, when it comes, push the last checkpoints and exit (SkyBackend(use_spot=True) sets it; the client relaunches and resumes from S3)."),
     preload: Optional[str] = typer.Option(None, "--preload", envvar="ARTCLOUD_PRELOAD", help="Load this base model (a hub id or a folder) while the server comes up, so that GET /health says ready only once it is loaded and the first register finds it loaded. Default: $ARTCLOUD_PRELOAD (SkyBackend and ModalBackend set it when model.register started the sandbox)."),
+    replica: list[str] = typer.Option([], "--replica", help="An inference replica on another node (`artcloud replica` there): https://NODE_IP:PORT, repeatable. Rollouts are spread over this server's sampler and the replicas; each committed step is served on all of them. They take this server's token.", rich_help_panel="Several nodes"),
+    replica_ca: Optional[str] = typer.Option(None, "--replica-ca", help="The CA (PEM) that signed the replicas' certificate. Default: the CA this server made under PATH/.tls.", rich_help_panel="Several nodes"),
     s3_claim_timeout: str = typer.Option("15m", "--s3-claim-timeout", help="A model's S3 claim (one server trains it) is renewed every third of this; another server may take the model over after this long without renewal."),
     max_body_mb: float = typer.Option(Limits.max_body_mb, "--max-body-mb", min=0.001, help="Largest request body, in MiB (413 above it).", rich_help_panel="Limits"),
     max_train_bodies: int = typer.Option(Limits.max_train_bodies, "--max-train-bodies", min=1, help="Training request bodies read and parsed at once (429 above it). One over 4 MiB is parsed in a child process, which may take up to ~35x its size in memory for a few seconds.", rich_help_panel="Limits"),
@@ -89,13 +92,52 @@ def serve(
         run(host=host, port=port, path=path, tls_cert=tls_cert, tls_key=tls_key, token_file=token_file,
             engine=engine, engine_args=parsed_args, vllm_python=vllm_python, log_level=log_level, parent_pid=parent_pid, s3=s3, keep_last=keep_last, keep_best=keep_best,
             lease_s=lease_s, max_duration_s=max_duration_s, behind_https_proxy=behind_https_proxy, limits=limits,
-            claim_timeout_s=claim_timeout_s, watch_preemption=watch_preemption, preload=preload or None)
+            claim_timeout_s=claim_timeout_s, watch_preemption=watch_preemption, preload=preload or None,
+            replicas=replica, replica_ca=replica_ca)
     except (ServeError, UnsafeFolder) as e:
         raise CLIError(str(e)) from e
     except ssl.SSLError as e:
         raise CLIError(f"the TLS certificate or key cannot be used ({e.reason or e}): give a matching PEM pair") from e
     except ValueError as e:
         raise CLIError(str(e)) from e
+
+
+@app.command()
+def replica(
+    path: Path = typer.Option(Path("./artcloud-replica"), "--path", help="Folder for the adapters it serves and its TLS files."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on: the node's private IP in a cluster (never a public one)."),
+    port: int = typer.Option(8001, "--port", min=0, max=65535, help="Port to listen on; 0 picks a free one."),
+    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="The launch's server certificate (PEM path). Default: $ARTCLOUD_TLS_CERT."),
+    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="Its private key (PEM path). Default: $ARTCLOUD_TLS_KEY."),
+    token_file: Optional[str] = typer.Option(None, "--token-file", help="File holding the launch's bearer token. Default: $ARTCLOUD_TOKEN."),
+    engine: str = typer.Option("cpu", "--engine", help="cpu (the torch sampler) or vllm (vLLM on every GPU of this node)."),
+    vllm_python: Optional[str] = typer.Option(None, "--vllm-python", help="The Python that runs vLLM. Default: $ARTCLOUD_VLLM_PYTHON, else this one."),
+    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+) -> None:
+    """Serve rollouts for the head node's server (`artcloud serve --replica URL`): an inference replica.
+
+    It loads the head's base model when the head first asks, serves every adapter step the head hands it,
+    and generates what the head routes to it. It trains nothing. Every route but /health needs the launch's
+    token; run it on the cluster's private network only.
+
+    Example: artcloud replica --host 10.0.0.2 --port 8001 --engine vllm
+    """
+    import ssl
+
+    from artcloud.server.main import ServeError
+    from artcloud.server.replica import serve as serve_replica
+    from artcloud.tls import UnsafeFolder
+
+    if engine not in ("cpu", "vllm"):
+        raise CLIError(f"--engine {engine}: a replica runs cpu or vllm")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        serve_replica(host=host, port=port, path=path, tls_cert=tls_cert, tls_key=tls_key, token=None,
+                      token_file=token_file, engine=engine, vllm_python=vllm_python, log_level=log_level)
+    except (ServeError, UnsafeFolder) as e:
+        raise CLIError(str(e)) from e
+    except ssl.SSLError as e:
+        raise CLIError(f"the TLS certificate or key cannot be used ({e.reason or e}): give a matching PEM pair") from e
 
 
 @app.command()

@@ -183,6 +183,22 @@ def _reuse_own(tls_dir: Path, token: str | None) -> TLSFiles | None:
     return TLSFiles(tls_dir / "server.pem", tls_dir / "server.key", tls_dir / "ca.pem", saved, tls_dir / "token")
 
 
+def _replica_links(urls: list[str], ca: str | None, tls: TLSFiles | None, token: str | None):
+    """--replica URL... with the launch's token and CA (--replica-ca, else the CA this server made)."""
+    if not urls:
+        return None
+    from artcloud.server.engines.choose import ReplicaLinks
+
+    bad = [u for u in urls if not u.startswith("https://")]
+    if bad:
+        raise ServeError(f"--replica {bad[0]}: a replica is reached over HTTPS only (https://NODE_IP:PORT)")
+    ca_path = Path(ca).expanduser() if ca else (tls.ca if tls is not None else None)
+    if ca_path is None or not ca_path.is_file():
+        raise ServeError("--replica needs the CA that signed the replicas' certificate: pass --replica-ca FILE (the "
+                         "launch's ca.pem)")
+    return ReplicaLinks(tuple(urls), tls.token if tls is not None else str(token), ca_path)
+
+
 def run(
     *, host: str, port: int, path: Path, tls_cert: str | None = None, tls_key: str | None = None,
     token: str | None = None, token_file: str | None = None, engine: str = "cpu", engine_args: dict | None = None,
@@ -190,7 +206,7 @@ def run(
     keep_last: int = 0, keep_best: str = "reward_mean", lease_s: float | None = None,
     max_duration_s: float | None = None, behind_https_proxy: bool = False, limits=None,
     claim_timeout_s: float | None = None, watch_preemption: bool = False, preload: str | None = None,
-    announce=print,
+    replicas: list[str] | None = None, replica_ca: str | None = None, announce=print,
 ) -> None:
     began = time.monotonic()  # --max-duration counts from here (loading a model is paid-for time too), /health's phases too
     import uvicorn
@@ -220,11 +236,12 @@ def run(
             raise ServeError(f"--behind-https-proxy needs the launcher's bearer token: set {ENV_TOKEN} or pass --token-file")
     else:
         tls = tls_setup(path, host, tls_cert, tls_key, token, token_file)
+    links = _replica_links(replicas or [], replica_ca, tls, token)
     # Before binding: an unknown --engine fails here, with nothing printed and nothing listening.
     lease = Lease(lease_s, max_duration_s, started_at=began)
     registry = Registry(path, engine=engine, store=store, retention=Retention(keep_last=keep_last, metric=keep_best),
                         limits=limits, lease=lease, claim_timeout_s=claim_timeout_s or CLAIM_TIMEOUT_S,
-                        engine_args=engine_args, vllm_python=vllm_python, preload=preload or None,
+                        engine_args=engine_args, vllm_python=vllm_python, preload=preload or None, replicas=links,
                         startup=Startup(started_at=began, install_s=read_install_record(os.environ.get(ENV_INSTALL_RECORD))))
     sock = bind(host, port)
     actual_port = sock.getsockname()[1]

@@ -23,7 +23,7 @@ from artcloud.server.api_errors import ApiError
 from artcloud.server.base_weights import BaseWeights
 from artcloud.server.batching import Batcher
 from artcloud.server.engines.base import Completion, GenerationRequest, SamplerUnavailable
-from artcloud.server.engines.choose import engine_factory
+from artcloud.server.engines.choose import ReplicaLinks, engine_factory
 from artcloud.server.engines.engine import Engine
 from artcloud.server.lease import Lease
 from artcloud.server.lifecycle import Lifecycle
@@ -54,7 +54,8 @@ class Registry:
                  store: CheckpointStore | None = None, retention: Retention | None = None,
                  limits: Limits | None = None, lease: Lease | None = None,
                  claim_timeout_s: float = CLAIM_TIMEOUT_S, engine_args: dict[str, Any] | None = None,
-                 vllm_python: str | None = None, startup: Startup | None = None, preload: str | None = None):
+                 vllm_python: str | None = None, startup: Startup | None = None, preload: str | None = None,
+                 replicas: ReplicaLinks | None = None):
         self.root = root
         self.retention = retention or Retention()
         self.limits = limits or Limits()
@@ -64,7 +65,7 @@ class Registry:
         self.engine_kind = engine
         # `engine` is checked here, before the server binds (an unknown kind is a ValueError).
         self.factory = factory or engine_factory(engine, workdir=root / ".engines", engine_args=engine_args,
-                                                 vllm_python=vllm_python)
+                                                 vllm_python=vllm_python, replicas=replicas)
         # Base weights: pulled from the S3 location when staged there, staged to it after a hub download.
         self.weights = BaseWeights(store.config) if store is not None else None
         self.hosts: dict[str, EngineHost] = {}

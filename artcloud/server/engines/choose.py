@@ -46,7 +46,7 @@ import logging
 import math
 import os
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -279,6 +279,32 @@ def build_vllm_engine(base_model: str, *, trainer: str, workdir: Path, engine_ar
     return Engine(sampler, part, colocated=colocated, description=f"vllm + {name} ({placement}){why}")
 
 
+def vllm_sampler_only(base_model: str, engine_args: dict[str, Any] | None, *, workdir: Path,
+                      python: str | None = None) -> Any:
+    """vLLM alone, on every GPU of this node (an inference replica of a multi-node cluster: no trainer here), as
+    data-parallel replicas of tensor_parallel_size GPUs (the fewest, a power of two, that hold the weights in
+    REPLICA_SHARE of each, unless engine_args says)."""
+    import torch
+
+    from artcloud.server.engines import loading
+    from artcloud.server.engines.vllm_sampler import VLLMArgs, VLLMSampler, vllm_python
+
+    n = torch.cuda.device_count()
+    args, env = vllm_defaults(max(n, 2) if n else 0)  # never the shared-GPU defaults: nothing trains here
+    overrides = {k: v for k, v in (engine_args or {}).items() if k not in TRAINER_ARGS | PLACEMENT_ARGS}
+    model_dir = Path(loading.resolve(base_model))
+    if n:
+        gpu = torch.cuda.get_device_properties(0).total_memory
+        tp = 1
+        while tp < n and weight_bytes(model_dir) / tp > REPLICA_SHARE * gpu:
+            tp *= 2
+        args.update(tensor_parallel_size=tp, data_parallel_size=max(1, n // tp))
+    args.update(overrides)
+    workdir.mkdir(parents=True, exist_ok=True)
+    return VLLMSampler(VLLMArgs(model=str(model_dir), python=python or vllm_python(), args=args, env=env, workdir=workdir),
+                       colocated=False, max_context=int(args["max_model_len"]))
+
+
 def whole_number(args: dict[str, Any], key: str, least: int) -> int:
     """engine_args[key], checked to be a whole number >= `least` (EngineArgsError naming it otherwise)."""
     value = args[key]
@@ -332,22 +358,57 @@ def _cpu_only(engine_args: dict[str, Any] | None, why: str) -> dict[str, Any]:
     return {k: v for k, v in args.items() if k in CPU_ARGS}
 
 
+@dataclass(frozen=True)
+class ReplicaLinks:
+    """`artcloud serve --replica URL ...`: inference replicas on the cluster's other nodes (server/replica.py),
+    reached with the launch's token and CA."""
+
+    urls: tuple[str, ...]
+    token: str = field(repr=False)
+    ca: Path
+
+
+def with_replicas(make: Callable[..., Engine], links: ReplicaLinks) -> Callable[..., Engine]:
+    """`make`, with each engine's sampler joined by the replicas into one ReplicaSet (engines/replicas.py)."""
+    from artcloud.server.engines.replicas import RemoteSampler, ReplicaSet
+
+    def build(base_model: str, engine_args: dict[str, Any] | None = None) -> Engine:
+        engine = make(base_model, engine_args) if engine_args is not None else make(base_model)
+        args = {k: v for k, v in (engine_args or {}).items() if k not in TRAINER_ARGS | PLACEMENT_ARGS}
+        remotes = [RemoteSampler(url, links.token, links.ca, base_model, args, max_context=engine.sampler.max_context)
+                   for url in links.urls]
+        names = ["head", *(f"replica{i + 1}" for i in range(len(remotes)))]
+        engine.sampler = ReplicaSet([engine.sampler, *remotes], names=names)
+        engine.description += f", rollouts also on {len(remotes)} replica node(s)"
+        return engine
+
+    return build
+
+
 def engine_factory(kind: str, *, workdir: Path, engine_args: dict[str, Any] | None = None,
-                   vllm_python: str | None = None) -> Callable[[str], Engine]:
+                   vllm_python: str | None = None, replicas: ReplicaLinks | None = None) -> Callable[[str], Engine]:
     """A function base_model -> Engine for `--engine KIND`, after one log line saying what and why."""
+    make = _engine_factory(kind, workdir=workdir, engine_args=engine_args, vllm_python=vllm_python,
+                           own_sampler=replicas is not None)
+    return with_replicas(make, replicas) if replicas is not None else make
+
+
+def _engine_factory(kind: str, *, workdir: Path, engine_args: dict[str, Any] | None, vllm_python: str | None,
+                    own_sampler: bool) -> Callable[..., Engine]:
     if kind not in ENGINES:
         raise InvalidArgument(f"unknown engine {kind!r}: choose one of {', '.join(ENGINES)}")
     check_engine_args(engine_args or {}, from_client=False)
+    cpu_kw: dict[str, Any] = {"own_sampler": True} if own_sampler else {}
 
     if kind == "cpu":
         cpu_engine_args(engine_args or {})  # what it cannot take is refused now, before the server binds
-        return _cpu_factory(engine_args)
+        return _cpu_factory(engine_args, **cpu_kw)
     if kind == "auto":
         import torch
 
         if not torch.cuda.is_available():
             log.info("engine auto: cpu, because torch sees no CUDA device")
-            return _cpu_factory(_cpu_only(engine_args, "no CUDA device"))
+            return _cpu_factory(_cpu_only(engine_args, "no CUDA device"), **cpu_kw)
         from artcloud.server.engines.vllm_sampler import vllm_python as default_python
 
         python = vllm_python or default_python()
@@ -357,7 +418,7 @@ def engine_factory(kind: str, *, workdir: Path, engine_args: dict[str, Any] | No
         gpus = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
         if problem is not None:
             log.warning("engine auto: the CPU engine's torch code on %s in bfloat16, because %s", gpus, problem)
-            return _cpu_factory(_cpu_only(engine_args, problem), dtype="bfloat16", device="cuda")
+            return _cpu_factory(_cpu_only(engine_args, problem), dtype="bfloat16", device="cuda", **cpu_kw)
         log.info("engine auto: vllm + unsloth on %s (CUDA present; vLLM imports under %s; unsloth installed)", gpus, python)
         kind = "vllm"
     trainer = {"vllm": "auto", "vllm+unsloth": "unsloth", "vllm+peft": "peft"}[kind]

@@ -16,11 +16,13 @@ class CPUEngine(Engine):
     prompt + completion tokens, each at most the model's positions; one model samples and trains here, so
     the smaller bounds both. `seed`: the sampling of requests that have no seed of their own. `trainer_procs`
     (the operator's only): train with the sharded trainer over that many processes (gloo) instead of in the
-    server's own model, which then samples only (artcloud/server/engines/sharded.py)."""
+    server's own model, which then samples only (artcloud/server/engines/sharded.py). `own_sampler` (inference
+replicas beside it, `artcloud serve --replica`): the trainer trains a second copy of the model, and the sampler
+serves each committed step as the replicas do."""
 
     def __init__(self, base_model: str, *, dtype: str = "float32", device: str = "cpu",
                  max_model_len: int | None = None, max_seq_length: int | None = None, seed: int | None = None,
-                 trainer_procs: int = 1):
+                 trainer_procs: int = 1, own_sampler: bool = False):
         model = PeftTrainer(base_model, dtype=dtype, device=device)  # the sampler's, and the trainer's if not sharded
         given = {"max_model_len": max_model_len, "max_seq_length": max_seq_length}
         bounds = {k: v for k, v in given.items() if v is not None}
@@ -40,4 +42,8 @@ class CPUEngine(Engine):
             trainer.max_context = model.max_context
             sampler.shares_trainer_weights = False
             description += f", the trainer sharded over {trainer_procs} processes (FSDP2)"
+        elif own_sampler:  # replicas serve each committed step: the sampler here does too, on a model of its own
+            trainer = PeftTrainer(base_model, dtype=dtype, device=device)
+            trainer.max_context = model.max_context
+            sampler.shares_trainer_weights = False
         super().__init__(sampler, trainer, description=description)

@@ -1,0 +1,327 @@
+"""An inference replica on another node of the cluster (the head's side of it: engines/replicas.py RemoteSampler).
+
+`artcloud replica` serves one sampler of the head's base model over HTTPS, with the launch's certificate and
+token (every route but /health). The head's ReplicaSet (engines/replicas.py) uses it as one more sampler:
+
+    GET    /health                    {"ok": true} and nothing else
+    POST   /replica/models            {"base_model", "engine_args"}: load it (once; another one is a 409)
+    GET    /replica/status            {"epoch", "base_model", "max_context", "sampler", "adapters", "served"}
+    POST   /replica/generate          {"slot", "requests": [{"prompt_ids", "n", "params", "stream"}]} -> NDJSON:
+                                      {"tokens": [request, sample, ids, logprobs, top]} as streamed requests
+                                      sample, then {"done": [[completion, ...], ...]} or {"error": {...}}
+    PUT    /replica/adapters/{slot}   a tar of exactly adapter_config.json + adapter_model.safetensors, with
+                                      the LoraConfig as JSON in X-Artcloud-Lora
+    DELETE /replica/adapters/{slot}
+
+Its port is for the cluster's own network: the head reaches it at the node's private IP, and nothing outside
+the cluster needs it (the task opens only the head's server port to the world).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import tarfile
+import tempfile
+import threading
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from artcloud.server.api_errors import ApiError
+from artcloud.server.engines.base import (
+    GenerationRequest,
+    Sampler,
+    SamplingParams,
+    TokenSink,
+)
+from artcloud.server.engines.replicas import ADAPTER_FILES, LORA_HEADER
+from artcloud.types import LoraConfig
+
+log = logging.getLogger("artcloud.replica")
+
+SLOT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+MAX_ADAPTER_BYTES = 8 << 30
+MAX_PROMPT_TOKENS = 1 << 20
+TICK_S = 1.0  # an empty line this often while a generation runs, so that the head can stop it (RemoteSampler)
+
+
+# ----------------------------------------------------------------------------------------- the replica
+
+
+class _LineSink(TokenSink):
+    """A streamed request's tokens, from the sampler's thread to the response's queue."""
+
+    def __init__(self, index: int, put: Callable[[Any], None]):
+        self.index = index
+        self.put = put
+        self.cancelled = False
+
+    def tokens(self, sample, token_ids, logprobs, top_logprobs) -> None:
+        self.put({"tokens": [self.index, sample, token_ids, logprobs, top_logprobs]})
+
+
+def _requests(body: Any) -> tuple[str | None, list[GenerationRequest], list[bool]]:
+    """The generate body, checked (a 400 naming the field otherwise)."""
+    def bad(field: str, what: str) -> ApiError:
+        return ApiError(400, "invalid_request", f"{field}: {what}", field)
+
+    if not isinstance(body, dict) or not isinstance(body.get("requests"), list) or not body["requests"]:
+        raise bad("requests", "a non-empty list of requests")
+    slot = body.get("slot")
+    if slot is not None and (not isinstance(slot, str) or not SLOT.fullmatch(slot)):
+        raise bad("slot", "null or an adapter slot name")
+    fields = set(SamplingParams.__dataclass_fields__)
+    out, stream = [], []
+    for i, r in enumerate(body["requests"]):
+        where = f"requests[{i}]"
+        if not isinstance(r, dict):
+            raise bad(where, "an object")
+        ids = r.get("prompt_ids")
+        if (not isinstance(ids, list) or not ids or len(ids) > MAX_PROMPT_TOKENS
+                or not all(type(t) is int and t >= 0 for t in ids)):
+            raise bad(f"{where}.prompt_ids", "a non-empty list of token ids")
+        n = r.get("n")
+        if type(n) is not int or not 1 <= n <= 1024:
+            raise bad(f"{where}.n", "a whole number from 1 to 1024")
+        params = r.get("params") or {}
+        if not isinstance(params, dict) or set(params) - fields:
+            raise bad(f"{where}.params", f"an object with some of {', '.join(sorted(fields))}")
+        try:
+            p = SamplingParams(**params)
+            if not (isinstance(p.temperature, (int, float)) and isinstance(p.top_p, (int, float))
+                    and type(p.max_tokens) is int and p.max_tokens >= 1 and type(p.top_logprobs) is int
+                    and isinstance(p.stop, list) and all(isinstance(s, str) for s in p.stop)
+                    and (p.seed is None or type(p.seed) is int)):
+                raise TypeError
+        except TypeError:
+            raise bad(f"{where}.params", "numbers and stop strings as a chat completion takes them") from None
+        out.append(GenerationRequest(prompt_ids=ids, n=n, params=p))
+        stream.append(bool(r.get("stream")))
+    return slot, out, stream
+
+
+def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: str, folder: Path):
+    """The replica's app; `load(base_model, engine_args)` makes its sampler on the first POST /replica/models."""
+    from artcloud.server.lease import Lease
+    from artcloud.server.middleware import TokenAuth
+
+    app = FastAPI(title="artcloud replica", docs_url=None, redoc_url=None, openapi_url=None)
+    state: dict[str, Any] = {"sampler": None, "base_model": None, "adapters": {}, "epoch": secrets.token_hex(8),
+                             "served": 0}
+    loading = asyncio.Lock()
+    turn = threading.Lock()  # a sampler that does not batch by itself takes one call at a time
+
+    def sampler() -> Sampler:
+        if state["sampler"] is None:
+            raise ApiError(409, "no_model", "this replica has no model yet: POST /replica/models first")
+        return state["sampler"]
+
+    def call(fn: Callable[..., Any], *args: Any) -> Any:
+        if state["sampler"].concurrent:
+            return fn(*args)
+        with turn:
+            return fn(*args)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"ok": True}
+
+    @app.post("/replica/models")
+    async def models(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        base = body.get("base_model") if isinstance(body, dict) else None
+        args = body.get("engine_args") or {} if isinstance(body, dict) else None
+        if not isinstance(base, str) or not base or not isinstance(args, dict):
+            raise ApiError(400, "invalid_request", "base_model: the head's base model name (engine_args: an object)",
+                           "base_model")
+        async with loading:
+            if state["base_model"] not in (None, base):
+                raise ApiError(409, "other_model", f"this replica serves {state['base_model']}, not {base}: start "
+                               "one replica per base model", "base_model")
+            if state["sampler"] is None:
+                state["sampler"] = await asyncio.to_thread(load, base, args)
+                state["base_model"] = base
+        return status()
+
+    @app.get("/replica/status")
+    def status() -> dict[str, Any]:
+        s = state["sampler"]
+        return {"epoch": state["epoch"], "base_model": state["base_model"],
+                "max_context": s.max_context if s is not None else None,
+                "sampler": s.status() if s is not None else None, "adapters": sorted(state["adapters"]),
+                "served": state["served"]}
+
+    @app.post("/replica/generate")
+    async def generate(request: Request) -> StreamingResponse:
+        slot, requests, stream = _requests(await request.json())
+        s = sampler()
+        if slot is not None and slot not in state["adapters"]:
+            raise ApiError(404, "unknown_adapter", f"this replica does not serve {slot}", "slot")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        def put(item: Any) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        for i, (r, streamed) in enumerate(zip(requests, stream)):
+            if streamed:
+                r.sink = _LineSink(i, put)
+
+        def work() -> None:
+            try:
+                out = call(s.generate, slot, requests)
+                state["served"] += len(requests)
+                put({"done": [[asdict(c) for c in cs] for cs in out]})
+            except Exception as e:  # noqa: BLE001 - said to the head, which takes this replica out
+                log.exception("generation failed")
+                put({"error": {"code": getattr(e, "code", "engine_failed"), "message": str(e)[:500]}})
+            put(None)
+
+        async def lines():
+            task = loop.run_in_executor(None, work)
+            try:
+                while True:
+                    try:
+                        item = await asyncio.wait_for(queue.get(), TICK_S)
+                    except asyncio.TimeoutError:
+                        yield b"\n"  # an empty line: the head checks whether anyone still waits for these samples
+                        continue
+                    if item is None:
+                        break
+                    yield (json.dumps(item) + "\n").encode()
+                await task
+            finally:  # the head went away: stop the samples at their next step
+                for r in requests:
+                    r.abandoned = True
+                    if r.sink is not None:
+                        r.sink.cancelled = True
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.put("/replica/adapters/{slot}")
+    async def put_adapter(slot: str, request: Request) -> dict[str, Any]:
+        if not SLOT.fullmatch(slot):
+            raise ApiError(400, "invalid_request", "slot: letters, digits and _.- (at most 64)", "slot")
+        try:
+            lora = LoraConfig.model_validate_json(request.headers.get(LORA_HEADER, ""))
+        except ValueError as e:
+            raise ApiError(400, "invalid_request", f"{LORA_HEADER}: the adapter's LoraConfig as JSON ({e})".splitlines()[0],
+                           LORA_HEADER) from None
+        s = sampler()
+        target = Path(tempfile.mkdtemp(prefix=f"{slot}-", dir=folder))
+        try:
+            with tempfile.TemporaryFile(dir=folder) as raw:
+                size = 0
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > MAX_ADAPTER_BYTES:
+                        raise ApiError(413, "body_too_large", f"an adapter is at most {MAX_ADAPTER_BYTES} bytes", "body")
+                    raw.write(chunk)
+                raw.seek(0)
+                await asyncio.to_thread(_untar_adapter, raw, target)
+            await asyncio.to_thread(call, s.serve_adapter, slot, lora, target)
+        except BaseException:
+            shutil.rmtree(target, ignore_errors=True)
+            raise
+        old = state["adapters"].get(slot)
+        state["adapters"][slot] = target
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return {"slot": slot}
+
+    @app.delete("/replica/adapters/{slot}")
+    async def delete_adapter(slot: str) -> dict[str, Any]:
+        old = state["adapters"].pop(slot, None)
+        if old is not None:
+            await asyncio.to_thread(call, sampler().drop_adapter, slot)
+            shutil.rmtree(old, ignore_errors=True)
+        return {"slot": slot, "dropped": old is not None}
+
+    app.add_middleware(TokenAuth, token=token, lease=Lease(None, None))
+    return app
+
+
+def _untar_adapter(raw: Any, target: Path) -> None:
+    """Exactly the two adapter files, as regular files, written under `target` by their fixed names only."""
+    def bad(what: str) -> ApiError:
+        return ApiError(400, "invalid_adapter", f"the body must be a tar of exactly {' and '.join(ADAPTER_FILES)}: {what}",
+                        "body")
+
+    try:
+        with tarfile.open(fileobj=raw, mode="r:") as tar:
+            members = tar.getmembers()
+            names = sorted(m.name for m in members)
+            if names != sorted(ADAPTER_FILES) or not all(m.isfile() for m in members):
+                raise bad(f"it holds {names[:4]}")
+            for m in members:
+                source = tar.extractfile(m)
+                assert source is not None  # a regular file
+                with open(target / ADAPTER_FILES[ADAPTER_FILES.index(m.name)], "wb") as out:
+                    shutil.copyfileobj(source, out)
+    except tarfile.TarError as e:
+        raise bad(str(e)) from None
+
+
+def serve(*, host: str, port: int, path: Path, tls_cert: str | None, tls_key: str | None, token: str | None,
+          token_file: str | None, engine: str = "cpu", vllm_python: str | None = None, log_level: str = "info",
+          announce=print) -> None:
+    """`artcloud replica`: serve until a signal. The sampler is made on the head's first POST /replica/models."""
+    import uvicorn
+
+    from artcloud.server.main import ENV_CERT, ServeError, bind, check_path, tls_setup
+    from artcloud.server.tls_only import Connections, server_context, wrap_uvicorn_protocol
+
+    path = check_path(path)
+    if not (tls_cert or os.environ.get(ENV_CERT)):
+        raise ServeError("a replica serves with the launch's certificate, which the head trusts: pass --tls-cert, "
+                         "--tls-key and --token-file (or set ARTCLOUD_TLS_CERT, ARTCLOUD_TLS_KEY, ARTCLOUD_TOKEN)")
+    tls = tls_setup(path, host, tls_cert, tls_key, token, token_file)
+    folder = path / "replica-adapters"
+    shutil.rmtree(folder, ignore_errors=True)  # what a replica served before a restart is served again by the head
+    folder.mkdir(parents=True)
+
+    def load(base_model: str, engine_args: dict[str, Any]) -> Sampler:
+        return make_sampler(engine, base_model, engine_args, workdir=path / "replica-engine", python=vllm_python)
+
+    sock = bind(host, port)
+    announce(f"artcloud replica serving on https://{host}:{sock.getsockname()[1]} (HTTPS only, the launch's token)")
+    app = create_replica_app(load, tls.token, folder)
+    config = uvicorn.Config(app, loop="asyncio", log_level=log_level, timeout_keep_alive=30)
+    config.load()
+    wrap_uvicorn_protocol(config, server_context(str(tls.cert), str(tls.key)), hint="", connections=Connections(by_peer=True))
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def make_sampler(engine: str, base_model: str, engine_args: dict[str, Any], *, workdir: Path,
+                 python: str | None = None) -> Sampler:
+    """A sampler only: the torch sampler on its own model (engine cpu), or vLLM in its own process (vllm)."""
+    if engine == "cpu":
+        from artcloud.server.engines.choose import cpu_engine_args
+        from artcloud.server.engines.peft_trainer import PeftTrainer
+        from artcloud.server.engines.torch_sampler import TorchSampler
+
+        kw = cpu_engine_args(engine_args)
+        model = PeftTrainer(base_model, **{k: v for k, v in kw.items() if k == "dtype"})
+        if "max_model_len" in kw:
+            model.max_context = min(model.max_context, kw["max_model_len"])
+        sampler = TorchSampler(model, seed=kw.get("seed"))
+        sampler.shares_trainer_weights = False
+        return sampler
+    if engine == "vllm":
+        from artcloud.server.engines.choose import vllm_sampler_only
+
+        return vllm_sampler_only(base_model, engine_args, workdir=workdir, python=python)
+    raise ValueError(f"unknown replica engine {engine!r}: cpu or vllm")
