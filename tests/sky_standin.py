@@ -8,6 +8,10 @@ answers on loopback. Only what a cloud VM would make different is changed, at th
 - the "cluster" is a folder ROOT/clusters/NAME: `home/` is its $HOME (the workdir is copied to
   home/sky_workdir, like SkyPilot's sync), `cluster.json` its state, `job.log` the job's output;
 - the server listens on 127.0.0.1 and a free local port (the task's port 8443 maps to it in `endpoint`);
+- a task of num_nodes N runs its setup, then its run, on N nodes at once: the head in home/, each worker in
+  worker{RANK}-home/ on a loopback address of its own (127.A.B.RANK+1), with SkyPilot's SKYPILOT_NODE_RANK,
+  SKYPILOT_NODE_IPS (head first) and SKYPILOT_NUM_NODES; one node failing fails the step and kills the others
+  (task_codegen.py:362-402, 497-520, 565-572, 629-664); all nodes' output goes to the one job log;
 - the node is a machine image (tests/sky_image.py): the image's own python3 (e.g. 3.10 with
   ARTCLOUD_STANDIN_PYTHON=a 3.10 interpreter, as on Ubuntu 22.04) without the python3-venv package, uv at
   ~/.local/bin/uv and an activated ~/sky-user-env, as SkyPilot 0.14 leaves a node; the task's own setup makes
@@ -90,6 +94,7 @@ ENV_FAULT = "ARTCLOUD_STANDIN_FAULT"
 ENV_NETWORK = "ARTCLOUD_STANDIN_NETWORK"
 ENV_NO_CAPACITY = "ARTCLOUD_STANDIN_NO_CAPACITY"
 ENV_MARKER = "ARTCLOUD_STANDIN_CLUSTER"  # set on every process of a cluster: ROOT/clusters/NAME
+ENV_NODE = "ARTCLOUD_STANDIN_NODE"  # and its node's rank
 ENV_STATUS_REFRESH = "ARTCLOUD_STANDIN_STATUS_REFRESH_S"
 ENV_HOLD_AUTOSTOP = "ARTCLOUD_STANDIN_HOLD_AUTOSTOP"
 ENV_HOLD_LAUNCH = "ARTCLOUD_STANDIN_HOLD_LAUNCH"
@@ -293,16 +298,25 @@ def _alive(pid: int | None) -> bool:
     return bool(pid) and _proc_state(pid) not in (None, "Z", "X")
 
 
-def _marker_of(pid: int) -> str | None:
+def _marker_of(pid: int, name: str = ENV_MARKER) -> str | None:
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return None
-    prefix = f"{ENV_MARKER}=".encode()
+    prefix = f"{name}=".encode()
     for item in environ.split(b"\0"):
         if item.startswith(prefix):
             return item[len(prefix):].decode(errors="replace")
     return None
+
+
+def _kill_node(root: Path, name: str, rank: int) -> None:
+    """SIGKILL every process of one node of the cluster (a task SkyPilot cancels)."""
+    marker = _marker(root, name)
+    for pid in _live_pids():
+        if _marker_of(pid) == marker and _marker_of(pid, ENV_NODE) == str(rank) and pid != os.getpid():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _session_of(pid: int) -> int | None:
@@ -464,21 +478,25 @@ class LocalSky:
         task = copy.deepcopy(task)
         self._dir(cluster_name)  # a valid name, before anything is made
         resources = task.get("resources") or {}
-        if int(task.get("num_nodes") or 1) != 1:
-            raise StandinError("the stand-in runs single-node tasks only")
+        if int(task.get("num_nodes") or 1) < 1:
+            raise StandinError(f"num_nodes must be 1 or more, not {task.get('num_nodes')!r}")
         env_task = self._check_envs(task, secrets)
         resources_str, price = self._pick_resources(task, resources)
+        nodes = int(task.get("num_nodes") or 1)
+        if nodes > 1:  # `sky status`: f"{handle.launched_nodes}x..." (utils/resources_utils.py:456); each node priced
+            resources_str = f"{nodes}x" + resources_str[len("1x"):]
+            price = None if price is None else price * nodes
 
         # SkyPilot's per-cluster lock (backend_utils.py:3421, cluster_status_lock_id :4598) while the cluster's
         # record is made: a teardown of the name finishes first.
         with _name_lock(self.root, cluster_name):
             state = self._reserve(cluster_name, resources=resources, resources_str=resources_str,
-                                  retry_until_up=retry_until_up)
+                                  retry_until_up=retry_until_up, num_nodes=int(task.get("num_nodes") or 1))
         return self._provision_and_submit(task, secrets=secrets, cluster_name=cluster_name, idle_minutes=idle_minutes,
                                           env_task=env_task, state=state, price=price)
 
     def _reserve(self, cluster_name: str, *, resources: dict[str, Any], resources_str: str,
-                 retry_until_up: bool) -> dict[str, Any]:
+                 retry_until_up: bool, num_nodes: int = 1) -> dict[str, Any]:
         """The cluster's record (a new job on an idle cluster of the name, or a new cluster), written to disk:
         INIT while it is provisioned, in the API server's records too."""
         folder = self._dir(cluster_name)
@@ -504,6 +522,12 @@ class LocalSky:
         ports = _ports(resources)
         port_map = {str(p): _free_port() for p in ports}
         now = time.time()
+        # The nodes: the head on 127.0.0.1 (where the task's ports are forwarded), each worker on a loopback address
+        # of its own (127.A.B.RANK+1, A.B this launch's: two clusters' workers never share one), home in
+        # worker{RANK}-home; SKYPILOT_NODE_IPS lists them head first (task_codegen.py:565-572).
+        net = f"127.{uuid.uuid4().int % 254 + 1}.{uuid.uuid4().int % 254 + 1}"
+        nodes = [{"rank": 0, "ip": "127.0.0.1", "home": "home"}] + [
+            {"rank": k, "ip": f"{net}.{k + 1}", "home": f"worker{k}-home"} for k in range(1, num_nodes)]
         state = {
             "name": cluster_name,
             "status": "INIT",
@@ -522,6 +546,7 @@ class LocalSky:
             "hold_autostop": os.environ.get(ENV_HOLD_AUTOSTOP),  # the node's environment has no ARTCLOUD_*
             "imds_port": (existing or {}).get("imds_port") or _free_port(),
             "instance_id": (existing or {}).get("instance_id") or uuid.uuid4().hex,  # this machine, not the name
+            "nodes": nodes,
         }
         with _locked(folder):
             _write_json(folder / "cluster.json", state)
@@ -533,14 +558,17 @@ class LocalSky:
                               price: float | None) -> Launched:
         folder, job_id, port_map = self._dir(cluster_name), state["job_id"], state["ports"]
         home = folder / "home"
-        workdir = home / "sky_workdir"
 
-        # PROVISION: a node of the image, as SkyPilot leaves it (uv, ~/sky-user-env); then the cluster is UP.
+        # PROVISION: each node of the image, as SkyPilot leaves it (uv, ~/sky-user-env); the workdir synced to every
+        # node (cloud_vm_ray_backend.py:4047-4058); then the cluster is UP.
         image = sky_image.build(self.root)
-        sky_image.provision(image, home)
-        if task.get("workdir"):
-            shutil.copytree(Path(task["workdir"]).expanduser(), workdir, dirs_exist_ok=True)
-        env = self._environment(home, env_task, secrets, image, port_map, task)
+        for node in state["nodes"]:
+            node_home = folder / node["home"]
+            (node_home / "sky_workdir").mkdir(parents=True, exist_ok=True)
+            sky_image.provision(image, node_home)
+            if task.get("workdir"):
+                shutil.copytree(Path(task["workdir"]).expanduser(), node_home / "sky_workdir", dirs_exist_ok=True)
+        env = self._environment(home, env_task, secrets, image, port_map, task, nodes=state["nodes"])
         env["AWS_EC2_METADATA_SERVICE_ENDPOINT"] = f"http://127.0.0.1:{state['imds_port']}"  # the node's IMDS
 
         # PRE_EXEC: autostop, before the job (execution.py:646-705), so a job that fails, setup included, is
@@ -841,7 +869,8 @@ class LocalSky:
                 f"{{'{best.accelerator}': {best.count}}})", best.spot_price if spot else best.price)
 
     def _environment(self, home: Path, envs: dict[str, str], secrets: dict[str, str], image: sky_image.Image,
-                     port_map: dict[str, int], task: dict[str, Any]) -> dict[str, str]:
+                     port_map: dict[str, int], task: dict[str, Any],
+                     nodes: list[dict[str, Any]] | None = None) -> dict[str, str]:
         """This machine's environment minus what a VM could not have, the image's (PATH, PYTHONPATH), the
         cluster's HOME, the task's envs and secrets, then the overrides that fit a cloud VM onto loopback."""
         env = {k: v for k, v in os.environ.items()
@@ -852,8 +881,11 @@ class LocalSky:
         cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
         env["ARTCLOUD_CACHE"] = os.environ.get("ARTCLOUD_CACHE") or os.path.join(cache, "artcloud")
         env.setdefault("HF_HOME", os.path.join(cache, "huggingface"))
-        # The job's SKYPILOT_* variables (skylet/constants.py:641-646), one node.
-        env.update(HOME=str(home), SKYPILOT_NODE_RANK="0", SKYPILOT_NUM_NODES="1", SKYPILOT_NODE_IPS="127.0.0.1",
+        # The job's SKYPILOT_* variables (skylet/constants.py:641-646; task_codegen.py:629-664), the head's (the
+        # supervisor sets HOME and the rank of each node).
+        ips = [n["ip"] for n in nodes] if nodes else ["127.0.0.1"]
+        env.update(HOME=str(home), SKYPILOT_NODE_RANK="0", SKYPILOT_NUM_NODES=str(len(ips)),
+                   SKYPILOT_NODE_IPS="\n".join(ips),
                    SKYPILOT_TASK_ID=f"sky-standin-{uuid.uuid4().hex[:8]}_{home.parent.name}_1")
         acc = _accelerator(task.get("resources") or {})
         env["SKYPILOT_NUM_GPUS_PER_NODE"] = str(acc[1] if acc else 0)
@@ -1054,7 +1086,6 @@ def supervise(root: Path, name: str, job_id: int) -> int:
     data = _read_json(folder / "cluster.json")
     if data is None:
         return 0
-    workdir = folder / "home" / "sky_workdir"
     machine = data.get("instance_id")  # this node: a later cluster of the same name is another one
     if data.get("imds_port"):  # the cloud's metadata service, for as long as the node lives
         from tests import sky_metadata
@@ -1062,13 +1093,31 @@ def supervise(root: Path, name: str, job_id: int) -> int:
         sky_metadata.serve(int(data["imds_port"]), lambda: _read_json(folder / "cluster.json"))
     job_env = {**os.environ, "PATH": os.environ["STANDIN_JOB_PATH"], "PYTHONPATH": os.environ["STANDIN_JOB_PYTHONPATH"]}
 
+    nodes = data.get("nodes") or [{"rank": 0, "home": "home"}]
+
     def step(status: str, script: str) -> int | None:
-        """Mark the job `status`, run `script` into the job's log; its exit code (None: the cluster is gone)."""
+        """Mark the job `status`, run `script` on every node into the job's log; the first failing node's exit code,
+        else 0 (None: the cluster is gone). A node that fails cancels the others, as SkyPilot's get_or_fail does
+        (task_codegen.py:362-402: ray.cancel(force=True) of the unready ones)."""
         if _update(folder, lambda d: d["jobs"][str(job_id)].update(status=status, **{f"{status.lower()}_at": time.time()})) is None:
             return None
         with open(folder / "job.log", "ab") as out:
-            return subprocess.run(["bash", "-c", script], cwd=workdir, stdin=subprocess.DEVNULL, stdout=out,
-                                  stderr=subprocess.STDOUT, env=job_env).returncode
+            procs = [subprocess.Popen(["bash", "-c", script], cwd=folder / node["home"] / "sky_workdir",
+                                      stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                      env={**job_env, "HOME": str(folder / node["home"]),
+                                           "SKYPILOT_NODE_RANK": str(node["rank"]), ENV_NODE: str(node["rank"])})
+                     for node in nodes]
+            failed: int | None = None
+            while any(p.poll() is None for p in procs):
+                bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
+                if bad and failed is None:
+                    failed = bad[0]
+                    for node, p in zip(nodes, procs):
+                        if p.poll() is None:
+                            _kill_node(root, name, node["rank"])
+                time.sleep(0.1)
+            codes = [p.returncode for p in procs]
+        return failed if failed is not None else next((c for c in codes if c != 0), 0)
 
     # task_codegen.py:535-537: a failed setup ends the job FAILED_SETUP; the run never starts.
     rc = step("SETTING_UP", setup) if setup else 0
@@ -1119,8 +1168,8 @@ def _autodown(root: Path, name: str, machine: str | None) -> None:
         if data is None or data.get("instance_id") != machine:
             return  # torn down meanwhile, and maybe a new cluster of the name: not this supervisor's to touch
         _kill_all(root, name, None)
-        for part in ("home",):
-            shutil.rmtree(folder / part, ignore_errors=True)
+        for node in data.get("nodes") or [{"home": "home"}]:
+            shutil.rmtree(folder / node["home"], ignore_errors=True)
         trash = root / "trash" / f"{name}-{uuid.uuid4().hex[:8]}"
         trash.parent.mkdir(parents=True, exist_ok=True)
         sys.stdout.flush()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tarfile
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -300,3 +301,17 @@ def test_a_replica_refuses_a_hostile_adapter_and_requests_without_the_token(tmp_
             assert sum(1 for x in lines if "tokens" in x) >= 2  # each sample's tokens streamed first
     finally:
         replica.kill()
+
+
+def test_a_replica_stops_once_the_head_it_served_is_gone(start_server, tmp_path):
+    """`artcloud replica --head URL`: the head answered, then went; the replica stops (its node's loop then ends, and
+    with it the job, so that SkyPilot's autodown takes the cluster). Polled every 0.1 s here (10 s on a cluster)."""
+    from artcloud.server.replica import watch_head
+
+    head = start_server(tmp_path / "head")
+    stopped = threading.Event()
+    watcher = watch_head(head.url, str(head.ca), stopped.set, every_s=0.1, misses=3)
+    time.sleep(1.0)
+    assert not stopped.is_set()  # it answers: nothing happens
+    head.stop()
+    assert stopped.wait(30) and not watcher.join(5) and not watcher.is_alive()

@@ -190,6 +190,11 @@ class ModalBackend(SandboxBackend):
                 raise InvalidArgument(f"{sky_only}= is SkyBackend's: ModalBackend does not pass one to Modal",
                                       field=sky_only)
             kwargs.pop(sky_only, None)
+        if kwargs.get("num_nodes", 1) != 1:  # modal/_partial_function.py:808 _clustered; SandboxCreateArgs has no size
+            raise InvalidArgument("Modal runs a cluster of several machines for a Function (modal.clustered), not for a "
+                                  "Sandbox: one sandbox has up to 8 GPUs (gpu='H100:8'); for several machines use "
+                                  "SkyBackend(num_nodes=N)", field="num_nodes")
+        kwargs.pop("num_nodes", None)
         self.spec = spec = SandboxSpec(**given)
         check_gpu(spec.gpu)
         if spec.lease is None or spec.max_duration is None:

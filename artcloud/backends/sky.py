@@ -133,12 +133,15 @@ class Plan:
     offer: GPUOffer | None  # the machine the optimizer would choose (cheapest enabled offer); None: unknown
     max_duration_s: float
     note: str = ""  # why the price is unknown, or what it assumes
+    num_nodes: int = 1
 
     @property
     def price_per_hour(self) -> float | None:
+        """Every node's."""
         if self.offer is None:
             return None
-        return self.offer.spot_price if self.use_spot else self.offer.price
+        one = self.offer.spot_price if self.use_spot else self.offer.price
+        return None if one is None else one * self.num_nodes
 
     @property
     def max_cost(self) -> float | None:
@@ -149,7 +152,8 @@ class Plan:
     def __str__(self) -> str:
         from artcloud.durations import format_duration
 
-        what = f"{self.gpu or 'no GPU'}{' (spot)' if self.use_spot else ''}"
+        nodes = f"{self.num_nodes} nodes of " if self.num_nodes > 1 else ""
+        what = f"{nodes}{self.gpu or 'no GPU'}{' (spot)' if self.use_spot else ''}"
         if self.offer is None:
             return f"{self.cluster_name}: {what}, price unknown ({self.note or 'no catalog'})"
         where = f"{self.offer.cloud} {self.offer.instance_type}" + (f" in {self.offer.region}" if self.offer.region else "")
@@ -222,7 +226,8 @@ class SkyProvisioner(Provisioner):
         if best is None:
             return "no price in the catalog"
         self.offer = best
-        self.price_per_hour = best.spot_price if self.spec.spot else best.price
+        one = best.spot_price if self.spec.spot else best.price
+        self.price_per_hour = None if one is None else one * self.spec.num_nodes  # the cluster's: every node
         if not cloud and enabled is None:
             return "cheapest of every cloud: which clouds are enabled could not be told"
         return ""
@@ -245,10 +250,10 @@ class SkyProvisioner(Provisioner):
                                code="cloud_not_enabled", field="cloud")
         note = self._price()
         return Plan(cluster_name=self.name, gpu=self.spec.gpu, use_spot=self.spec.spot, offer=self.offer,
-                    max_duration_s=self.spec.max_duration, note=note)
+                    max_duration_s=self.spec.max_duration, note=note, num_nodes=self.spec.num_nodes)
 
     def task(self, *, launch_secrets: dict[str, str], wheel: Path | None, run_args: list[str] | None = None,
-             workdir: Path | None = None, preload: str | None = None) -> ServerTask:
+             workdir: Path | None = None, preload: str | None = None, ca_cert: str | None = None) -> ServerTask:
         spec, env = self.spec, dict(self.env)
         region = os.environ.get("ARTCLOUD_S3_REGION") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if spec.s3 and region:
@@ -261,7 +266,7 @@ class SkyProvisioner(Provisioner):
             secrets=launch_secrets, gpu=spec.gpu, cloud=spec.cloud, region=spec.region, use_spot=spec.spot,
             disk_size=spec.disk, image=spec.image, engine=spec.engine, lease_s=spec.lease,
             max_duration_s=spec.max_duration, s3=spec.s3, s3_endpoint_url=os.environ.get("ARTCLOUD_S3_ENDPOINT_URL"),
-            env=env, wheel=wheel, run_args=run_args, workdir=workdir,
+            env=env, wheel=wheel, run_args=run_args, workdir=workdir, num_nodes=spec.num_nodes, ca_cert=ca_cert,
         )
 
     # ------------------------------------------------------------------------------------- this cluster
@@ -317,7 +322,8 @@ class SkyProvisioner(Provisioner):
                 shutil.copy(job[0], Path(tmp) / job[0].name)
                 run_args = [job[0].name, *job[1](self.price_per_hour)]
             task = self.task(launch_secrets=launch_secrets, wheel=wheel, run_args=run_args,
-                             workdir=Path(tmp) if job is not None else None, preload=None if job else preload)
+                             workdir=Path(tmp) if job is not None else None, preload=None if job else preload,
+                             ca_cert=tls.ca_cert)
             log.info("launching %s: %s", name, describe(task))
             self.record = record
             claim(record, tls.ca_cert, tls.token)
@@ -470,6 +476,9 @@ class SkyBackend(SandboxBackend):
     """The training server on a SkyPilot cluster of its own, reached over HTTPS.
 
     gpu: SkyPilot's accelerator spec ('H100:1', 'A100-80GB:2', 'L4'); None for a CPU machine.
+    num_nodes: machines of `gpu` (SkyPilot's num_nodes). Over 1, the head node trains and serves as with one, and
+        each other node runs an inference replica (`artcloud replica`) that the head spreads rollouts over and
+        hands every step to; only the head's port is open to the world. Prices count every node.
     cloud, region: pin the cloud (and region); default: the cheapest among those `sky check` enabled.
     spot: a spot machine; with s3=, a preempted one is replaced and training goes on from S3.
     name: the cluster's name; a running artcloud cluster of that name is attached to; default: artcloud-XXXXXX.
@@ -492,6 +501,7 @@ class SkyBackend(SandboxBackend):
         self,
         gpu: str | None = "H100:1",
         *,
+        num_nodes: int = 1,
         cloud: str | None = None,
         region: str | None = None,
         spot: bool = False,
@@ -515,7 +525,7 @@ class SkyBackend(SandboxBackend):
     ):
         given = dict(gpu=gpu, cloud=cloud, region=region, spot=spot, name=name, lease=lease, max_duration=max_duration,
                      s3=s3, env=env, secrets=secrets, image=image, disk=disk, engine=engine, engine_args=engine_args,
-                     keep=keep, startup_timeout=startup_timeout)
+                     keep=keep, startup_timeout=startup_timeout, num_nodes=num_nodes)
         given.update(renamed({k: kwargs.pop(k) for k in list(kwargs) if k in self.RENAMED}, self.RENAMED, "SkyBackend"))
         self.spec = spec = SandboxSpec(**given)
         if spec.gpu is not None:

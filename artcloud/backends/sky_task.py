@@ -24,6 +24,10 @@ from artcloud.errors import InvalidArgument
 
 TEMPLATE_NAME = "artcloud-server.yaml"
 SERVER_PORT = 8080  # the one port every SkyPilot cloud forwards (Vast forwards no other)
+# The replicas' port on the other nodes of a cluster: never in `ports` (open to the world); the nodes reach each
+# other inside the cluster (AWS: the cluster's security group admits all traffic from itself,
+# sky/provision/aws/config.py:658-667).
+REPLICA_PORT = 8081
 SECRET_NAMES = ("ARTCLOUD_TOKEN", "ARTCLOUD_TLS_CERT", "ARTCLOUD_TLS_KEY")
 HOOK_CLOUDS = ("kubernetes", "k8s", "ssh")  # where SkyPilot runs the template's preemption hook (a pod's SIGTERM)
 REDACTED = "<redacted>"
@@ -79,18 +83,28 @@ def build_task(
     wheel: Path | None = None,
     run_args: list[str] | None = None,
     workdir: Path | None = None,
+    num_nodes: int = 1,
+    ca_cert: str | None = None,
 ) -> ServerTask:
     """Fill the template. `secrets` must hold the token and the server's certificate and key (PEM);
     it may hold more (S3 credentials, the user's own). `wheel`: a wheel file whose folder becomes the
     task's workdir, so the sandbox installs exactly this client's artcloud. `run_args`: run
     `artcloud run ARGS...` (a detached training loop, its script in the workdir) instead of the server;
-    `workdir`: the folder to sync when there is no wheel (a prebuilt image)."""
+    `workdir`: the folder to sync when there is no wheel (a prebuilt image). `num_nodes` over 1: the other nodes
+    run inference replicas on REPLICA_PORT, reached by the head at their private IPs and trusted through the
+    launch's CA (`ca_cert`, public: it goes in the envs)."""
     missing = [name for name in SECRET_NAMES if not secrets.get(name)]
     if missing:
         raise InvalidArgument(f"the task needs the secrets {', '.join(missing)}")
     if region and not cloud:
         raise InvalidArgument("a region needs its cloud too: pass cloud= (e.g. cloud='aws', region='us-east-1')")
+    if num_nodes > 1 and run_args is not None:
+        raise InvalidArgument("artcloud run trains on one node: leave num_nodes at 1", field="num_nodes")
+    if num_nodes > 1 and not ca_cert:
+        raise InvalidArgument("several nodes need the launch's CA certificate (ca_cert): the head checks its replicas with it")
     config = load_template()
+    if num_nodes > 1:
+        config["num_nodes"] = int(num_nodes)
 
     res = config["resources"]
     if gpu:
@@ -130,6 +144,8 @@ def build_task(
         config["workdir"] = str(wheel.parent)
     if workdir is not None and "workdir" not in config:
         config["workdir"] = str(workdir)
+    if num_nodes > 1:
+        envs["ARTCLOUD_TLS_CA"] = str(ca_cert)
     if run_args is not None:  # same shell (venv, timeout belt), another command: `artcloud run`
         envs["ARTCLOUD_RUN_ARGS"] = shlex.join(run_args)
     for key, value in (env or {}).items():
@@ -156,6 +172,9 @@ def describe(task: ServerTask) -> str:
     """One line about what the task asks for."""
     res = task.config["resources"]
     where = res.get("infra") or "the cheapest enabled cloud"
+    nodes = int(task.config.get("num_nodes") or 1)
+    if nodes > 1:
+        where += f", {nodes} nodes (the head trains and serves; {nodes - 1} serve rollouts on port {REPLICA_PORT}, inside the cluster)"
     spot = " (spot)" if res.get("use_spot") else ""
     lease, max_d = task.config["envs"]["ARTCLOUD_LEASE"], task.config["envs"]["ARTCLOUD_MAX_DURATION"]
     return (f"{res.get('accelerators') or 'no GPU'}{spot} on {where}, port {res['ports']}; "

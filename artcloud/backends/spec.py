@@ -3,7 +3,7 @@
 SkyBackend, ModalBackend and LocalBackend, `artcloud launch`, `artcloud run` and `backend_from_env` all build one,
 with the same names for the same things on every provider:
 
-    gpu, cloud, region, spot, disk, image, engine, engine_args, env, secrets, s3,
+    gpu, num_nodes, cloud, region, spot, disk, image, engine, engine_args, env, secrets, s3,
     lease, max_duration, startup_timeout, name, keep
 
 Durations follow artcloud.durations (a string with its unit, a timedelta, or seconds). What only one provider has
@@ -43,6 +43,7 @@ class SandboxSpec:
     startup_timeout: float = 1800.0  # seconds, from the launch call to a ready server
     name: str | None = None
     keep: bool = False
+    num_nodes: int = 1  # machines of `gpu` each: the head trains and serves, the others serve rollouts (replicas)
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -57,6 +58,9 @@ class SandboxSpec:
         check_s3_url(self.s3)
         if self.disk is not None and (isinstance(self.disk, bool) or not isinstance(self.disk, int) or self.disk < 10):
             raise InvalidArgument(f"disk is a whole number of GB, 10 or more, not {self.disk!r}", field="disk")
+        if isinstance(self.num_nodes, bool) or not isinstance(self.num_nodes, int) or self.num_nodes < 1:
+            raise InvalidArgument(f"num_nodes is a whole number of machines, 1 or more, not {self.num_nodes!r}",
+                                  field="num_nodes")
         if self.engine not in ENGINES:
             raise InvalidArgument(f"unknown engine {self.engine!r}: choose one of {', '.join(ENGINES)}", field="engine")
         if self.engine_args is not None and not (isinstance(self.engine_args, Mapping)

@@ -57,6 +57,7 @@ def _cost(value: float) -> str:
 def launch(
     provider: str = typer.Option("sky", "--provider", "-p", help="sky (any cloud SkyPilot reaches) or modal (a Modal Sandbox)."),
     gpu: str = typer.Option("H100:1", "--gpu", help="GPU spec as SkyPilot writes it: NAME[:COUNT], e.g. H100:1, A100-80GB:2, L4. `sky show-gpus` lists them."),
+    nodes: int = typer.Option(1, "--nodes", min=1, help="Machines of --gpu. Over 1, the head trains and serves, and each other node serves rollouts as an inference replica the head spreads them over (SkyPilot only; the price counts every node)."),
     cloud: Optional[str] = typer.Option(None, "--cloud", help="Pin a cloud (aws, gcp, azure, lambda, runpod, kubernetes, ...). Default: the cheapest one `sky check` enabled."),
     region: Optional[str] = typer.Option(None, "--region", help="Pin a region of --cloud."),
     spot: bool = typer.Option(False, "--spot", help="Use a spot/preemptible machine (cheaper; may vanish: checkpoints on S3 let a new one resume)."),
@@ -95,7 +96,7 @@ def launch(
     spec = dict(gpu=gpu, name=name, lease=lease, max_duration=max_duration, s3=s3, env=env_pairs(env),
                 secrets=list(secret), engine=engine, startup_timeout=startup_timeout)
     sky_only = {"--cloud": cloud, "--region": region, "--spot": spot, "--image": image, "--disk": disk_size,
-                "--retry-until-up": retry_until_up, "--idle-minutes": idle_minutes != 10}
+                "--retry-until-up": retry_until_up, "--idle-minutes": idle_minutes != 10, "--nodes": nodes != 1}
     if provider not in ("sky", "modal"):
         raise CLIError(f"--provider is sky or modal, not {provider!r}")
     used = [flag for flag, value in sky_only.items() if value]
@@ -104,7 +105,7 @@ def launch(
     try:
         if provider == "sky":
             backend = SkyBackend(cloud=cloud, region=region, spot=spot, idle_minutes=idle_minutes, image=image,
-                                 disk=disk_size, retry_until_up=retry_until_up, **spec)
+                                 disk=disk_size, retry_until_up=retry_until_up, num_nodes=nodes, **spec)
             ends = f"at most {format_duration(backend.max_duration_s)}); the machine goes {idle_minutes} min later"
         else:
             backend = ModalBackend(**spec)
@@ -126,7 +127,8 @@ def launch(
         asyncio.run(_start_and_leave(backend))
     except ArtcloudError as e:
         raise CLIError(str(e)) from e
-    where = f"{gpu}, {_money(backend.price_per_hour)}/h" if provider == "sky" else f"Modal, {gpu}"
+    machines = f"{nodes} x {gpu}" if nodes > 1 else gpu
+    where = f"{machines}, {_money(backend.price_per_hour)}/h" if provider == "sky" else f"Modal, {gpu}"
     out.print(f"[bold green]{label}[/] is up: {backend.base_url}  ({where})")
     out.print(f"  connect from Python:  backend = artcloud.{type(backend).__name__}(name={label!r})", markup=False)
     out.print(f"  teardown:             {teardown}; `artcloud down {label}` ends it now", markup=False)
@@ -180,13 +182,14 @@ def _dry_run(backend, out, teardown: str) -> None:
                       "ARTCLOUD_TLS_KEY": placeholder.server_key, **backend.provisioner.launch_secrets()}
     with tempfile.TemporaryDirectory(prefix="artcloud-wheel-") as tmp:
         wheel = None if backend.image else build_wheel(Path(tmp))
-        task = backend.provisioner.task(launch_secrets=launch_secrets, wheel=wheel)
+        task = backend.provisioner.task(launch_secrets=launch_secrets, wheel=wheel, ca_cert=placeholder.ca_cert)
         checked = _validate_with_skypilot(task.config)
         shipped = (f"image {backend.image}" if backend.image else
                    f"this machine's artcloud as {wheel.name} ({wheel.stat().st_size // 1024} kB) + artcloud[gpu]")
     out.print("[bold]artcloud launch --dry-run[/]: nothing was launched")
     out.print(f"  cluster   {backend.cluster_name}", markup=False)
-    what = f"{backend.gpu or 'no GPU'}{' (spot)' if backend.use_spot else ''}"
+    nodes = backend.spec.num_nodes
+    what = f"{f'{nodes} x ' if nodes > 1 else ''}{backend.gpu or 'no GPU'}{' (spot)' if backend.use_spot else ''}"
     if plan.offer is not None:
         offer = plan.offer
         out.print(f"  machine   {what} on {offer.cloud} {offer.instance_type}"
@@ -199,6 +202,11 @@ def _dry_run(backend, out, teardown: str) -> None:
         where = f"{backend.cloud}/{backend.region}" if backend.region else (backend.cloud or "the cheapest enabled cloud")
         out.print(f"  machine   {what} on {where}, price unknown ({plan.note})", markup=False)
     out.print(f"  server    {shipped}, HTTPS on port {SERVER_PORT}, engine {backend.engine}", markup=False)
+    if nodes > 1:
+        from artcloud.backends.sky_task import REPLICA_PORT
+
+        out.print(f"  nodes     the head trains and serves; {nodes - 1} inference replica(s) on port {REPLICA_PORT}, "
+                  "reached by the head inside the cluster only", markup=False)
     out.print(f"  teardown  {teardown}", markup=False)
     out.print(f"  secrets   {', '.join(task.secrets)} (values never shown or written)", markup=False)
     out.print(f"  checked   {checked}", markup=False)

@@ -110,7 +110,9 @@ def replica(
     tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="The launch's server certificate (PEM path). Default: $ARTCLOUD_TLS_CERT."),
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="Its private key (PEM path). Default: $ARTCLOUD_TLS_KEY."),
     token_file: Optional[str] = typer.Option(None, "--token-file", help="File holding the launch's bearer token. Default: $ARTCLOUD_TOKEN."),
-    engine: str = typer.Option("cpu", "--engine", help="cpu (the torch sampler) or vllm (vLLM on every GPU of this node)."),
+    engine: str = typer.Option("cpu", "--engine", help="cpu (the torch sampler), vllm (vLLM on every GPU of this node; vllm+peft and vllm+unsloth say the same), or auto (vllm where CUDA is)."),
+    head: Optional[str] = typer.Option(None, "--head", help="The head's server, https://HEAD_IP:PORT: once it answered GET /health, the replica stops when it stops answering (3 tries, 10 s apart)."),
+    ca: Optional[str] = typer.Option(None, "--ca", help="The launch's CA (PEM) to check --head's certificate with."),
     vllm_python: Optional[str] = typer.Option(None, "--vllm-python", help="The Python that runs vLLM. Default: $ARTCLOUD_VLLM_PYTHON, else this one."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
 ) -> None:
@@ -128,12 +130,15 @@ def replica(
     from artcloud.server.replica import serve as serve_replica
     from artcloud.tls import UnsafeFolder
 
-    if engine not in ("cpu", "vllm"):
-        raise CLIError(f"--engine {engine}: a replica runs cpu or vllm")
+    if engine not in ("cpu", "vllm", "vllm+peft", "vllm+unsloth", "auto"):
+        raise CLIError(f"--engine {engine}: a replica runs cpu, vllm or auto")
+    if head is not None and not head.startswith("https://"):
+        raise CLIError(f"--head {head}: the head's server is reached over HTTPS only (https://HEAD_IP:PORT)")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         serve_replica(host=host, port=port, path=path, tls_cert=tls_cert, tls_key=tls_key, token=None,
-                      token_file=token_file, engine=engine, vllm_python=vllm_python, log_level=log_level)
+                      token_file=token_file, engine=engine, vllm_python=vllm_python, log_level=log_level,
+                      head=head, ca=ca)
     except (ServeError, UnsafeFolder) as e:
         raise CLIError(str(e)) from e
     except ssl.SSLError as e:

@@ -29,6 +29,7 @@ import shutil
 import tarfile
 import tempfile
 import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
@@ -43,7 +44,7 @@ from artcloud.server.engines.base import (
     SamplingParams,
     TokenSink,
 )
-from artcloud.server.engines.replicas import ADAPTER_FILES, LORA_HEADER
+from artcloud.server.engines.replicas import ADAPTER_FILES, LORA_HEADER, ca_context
 from artcloud.types import LoraConfig
 
 log = logging.getLogger("artcloud.replica")
@@ -51,6 +52,7 @@ log = logging.getLogger("artcloud.replica")
 SLOT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_ADAPTER_BYTES = 8 << 30
 MAX_PROMPT_TOKENS = 1 << 20
+HEAD_POLL_S, HEAD_MISSES = 10.0, 3  # the head is gone after 3 polls without an answer, 10 s apart
 TICK_S = 1.0  # an empty line this often while a generation runs, so that the head can stop it (RemoteSampler)
 
 
@@ -275,10 +277,37 @@ def _untar_adapter(raw: Any, target: Path) -> None:
         raise bad(str(e)) from None
 
 
+def watch_head(url: str, ca: str | None, stop: Callable[[], None], *, every_s: float = HEAD_POLL_S,
+               misses: int = HEAD_MISSES) -> threading.Thread:
+    """Call `stop` once the head's server, which answered GET /health before, has not answered `misses` times in a
+    row: it ended (its lease, max_duration, a `down`), and this replica has no one to serve."""
+    import httpx
+
+    def run() -> None:
+        seen, missed = False, 0
+        with httpx.Client(verify=ca_context(ca) if ca else True, timeout=10) as http:
+            while True:
+                try:
+                    http.get(f"{url.rstrip('/')}/health").raise_for_status()
+                    seen, missed = True, 0
+                except httpx.HTTPError:
+                    missed += 1
+                    if seen and missed >= misses:
+                        log.warning("the head's server at %s is gone: this replica stops", url)
+                        stop()
+                        return
+                time.sleep(every_s)
+
+    thread = threading.Thread(target=run, daemon=True, name="watch-head")
+    thread.start()
+    return thread
+
+
 def serve(*, host: str, port: int, path: Path, tls_cert: str | None, tls_key: str | None, token: str | None,
           token_file: str | None, engine: str = "cpu", vllm_python: str | None = None, log_level: str = "info",
-          announce=print) -> None:
-    """`artcloud replica`: serve until a signal. The sampler is made on the head's first POST /replica/models."""
+          head: str | None = None, ca: str | None = None, announce=print) -> None:
+    """`artcloud replica`: serve until a signal, or until the head (`head`: its URL) is gone. The sampler is made
+    on the head's first POST /replica/models."""
     import uvicorn
 
     from artcloud.server.main import ENV_CERT, ServeError, bind, check_path, tls_setup
@@ -302,12 +331,22 @@ def serve(*, host: str, port: int, path: Path, tls_cert: str | None, tls_key: st
     config = uvicorn.Config(app, loop="asyncio", log_level=log_level, timeout_keep_alive=30)
     config.load()
     wrap_uvicorn_protocol(config, server_context(str(tls.cert), str(tls.key)), hint="", connections=Connections(by_peer=True))
-    uvicorn.Server(config).run(sockets=[sock])
+    server = uvicorn.Server(config)
+    if head:
+        watch_head(head, ca, lambda: setattr(server, "should_exit", True))
+    server.run(sockets=[sock])
 
 
 def make_sampler(engine: str, base_model: str, engine_args: dict[str, Any], *, workdir: Path,
                  python: str | None = None) -> Sampler:
-    """A sampler only: the torch sampler on its own model (engine cpu), or vLLM in its own process (vllm)."""
+    """A sampler only: the torch sampler on its own model (engine cpu), or vLLM in its own process (vllm; the
+    server's engine names vllm+peft, vllm+unsloth say the same here: nothing trains). auto: vllm with CUDA."""
+    if engine == "auto":
+        import torch
+
+        engine = "vllm" if torch.cuda.is_available() else "cpu"
+    if engine.startswith("vllm"):
+        engine = "vllm"
     if engine == "cpu":
         from artcloud.server.engines.choose import cpu_engine_args
         from artcloud.server.engines.peft_trainer import PeftTrainer

@@ -165,6 +165,20 @@ def test_header_usage_is_a_valid_sky_launch(sky, launch_secrets, tmp_path, monke
     assert res.ports == ["8080"] and task.envs["ARTCLOUD_PORT"] == "8080"
 
 
+def test_a_task_of_several_nodes_validates_and_opens_only_the_heads_port(sky, launch_secrets):
+    """num_nodes reaches SkyPilot's Task; the replicas' port stays out of `ports` (the cluster's own network)."""
+    from artcloud.backends.sky_task import REPLICA_PORT
+
+    config = build_task(secrets=launch_secrets, num_nodes=3, ca_cert="-----BEGIN CERTIFICATE-----\nx\n").config
+    task = load_task(sky, config)
+    (res,) = task.resources
+    assert task.num_nodes == 3 and res.ports == ["8080"] and str(REPLICA_PORT) not in res.ports
+    assert task.envs["ARTCLOUD_REPLICA_PORT"] == str(REPLICA_PORT) and task.envs["ARTCLOUD_TLS_CA"].startswith("-----BEGIN")
+    assert "ARTCLOUD_TLS_CA" not in task.secrets  # public: a certificate, not its key
+    with pytest.raises(ValueError, match="one node"):
+        build_task(secrets=launch_secrets, num_nodes=2, ca_cert="x", run_args=["train.py"])
+
+
 # ----------------------------------------------------------------------------------------- the shell scripts
 
 def test_setup_and_run_are_valid_bash(launch_secrets):

@@ -60,6 +60,13 @@ class Replica:
     served: int = 0  # requests answered
     failures: int = 0
     last_error: str = ""
+    turn: threading.Lock | None = None  # a sampler that does not batch by itself (the torch sampler): one call at a time
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        if self.turn is None:
+            return fn(*args)
+        with self.turn:
+            return fn(*args)
 
 
 class _Watched(TokenSink):
@@ -91,7 +98,8 @@ class ReplicaSet(Sampler):
             if s.shares_trainer_weights:  # serving a step would load over the trainer's own adapter
                 raise ValueError(f"{type(s).__name__} shares the trainer's weights: give the set a sampler of its own")
         names = names or [f"replica{i}" for i in range(len(samplers))]
-        self.replicas = [Replica(n, s, live=False) for n, s in zip(names, samplers)]
+        self.replicas = [Replica(n, s, live=False, turn=None if s.concurrent else threading.Lock())
+                         for n, s in zip(names, samplers)]
         self.max_context = min(s.max_context for s in samplers)
         self.can_sleep = any(s.can_sleep for s in samplers)
         self.moved = 0  # requests sent again to another replica after theirs failed
@@ -178,7 +186,8 @@ class ReplicaSet(Sampler):
                     for replica, idx in groups.items():
                         self._done(replica, [requests[i] for i in idx])
                     raise
-                futures = {replica: self._pool.submit(replica.sampler.generate, slot, [requests[i] for i in idx])
+                futures = {replica: self._pool.submit(replica.call, replica.sampler.generate, slot,
+                                                      [requests[i] for i in idx])
                            for replica, idx in groups.items()}
                 outcomes: dict[Replica, Any] = {}
                 for replica, future in futures.items():
@@ -218,7 +227,7 @@ class ReplicaSet(Sampler):
             self._adapters[slot] = (lora, folder)
             live = [r for r in self.replicas if r.live]
         served = 0
-        for replica, future in [(r, self._pool.submit(r.sampler.serve_adapter, slot, lora, folder)) for r in live]:
+        for replica, future in [(r, self._pool.submit(r.call, r.sampler.serve_adapter, slot, lora, folder)) for r in live]:
             try:
                 future.result()
                 served += 1
@@ -234,7 +243,7 @@ class ReplicaSet(Sampler):
             live = [r for r in self.replicas if r.live]
         for replica in live:
             try:
-                replica.sampler.drop_adapter(slot)
+                replica.call(replica.sampler.drop_adapter, slot)
             except FAILURES as e:
                 self._fail(replica, e)
 
@@ -250,7 +259,7 @@ class ReplicaSet(Sampler):
                 with self._lock:
                     adapters = dict(self._adapters)
                 for slot, (lora, folder) in adapters.items():
-                    replica.sampler.serve_adapter(slot, lora, folder)
+                    replica.call(replica.sampler.serve_adapter, slot, lora, folder)
             except FAILURES as e:
                 replica.last_error = str(e)[:300]
                 continue
@@ -258,7 +267,7 @@ class ReplicaSet(Sampler):
                 missed = {s: a for s, a in self._adapters.items() if adapters.get(s) != a}
             for slot, (lora, folder) in missed.items():  # published while it was being given the others
                 try:
-                    replica.sampler.serve_adapter(slot, lora, folder)
+                    replica.call(replica.sampler.serve_adapter, slot, lora, folder)
                 except FAILURES as e:
                     replica.last_error = str(e)[:300]
                     break

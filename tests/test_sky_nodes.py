@@ -1,0 +1,88 @@
+"""SkyBackend(num_nodes=2) through the SkyPilot stand-in: two node processes on loopback (the head on 127.0.0.1, the
+worker on an address of its own), the task's own setup and run on each, as SkyPilot runs a multi-node task."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import artcloud
+from artcloud.backends.sky import SkyBackend
+from artcloud.backends.sky_task import REPLICA_PORT
+from tests.helpers import gather_groups
+from tests.sky_standin import ENV_NODE, _cmdline, _marker_of, cluster_pids
+
+TINY = "artcloud/tiny-random"
+
+
+def replica_pids(root, name: str) -> set[int]:
+    """The `artcloud replica` process of the cluster's worker node (not the `timeout` or the shell that run it)."""
+    return {pid for pid in cluster_pids(root, name) if _marker_of(pid, ENV_NODE) == "1"
+            and " -m artcloud replica " in _cmdline(pid) and Path(_cmdline(pid).split()[0]).name.startswith("python")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_nodes_the_head_trains_and_both_serve_rollouts_and_a_lost_replica_comes_back(sky_env):
+    async def main() -> SkyBackend:
+        backend = SkyBackend(gpu="H100:1", num_nodes=2, name="two", idle_minutes=1)
+        assert backend.plan().price_per_hour == pytest.approx(2 * 2.49)  # the plan counts both nodes
+        async with backend:
+            assert backend.price_per_hour == pytest.approx(2 * 2.49)  # so does what was launched
+            model = artcloud.TrainableModel(name="agent", project="nodes", base_model=TINY,
+                                            lora=artcloud.LoraConfig(rank=4))
+            await model.register(backend)
+
+            async def replicas() -> list[dict]:
+                return (await backend.client.status()).model_dump()["engines"][0]["sampler"]["replicas"]
+
+            head, worker = await replicas()
+            assert head["live"] and worker["live"] and worker["url"].endswith(f":{REPLICA_PORT}")
+            assert not worker["url"].startswith("https://127.0.0.1:")  # the worker's own address, from SKYPILOT_NODE_IPS
+            groups = await gather_groups(model, prompts=tuple(f"prompt {i}" for i in range(8)), n=2, max_tokens=6)
+            assert all(r["served"] > 0 for r in await replicas())  # rollouts on both nodes
+            result = await model.train(groups, config=artcloud.TrainConfig(learning_rate=1e-3), progress=False)
+            assert result.step == 1
+
+            # The worker's replica dies: rollouts go on on the head; the node's loop starts it again, and the head
+            # hands it the adapters before it rejoins.
+            pids = replica_pids(sky_env, "two")
+            assert len(pids) == 1, pids
+            os.kill(pids.pop(), signal.SIGKILL)
+            await gather_groups(model, prompts=tuple(f"again {i}" for i in range(8)), n=2, max_tokens=6)
+            for _ in range(300):
+                worker = (await replicas())[1]
+                if worker["live"] and worker["failures"]:
+                    break
+                await asyncio.sleep(0.2)
+            assert worker["live"] and worker["failures"] >= 1, worker
+            before = worker["served"]
+            await gather_groups(model, prompts=tuple(f"new {i}" for i in range(8)), n=2, max_tokens=6)
+            assert (await replicas())[1]["served"] > before
+        return backend
+
+    backend = asyncio.run(main())
+    assert backend.api.status("two") is None
+    assert cluster_pids(sky_env, "two") == set()  # both nodes' processes, the worker's loop included
+
+
+def test_several_nodes_are_refused_in_one_line_where_they_cannot_be(sky_env):
+    from artcloud.backends.modal import ModalBackend
+    from artcloud.errors import InvalidArgument
+    from tests.helpers import one_line_error
+
+    with pytest.raises(InvalidArgument, match=r"Function \(modal.clustered\), not for a Sandbox") as e:
+        ModalBackend(num_nodes=2)
+    assert e.value.field == "num_nodes"
+    for bad in (0, 1.5, True):
+        with pytest.raises(InvalidArgument, match="num_nodes is a whole number"):
+            SkyBackend(num_nodes=bad)
+    result = subprocess.run([sys.executable, "-m", "artcloud", "launch", "--provider", "modal", "--nodes", "2"],
+                            capture_output=True, text=True, timeout=120)
+    one_line_error(result, "--nodes", "for --provider sky")
