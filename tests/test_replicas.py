@@ -243,7 +243,7 @@ def test_a_head_spreads_rollouts_over_replicas_and_hands_every_step_to_each(star
 
             # Its supervisor starts it again (same port): the head gives it the adapters again, and it rejoins.
             replicas[0] = Replica(tmp_path / "replica1", launch, port=replicas[0].port).start()
-            wait_for("replica1 back", lambda: sampler()["replicas"][1]["live"], 60)
+            wait_for("replica1 back", lambda: sampler()["replicas"][1]["live"], 180)
             assert len(replicas[0].status()["adapters"]) >= 1
             before = replicas[0].status()["served"]
             rollout_groups(c, "agent@1", [f"another prompt {i}" for i in range(12)], n=2)  # new ones: spread again

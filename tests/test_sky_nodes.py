@@ -56,7 +56,7 @@ def test_two_nodes_the_head_trains_and_both_serve_rollouts_and_a_lost_replica_co
             assert len(pids) == 1, pids
             os.kill(pids.pop(), signal.SIGKILL)
             await gather_groups(model, prompts=tuple(f"again {i}" for i in range(8)), n=2, max_tokens=6)
-            for _ in range(300):
+            for _ in range(900):  # the node's loop waits 5 s, the replica starts, the head checks every 5 s
                 worker = (await replicas())[1]
                 if worker["live"] and worker["failures"]:
                     break
