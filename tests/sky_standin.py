@@ -900,6 +900,8 @@ class LocalSky:
             "ARTCLOUD_PORT": str(local_port or _free_port()),
             ENV_MARKER: str(home.parent),
         })
+        if "ARTCLOUD_TRAINER_PORT" in envs:  # the head's rendezvous port: on 127.0.0.1, shared by every cluster here
+            env["ARTCLOUD_TRAINER_PORT"] = str(_free_port())
         return env
 
     def _set_status(self, name: str, status: str, *, job_status: str | None = None,

@@ -116,7 +116,7 @@ def test_behind_an_https_proxy_needs_the_launchers_token(tmp_path):
 # --- the CLI's modules: no import cycle, each importable alone, all light -------------------------------------
 
 ARTCLOUD = Path(__file__).resolve().parents[1] / "artcloud"
-COMMANDS = {"serve", "replica", "pull", "launch", "status", "logs", "down", "run", "stage-model"}
+COMMANDS = {"serve", "replica", "trainer-node", "pull", "launch", "status", "logs", "down", "run", "stage-model"}
 
 
 def _cli_modules() -> dict[str, Path]:

@@ -458,7 +458,8 @@ def test_the_vllm_child_gets_the_servers_environment_without_its_secrets():
 
     kept = {"PATH": "/usr/bin", "HOME": "/root", "CUDA_VISIBLE_DEVICES": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
             "HF_HOME": "/hf", "HF_TOKEN": "hf_x", "HF_HUB_OFFLINE": "1", "TORCH_CUDA_ARCH_LIST": "9.0",
-            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TOKENIZERS_PARALLELISM": "false", "LANG": "C.UTF-8"}
+            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TOKENIZERS_PARALLELISM": "false", "LANG": "C.UTF-8",
+            "ARTCLOUD_CACHE": "/models"}  # where the models are: a child fetching its own would be a second download
     dropped = {"ARTCLOUD_TOKEN": "t" * 32, "ARTCLOUD_TLS_KEY": "-----BEGIN PRIVATE KEY-----", "ARTCLOUD_TLS_CERT": "c",
                "ARTCLOUD_S3": "s3://b/p", "ARTCLOUD_S3_ACCESS_KEY_ID": "a", "ARTCLOUD_S3_SECRET_ACCESS_KEY": "s",
                "ARTCLOUD_S3_ENDPOINT_URL": "http://s3", "AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "s",

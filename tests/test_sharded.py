@@ -243,3 +243,53 @@ def test_local_backend_trains_with_the_sharded_trainer(tmp_path):
     assert step == 1 and (trainer["kind"], trainer["ranks"]) == ("sharded", 2)
     with pytest.raises(artcloud.errors.InvalidArgument, match="trainer_procs"):
         artcloud.LocalBackend(tmp_path / "bad", trainer_procs=0)
+
+
+def test_the_trainer_sharded_over_two_nodes_trains_and_a_lost_node_rejoins(start_server, tmp_path):
+    """`artcloud serve --trainer-nodes 2 --trainer-master HOST:PORT` and, as the other node, `artcloud trainer-node`
+    (its own process group, its own torchrun: what another machine runs): one group of 2 ranks over both. The other
+    node's rank killed mid-step (held at a barrier) fails that job; the server starts a new group, the node's loop
+    joins it, and the next job trains on both again."""
+    import socket
+
+    from helpers import chat, events, rollout_groups, wait_for
+
+    hook, barrier = tmp_path / "hook", tmp_path / "barrier"
+    hook.mkdir(), barrier.mkdir()
+    (hook / "sitecustomize.py").write_text(RANK_BARRIER)
+    env = {"SHARDED_TEST_BARRIER": str(barrier),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        master = f"127.0.0.1:{s.getsockname()[1]}"
+    server = start_server(tmp_path / "srv", "--trainer-nodes", "2", "--trainer-master", master, env=env)
+    node = subprocess.Popen([sys.executable, "-m", "artcloud", "trainer-node", "--master", master, "--nodes", "2",
+                             "--node-rank", "1", "--procs", "1", "--device", "cpu", "--head", server.url,
+                             "--ca", str(server.ca)], env={**os.environ, **env}, start_new_session=True)
+    try:
+        with server.client() as c:
+            r = c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY})
+            assert r.status_code == 200, r.text
+            (engine,) = c.get("/artcloud/status").json()["engines"]
+            assert "1 more node" in engine["engine"], engine
+            assert (engine["trainer"]["ranks"], engine["trainer"]["nodes"]) == (2, 2), engine["trainer"]
+            groups = rollout_groups(c, "agent", ["x", "y"], n=4)
+
+            first = c.post("/artcloud/models/agent/train", json={"groups": groups}).json()["job_id"]
+            wait_for("both nodes' ranks in the step", lambda: all((barrier / f"rank{r}").exists() for r in (0, 1)), 120)
+            os.kill(int((barrier / "rank1").read_text()), signal.SIGKILL)  # global rank 1: the other node's
+            # No torchrun sees both nodes: rank 0 learns of it at its next exchange with the lost rank.
+            (barrier / "go").touch()
+            failed = events(c, first)
+            assert failed[-1]["type"] == "error" and "ranks stopped" in failed[-1]["data"]["message"], failed[-1]
+
+            second = c.post("/artcloud/models/agent/train", json={"groups": groups}).json()["job_id"]
+            done = events(c, second)
+            assert done[-1]["type"] == "end" and done[-1]["data"]["step"] == 1, done[-1]
+            assert chat(c, "agent")["model"] == "agent@1"
+            trainer = c.get("/artcloud/status").json()["engines"][0]["trainer"]
+            assert (trainer["ranks"], trainer["restarts"]) == (2, 1), trainer
+        assert node.poll() is None  # the node waits for the next group while the head lives
+    finally:
+        os.killpg(node.pid, signal.SIGKILL)
+        node.wait(30)

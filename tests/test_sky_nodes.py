@@ -1,5 +1,5 @@
-"""SkyBackend(num_nodes=2) through the SkyPilot stand-in: two node processes on loopback (the head on 127.0.0.1, the
-worker on an address of its own), the task's own setup and run on each, as SkyPilot runs a multi-node task."""
+"""SkyBackend(num_nodes=3) through the SkyPilot stand-in: three node processes on loopback (the head on 127.0.0.1, the
+workers on addresses of their own), the task's own setup and run on each, as SkyPilot runs a multi-node task."""
 
 from __future__ import annotations
 
@@ -22,25 +22,30 @@ TINY = "artcloud/tiny-random"
 
 
 def replica_pids(root, name: str) -> set[int]:
-    """The `artcloud replica` process of the cluster's worker node (not the `timeout` or the shell that run it)."""
-    return {pid for pid in cluster_pids(root, name) if _marker_of(pid, ENV_NODE) == "1"
+    """The `artcloud replica` process of the cluster's node 2 (not the `timeout` or the shell that run it)."""
+    return {pid for pid in cluster_pids(root, name) if _marker_of(pid, ENV_NODE) == "2"
             and " -m artcloud replica " in _cmdline(pid) and Path(_cmdline(pid).split()[0]).name.startswith("python")}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_two_nodes_the_head_trains_and_both_serve_rollouts_and_a_lost_replica_comes_back(sky_env):
+def test_three_nodes_two_train_two_serve_rollouts_and_a_lost_replica_comes_back(sky_env):
+    """Node 0 (the head) serves and trains, node 1 trains with it (`artcloud trainer-node`: one group of ranks over
+    both), node 2 serves rollouts (`artcloud replica`)."""
     async def main() -> SkyBackend:
-        backend = SkyBackend(gpu="H100:1", num_nodes=2, name="two", idle_minutes=1)
-        assert backend.plan().price_per_hour == pytest.approx(2 * 2.49)  # the plan counts both nodes
+        backend = SkyBackend(gpu="H100:1", num_nodes=3, trainer_nodes=2, name="three", idle_minutes=1)
+        assert backend.plan().price_per_hour == pytest.approx(3 * 2.49)  # the plan counts every node
         async with backend:
-            assert backend.price_per_hour == pytest.approx(2 * 2.49)  # so does what was launched
+            assert backend.price_per_hour == pytest.approx(3 * 2.49)  # so does what was launched
             model = artcloud.TrainableModel(name="agent", project="nodes", base_model=TINY,
                                             lora=artcloud.LoraConfig(rank=4))
             await model.register(backend)
 
             async def replicas() -> list[dict]:
                 return (await backend.client.status()).model_dump()["engines"][0]["sampler"]["replicas"]
+
+            (engine,) = (await backend.client.status()).model_dump()["engines"]
+            assert (engine["trainer"]["ranks"], engine["trainer"]["nodes"]) == (2, 2), engine["trainer"]
 
             head, worker = await replicas()
             assert head["live"] and worker["live"] and worker["url"].endswith(f":{REPLICA_PORT}")
@@ -52,7 +57,7 @@ def test_two_nodes_the_head_trains_and_both_serve_rollouts_and_a_lost_replica_co
 
             # The worker's replica dies: rollouts go on on the head; the node's loop starts it again, and the head
             # hands it the adapters before it rejoins.
-            pids = replica_pids(sky_env, "two")
+            pids = replica_pids(sky_env, "three")
             assert len(pids) == 1, pids
             os.kill(pids.pop(), signal.SIGKILL)
             await gather_groups(model, prompts=tuple(f"again {i}" for i in range(8)), n=2, max_tokens=6)
@@ -68,8 +73,8 @@ def test_two_nodes_the_head_trains_and_both_serve_rollouts_and_a_lost_replica_co
         return backend
 
     backend = asyncio.run(main())
-    assert backend.api.status("two") is None
-    assert cluster_pids(sky_env, "two") == set()  # both nodes' processes, the worker's loop included
+    assert backend.api.status("three") is None
+    assert cluster_pids(sky_env, "three") == set()  # every node's processes, the loops and the ranks included
 
 
 def test_several_nodes_are_refused_in_one_line_where_they_cannot_be(sky_env):

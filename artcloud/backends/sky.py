@@ -170,11 +170,12 @@ class SkyProvisioner(Provisioner):
     launched_by = "SkyPilot "
 
     def __init__(self, api: SkyAPI | None = None, *, name: str = "", spec: SandboxSpec | None = None,
-                 state: StateDir | None = None, idle_minutes: int = 10, retry_until_up: bool = False):
+                 state: StateDir | None = None, idle_minutes: int = 10, retry_until_up: bool = False,
+                 trainer_nodes: int = 1):
         self.api = api or sky_api()
         self.name, self.spec, self.state = name, spec, state
         self.env = {**spec.env, **spec.engine_env()} if spec is not None else {}  # the server's plain environment
-        self.idle_minutes, self.retry_until_up = idle_minutes, retry_until_up
+        self.idle_minutes, self.retry_until_up, self.trainer_nodes = idle_minutes, retry_until_up, trainer_nodes
         self.offer: GPUOffer | None = None  # the catalog's guess before launching
         self.resources: str | None = None  # what SkyPilot launched, e.g. "1x AWS(p5.4xlarge, {'H100': 1})"
         self.record: SandboxRecord | None = None  # the registry's record of this cluster, once launched or attached
@@ -267,6 +268,7 @@ class SkyProvisioner(Provisioner):
             disk_size=spec.disk, image=spec.image, engine=spec.engine, lease_s=spec.lease,
             max_duration_s=spec.max_duration, s3=spec.s3, s3_endpoint_url=os.environ.get("ARTCLOUD_S3_ENDPOINT_URL"),
             env=env, wheel=wheel, run_args=run_args, workdir=workdir, num_nodes=spec.num_nodes, ca_cert=ca_cert,
+            trainer_nodes=self.trainer_nodes,
         )
 
     # ------------------------------------------------------------------------------------- this cluster
@@ -479,6 +481,8 @@ class SkyBackend(SandboxBackend):
     num_nodes: machines of `gpu` (SkyPilot's num_nodes). Over 1, the head node trains and serves as with one, and
         each other node runs an inference replica (`artcloud replica`) that the head spreads rollouts over and
         hands every step to; only the head's port is open to the world. Prices count every node.
+    trainer_nodes: of those, how many train (the head and the next ones): the peft trainer sharded (FSDP2) over
+        all their trainer GPUs, torchrun's rendezvous on the head; the rest serve rollouts.
     cloud, region: pin the cloud (and region); default: the cheapest among those `sky check` enabled.
     spot: a spot machine; with s3=, a preempted one is replaced and training goes on from S3.
     name: the cluster's name; a running artcloud cluster of that name is attached to; default: artcloud-XXXXXX.
@@ -502,6 +506,7 @@ class SkyBackend(SandboxBackend):
         gpu: str | None = "H100:1",
         *,
         num_nodes: int = 1,
+        trainer_nodes: int = 1,
         cloud: str | None = None,
         region: str | None = None,
         spot: bool = False,
@@ -546,8 +551,13 @@ class SkyBackend(SandboxBackend):
         self.keep = spec.keep
         self.state = StateDir(Path(state_dir) if state_dir is not None else None)
         self.api: SkyAPI = api or sky_api()
+        if (isinstance(trainer_nodes, bool) or not isinstance(trainer_nodes, int)
+                or not 1 <= trainer_nodes <= spec.num_nodes):
+            raise InvalidArgument(f"trainer_nodes is a whole number from 1 to num_nodes ({spec.num_nodes}), not "
+                                  f"{trainer_nodes!r}", field="trainer_nodes")
         self.provisioner = SkyProvisioner(self.api, name=self.cluster_name, spec=spec, state=self.state,
-                                          idle_minutes=int(idle_minutes), retry_until_up=retry_until_up)
+                                          idle_minutes=int(idle_minutes), retry_until_up=retry_until_up,
+                                          trainer_nodes=trainer_nodes)
         self.env = self.provisioner.env
         # A spot machine may be taken away: with S3 to resume from, a new one takes its place (see recover).
         self.relaunch_on_loss = bool(spec.spot and spec.s3)

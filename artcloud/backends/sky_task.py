@@ -28,6 +28,7 @@ SERVER_PORT = 8080  # the one port every SkyPilot cloud forwards (Vast forwards 
 # other inside the cluster (AWS: the cluster's security group admits all traffic from itself,
 # sky/provision/aws/config.py:658-667).
 REPLICA_PORT = 8081
+TRAINER_PORT = 29500  # the sharded trainer's rendezvous on the head (torchrun's master port), inside the cluster too
 SECRET_NAMES = ("ARTCLOUD_TOKEN", "ARTCLOUD_TLS_CERT", "ARTCLOUD_TLS_KEY")
 HOOK_CLOUDS = ("kubernetes", "k8s", "ssh")  # where SkyPilot runs the template's preemption hook (a pod's SIGTERM)
 REDACTED = "<redacted>"
@@ -85,6 +86,7 @@ def build_task(
     workdir: Path | None = None,
     num_nodes: int = 1,
     ca_cert: str | None = None,
+    trainer_nodes: int = 1,
 ) -> ServerTask:
     """Fill the template. `secrets` must hold the token and the server's certificate and key (PEM);
     it may hold more (S3 credentials, the user's own). `wheel`: a wheel file whose folder becomes the
@@ -92,7 +94,8 @@ def build_task(
     `artcloud run ARGS...` (a detached training loop, its script in the workdir) instead of the server;
     `workdir`: the folder to sync when there is no wheel (a prebuilt image). `num_nodes` over 1: the other nodes
     run inference replicas on REPLICA_PORT, reached by the head at their private IPs and trusted through the
-    launch's CA (`ca_cert`, public: it goes in the envs)."""
+    launch's CA (`ca_cert`, public: it goes in the envs); the first `trainer_nodes` of them (the head included)
+    train instead, the sharded trainer's ranks meeting at the head's TRAINER_PORT."""
     missing = [name for name in SECRET_NAMES if not secrets.get(name)]
     if missing:
         raise InvalidArgument(f"the task needs the secrets {', '.join(missing)}")
@@ -100,6 +103,9 @@ def build_task(
         raise InvalidArgument("a region needs its cloud too: pass cloud= (e.g. cloud='aws', region='us-east-1')")
     if num_nodes > 1 and run_args is not None:
         raise InvalidArgument("artcloud run trains on one node: leave num_nodes at 1", field="num_nodes")
+    if not 1 <= trainer_nodes <= num_nodes:
+        raise InvalidArgument(f"trainer_nodes is 1 to num_nodes ({num_nodes}), not {trainer_nodes}: the nodes that "
+                              "train, the head first", field="trainer_nodes")
     if num_nodes > 1 and not ca_cert:
         raise InvalidArgument("several nodes need the launch's CA certificate (ca_cert): the head checks its replicas with it")
     config = load_template()
@@ -146,6 +152,8 @@ def build_task(
         config["workdir"] = str(workdir)
     if num_nodes > 1:
         envs["ARTCLOUD_TLS_CA"] = str(ca_cert)
+        envs["ARTCLOUD_TRAINER_NODES"] = str(trainer_nodes)
+        envs["ARTCLOUD_TRAINER_PORT"] = str(TRAINER_PORT)
     if run_args is not None:  # same shell (venv, timeout belt), another command: `artcloud run`
         envs["ARTCLOUD_RUN_ARGS"] = shlex.join(run_args)
     for key, value in (env or {}).items():
@@ -174,7 +182,9 @@ def describe(task: ServerTask) -> str:
     where = res.get("infra") or "the cheapest enabled cloud"
     nodes = int(task.config.get("num_nodes") or 1)
     if nodes > 1:
-        where += f", {nodes} nodes (the head trains and serves; {nodes - 1} serve rollouts on port {REPLICA_PORT}, inside the cluster)"
+        trainers = int(task.config["envs"].get("ARTCLOUD_TRAINER_NODES") or 1)
+        where += (f", {nodes} nodes (the head serves; {trainers} train, {nodes - trainers} serve rollouts on port "
+                  f"{REPLICA_PORT}, inside the cluster)")
     spot = " (spot)" if res.get("use_spot") else ""
     lease, max_d = task.config["envs"]["ARTCLOUD_LEASE"], task.config["envs"]["ARTCLOUD_MAX_DURATION"]
     return (f"{res.get('accelerators') or 'no GPU'}{spot} on {where}, port {res['ports']}; "

@@ -58,6 +58,7 @@ def launch(
     provider: str = typer.Option("sky", "--provider", "-p", help="sky (any cloud SkyPilot reaches) or modal (a Modal Sandbox)."),
     gpu: str = typer.Option("H100:1", "--gpu", help="GPU spec as SkyPilot writes it: NAME[:COUNT], e.g. H100:1, A100-80GB:2, L4. `sky show-gpus` lists them."),
     nodes: int = typer.Option(1, "--nodes", min=1, help="Machines of --gpu. Over 1, the head trains and serves, and each other node serves rollouts as an inference replica the head spreads them over (SkyPilot only; the price counts every node)."),
+    trainer_nodes: int = typer.Option(1, "--trainer-nodes", min=1, help="Of --nodes, how many train (the head and the next ones): the sharded trainer (FSDP2) over all their trainer GPUs; the rest serve rollouts."),
     cloud: Optional[str] = typer.Option(None, "--cloud", help="Pin a cloud (aws, gcp, azure, lambda, runpod, kubernetes, ...). Default: the cheapest one `sky check` enabled."),
     region: Optional[str] = typer.Option(None, "--region", help="Pin a region of --cloud."),
     spot: bool = typer.Option(False, "--spot", help="Use a spot/preemptible machine (cheaper; may vanish: checkpoints on S3 let a new one resume)."),
@@ -96,7 +97,8 @@ def launch(
     spec = dict(gpu=gpu, name=name, lease=lease, max_duration=max_duration, s3=s3, env=env_pairs(env),
                 secrets=list(secret), engine=engine, startup_timeout=startup_timeout)
     sky_only = {"--cloud": cloud, "--region": region, "--spot": spot, "--image": image, "--disk": disk_size,
-                "--retry-until-up": retry_until_up, "--idle-minutes": idle_minutes != 10, "--nodes": nodes != 1}
+                "--retry-until-up": retry_until_up, "--idle-minutes": idle_minutes != 10, "--nodes": nodes != 1,
+                "--trainer-nodes": trainer_nodes != 1}
     if provider not in ("sky", "modal"):
         raise CLIError(f"--provider is sky or modal, not {provider!r}")
     used = [flag for flag, value in sky_only.items() if value]
@@ -105,7 +107,8 @@ def launch(
     try:
         if provider == "sky":
             backend = SkyBackend(cloud=cloud, region=region, spot=spot, idle_minutes=idle_minutes, image=image,
-                                 disk=disk_size, retry_until_up=retry_until_up, num_nodes=nodes, **spec)
+                                 disk=disk_size, retry_until_up=retry_until_up, num_nodes=nodes,
+                                 trainer_nodes=trainer_nodes, **spec)
             ends = f"at most {format_duration(backend.max_duration_s)}); the machine goes {idle_minutes} min later"
         else:
             backend = ModalBackend(**spec)

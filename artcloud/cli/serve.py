@@ -1,5 +1,5 @@
-"""`artcloud serve` (the training + inference server), `artcloud replica` (an inference replica on another node)
-and `artcloud pull` (a checkpoint from S3)."""
+"""`artcloud serve` (the training + inference server), `artcloud replica` (an inference replica on another node),
+`artcloud trainer-node` (the sharded trainer's ranks on another node) and `artcloud pull` (a checkpoint from S3)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def serve(
     watch_preemption: bool = typer.Option(False, "--watch-preemption", envvar="ARTCLOUD_WATCH_PREEMPTION", help="On a spot machine: poll the cloud's preemption notice (AWS, GCP, Azure metadata) and, when it comes, push the last checkpoints and exit (SkyBackend(use_spot=True) sets it; the client relaunches and resumes from S3)."),
     preload: Optional[str] = typer.Option(None, "--preload", envvar="ARTCLOUD_PRELOAD", help="Load this base model (a hub id or a folder) while the server comes up, so that GET /health says ready only once it is loaded and the first register finds it loaded. Default: $ARTCLOUD_PRELOAD (SkyBackend and ModalBackend set it when model.register started the sandbox)."),
     replica: list[str] = typer.Option([], "--replica", help="An inference replica on another node (`artcloud replica` there): https://NODE_IP:PORT, repeatable. Rollouts are spread over this server's sampler and the replicas; each committed step is served on all of them. They take this server's token.", rich_help_panel="Several nodes"),
+    trainer_nodes: int = typer.Option(1, "--trainer-nodes", min=1, help="Shard the trainer over this many nodes: this one (node 0, where the server drives it) and the others' `artcloud trainer-node`. The peft trainer (FSDP2) then trains: trainer_procs ranks here on a CPU, one per trainer GPU on CUDA.", rich_help_panel="Several nodes"),
+    trainer_master: Optional[str] = typer.Option(None, "--trainer-master", help="With --trainer-nodes: HOST:PORT where this node's torchrun meets the others (this node's private IP and a free port).", rich_help_panel="Several nodes"),
     replica_ca: Optional[str] = typer.Option(None, "--replica-ca", help="The CA (PEM) that signed the replicas' certificate. Default: the CA this server made under PATH/.tls.", rich_help_panel="Several nodes"),
     s3_claim_timeout: str = typer.Option("15m", "--s3-claim-timeout", help="A model's S3 claim (one server trains it) is renewed every third of this; another server may take the model over after this long without renewal."),
     max_body_mb: float = typer.Option(Limits.max_body_mb, "--max-body-mb", min=0.001, help="Largest request body, in MiB (413 above it).", rich_help_panel="Limits"),
@@ -93,7 +95,7 @@ def serve(
             engine=engine, engine_args=parsed_args, vllm_python=vllm_python, log_level=log_level, parent_pid=parent_pid, s3=s3, keep_last=keep_last, keep_best=keep_best,
             lease_s=lease_s, max_duration_s=max_duration_s, behind_https_proxy=behind_https_proxy, limits=limits,
             claim_timeout_s=claim_timeout_s, watch_preemption=watch_preemption, preload=preload or None,
-            replicas=replica, replica_ca=replica_ca)
+            replicas=replica, replica_ca=replica_ca, trainer_nodes=trainer_nodes, trainer_master=trainer_master)
     except (ServeError, UnsafeFolder) as e:
         raise CLIError(str(e)) from e
     except ssl.SSLError as e:
@@ -143,6 +145,57 @@ def replica(
         raise CLIError(str(e)) from e
     except ssl.SSLError as e:
         raise CLIError(f"the TLS certificate or key cannot be used ({e.reason or e}): give a matching PEM pair") from e
+
+
+@app.command("trainer-node")
+def trainer_node(
+    master: str = typer.Option(..., "--master", help="HOST:PORT of the head's rendezvous (the server's --trainer-master)."),
+    nodes: int = typer.Option(..., "--nodes", min=2, help="Trainer nodes in all, the head included (the server's --trainer-nodes)."),
+    node_rank: int = typer.Option(..., "--node-rank", min=1, help="This node's number among them (the head is 0)."),
+    procs: str = typer.Option("auto", "--procs", help="Ranks on this node: a number, or auto (one per GPU; one on a CPU)."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda, or auto (cuda where torch sees a GPU)."),
+    head: Optional[str] = typer.Option(None, "--head", help="The head's server, https://HEAD_IP:PORT: once it answered GET /health, this stops when it stops answering."),
+    ca: Optional[str] = typer.Option(None, "--ca", help="The launch's CA (PEM) to check --head's certificate with."),
+    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+) -> None:
+    """Train on this node for the head's server (`artcloud serve --trainer-nodes N --trainer-master HOST:PORT`).
+
+    This node's ranks join every group of the sharded trainer (FSDP2 under torchrun) that the head starts: each
+    trains its slice of every step, and a group that ends (a rank died, the server restarted it) is joined
+    again. The rendezvous port and the ranks' traffic stay on the cluster's private network.
+
+    Example: artcloud trainer-node --master 10.0.0.1:29500 --nodes 2 --node-rank 1 --head https://10.0.0.1:8080
+    """
+    import threading
+
+    from artcloud.server.engines.children import Rendezvous
+
+    if nodes <= node_rank:
+        raise CLIError(f"--node-rank {node_rank} is not below --nodes {nodes}: the nodes are 0 (the head) to {nodes - 1}")
+    if device not in ("auto", "cpu", "cuda") or not (procs == "auto" or procs.isdigit() and int(procs) >= 1):
+        raise CLIError("--device is cpu, cuda or auto, and --procs a number (1 or more) or auto")
+    if head is not None and not head.startswith("https://"):
+        raise CLIError(f"--head {head}: the head's server is reached over HTTPS only (https://HEAD_IP:PORT)")
+    try:
+        rendezvous = Rendezvous(nodes, master)
+    except ValueError as e:
+        raise CLIError(f"--master {master}: give HOST:PORT, the server's --trainer-master") from e
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+
+    from artcloud.server.engines.sharded import follow
+    from artcloud.server.replica import watch_head
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    count = int(procs) if procs != "auto" else (torch.cuda.device_count() if device == "cuda" else 1)
+    stop = threading.Event()
+    if head:
+        watch_head(head, ca, stop.set)
+    try:
+        follow(rendezvous, node_rank, count, device, stop)
+    except KeyboardInterrupt:
+        stop.set()
 
 
 @app.command()

@@ -199,6 +199,21 @@ def _replica_links(urls: list[str], ca: str | None, tls: TLSFiles | None, token:
     return ReplicaLinks(tuple(urls), tls.token if tls is not None else str(token), ca_path)
 
 
+def _rendezvous(nodes: int, master: str | None):
+    """--trainer-nodes N --trainer-master HOST:PORT."""
+    if nodes <= 1:
+        if master:
+            raise ServeError("--trainer-master is for --trainer-nodes 2 or more")
+        return None
+    from artcloud.server.engines.children import Rendezvous
+
+    try:
+        return Rendezvous(nodes, master or "")
+    except ValueError:
+        raise ServeError(f"--trainer-nodes {nodes} needs --trainer-master HOST:PORT: where this node's torchrun waits "
+                         "for the other trainer nodes (this node's private IP and a free port, e.g. 10.0.0.1:29500)") from None
+
+
 def run(
     *, host: str, port: int, path: Path, tls_cert: str | None = None, tls_key: str | None = None,
     token: str | None = None, token_file: str | None = None, engine: str = "cpu", engine_args: dict | None = None,
@@ -206,7 +221,8 @@ def run(
     keep_last: int = 0, keep_best: str = "reward_mean", lease_s: float | None = None,
     max_duration_s: float | None = None, behind_https_proxy: bool = False, limits=None,
     claim_timeout_s: float | None = None, watch_preemption: bool = False, preload: str | None = None,
-    replicas: list[str] | None = None, replica_ca: str | None = None, announce=print,
+    replicas: list[str] | None = None, replica_ca: str | None = None, trainer_nodes: int = 1,
+    trainer_master: str | None = None, announce=print,
 ) -> None:
     began = time.monotonic()  # --max-duration counts from here (loading a model is paid-for time too), /health's phases too
     import uvicorn
@@ -237,11 +253,13 @@ def run(
     else:
         tls = tls_setup(path, host, tls_cert, tls_key, token, token_file)
     links = _replica_links(replicas or [], replica_ca, tls, token)
+    rendezvous = _rendezvous(trainer_nodes, trainer_master)
     # Before binding: an unknown --engine fails here, with nothing printed and nothing listening.
     lease = Lease(lease_s, max_duration_s, started_at=began)
     registry = Registry(path, engine=engine, store=store, retention=Retention(keep_last=keep_last, metric=keep_best),
                         limits=limits, lease=lease, claim_timeout_s=claim_timeout_s or CLAIM_TIMEOUT_S,
                         engine_args=engine_args, vllm_python=vllm_python, preload=preload or None, replicas=links,
+                        rendezvous=rendezvous,
                         startup=Startup(started_at=began, install_s=read_install_record(os.environ.get(ENV_INSTALL_RECORD))))
     sock = bind(host, port)
     actual_port = sock.getsockname()[1]

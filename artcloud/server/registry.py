@@ -23,6 +23,7 @@ from artcloud.server.api_errors import ApiError
 from artcloud.server.base_weights import BaseWeights
 from artcloud.server.batching import Batcher
 from artcloud.server.engines.base import Completion, GenerationRequest, SamplerUnavailable
+from artcloud.server.engines.children import Rendezvous
 from artcloud.server.engines.choose import ReplicaLinks, engine_factory
 from artcloud.server.engines.engine import Engine
 from artcloud.server.lease import Lease
@@ -55,7 +56,7 @@ class Registry:
                  limits: Limits | None = None, lease: Lease | None = None,
                  claim_timeout_s: float = CLAIM_TIMEOUT_S, engine_args: dict[str, Any] | None = None,
                  vllm_python: str | None = None, startup: Startup | None = None, preload: str | None = None,
-                 replicas: ReplicaLinks | None = None):
+                 replicas: ReplicaLinks | None = None, rendezvous: Rendezvous | None = None):
         self.root = root
         self.retention = retention or Retention()
         self.limits = limits or Limits()
@@ -65,7 +66,7 @@ class Registry:
         self.engine_kind = engine
         # `engine` is checked here, before the server binds (an unknown kind is a ValueError).
         self.factory = factory or engine_factory(engine, workdir=root / ".engines", engine_args=engine_args,
-                                                 vllm_python=vllm_python, replicas=replicas)
+                                                 vllm_python=vllm_python, replicas=replicas, rendezvous=rendezvous)
         # Base weights: pulled from the S3 location when staged there, staged to it after a hub download.
         self.weights = BaseWeights(store.config) if store is not None else None
         self.hosts: dict[str, EngineHost] = {}

@@ -37,6 +37,7 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from artcloud.errors import InvalidArgument
 from artcloud.server.api_errors import ApiError
 from artcloud.server.engines.base import (
     GenerationRequest,
@@ -97,15 +98,12 @@ def _requests(body: Any) -> tuple[str | None, list[GenerationRequest], list[bool
         params = r.get("params") or {}
         if not isinstance(params, dict) or set(params) - fields:
             raise bad(f"{where}.params", f"an object with some of {', '.join(sorted(fields))}")
-        try:
-            p = SamplingParams(**params)
-            if not (isinstance(p.temperature, (int, float)) and isinstance(p.top_p, (int, float))
-                    and type(p.max_tokens) is int and p.max_tokens >= 1 and type(p.top_logprobs) is int
-                    and isinstance(p.stop, list) and all(isinstance(s, str) for s in p.stop)
-                    and (p.seed is None or type(p.seed) is int)):
-                raise TypeError
-        except TypeError:
-            raise bad(f"{where}.params", "numbers and stop strings as a chat completion takes them") from None
+        p = SamplingParams(**params)
+        if not (isinstance(p.temperature, (int, float)) and isinstance(p.top_p, (int, float))
+                and type(p.max_tokens) is int and p.max_tokens >= 1 and type(p.top_logprobs) is int
+                and isinstance(p.stop, list) and all(isinstance(s, str) for s in p.stop)
+                and (p.seed is None or type(p.seed) is int)):
+            raise bad(f"{where}.params", "numbers and stop strings as a chat completion takes them")
         out.append(GenerationRequest(prompt_ids=ids, n=n, params=p))
         stream.append(bool(r.get("stream")))
     return slot, out, stream
@@ -363,4 +361,4 @@ def make_sampler(engine: str, base_model: str, engine_args: dict[str, Any], *, w
         from artcloud.server.engines.choose import vllm_sampler_only
 
         return vllm_sampler_only(base_model, engine_args, workdir=workdir, python=python)
-    raise ValueError(f"unknown replica engine {engine!r}: cpu or vllm")
+    raise InvalidArgument(f"unknown replica engine {engine!r}: cpu, vllm or auto", field="engine")

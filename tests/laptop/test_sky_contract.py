@@ -175,8 +175,13 @@ def test_a_task_of_several_nodes_validates_and_opens_only_the_heads_port(sky, la
     assert task.num_nodes == 3 and res.ports == ["8080"] and str(REPLICA_PORT) not in res.ports
     assert task.envs["ARTCLOUD_REPLICA_PORT"] == str(REPLICA_PORT) and task.envs["ARTCLOUD_TLS_CA"].startswith("-----BEGIN")
     assert "ARTCLOUD_TLS_CA" not in task.secrets  # public: a certificate, not its key
+    assert task.envs["ARTCLOUD_TRAINER_NODES"] == "1"
+    two = build_task(secrets=launch_secrets, num_nodes=3, trainer_nodes=2, ca_cert="x").config
+    assert load_task(sky, two).envs["ARTCLOUD_TRAINER_NODES"] == "2"
     with pytest.raises(ValueError, match="one node"):
         build_task(secrets=launch_secrets, num_nodes=2, ca_cert="x", run_args=["train.py"])
+    with pytest.raises(ValueError, match="trainer_nodes is 1 to num_nodes"):
+        build_task(secrets=launch_secrets, num_nodes=2, ca_cert="x", trainer_nodes=3)
 
 
 # ----------------------------------------------------------------------------------------- the shell scripts

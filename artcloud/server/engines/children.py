@@ -1,11 +1,35 @@
 """What the server's child processes (vLLM, the sharded trainer's ranks) share: they never outlive the server,
-they are stopped with their whole process group, and they get the server's environment less its secrets."""
+they are stopped with their whole process group, and they get the server's environment less its secrets; and
+where the sharded trainer's ranks on several nodes meet (`Rendezvous`)."""
 
 from __future__ import annotations
 
 import os
 import signal
+from dataclasses import dataclass
 from typing import Mapping
+
+from artcloud.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """The sharded trainer over `nodes` nodes: torchrun's static rendezvous at `master` (HEAD_IP:PORT, the head, node
+    0, where global rank 0 runs under the server's control); `artcloud trainer-node` runs the other nodes' ranks."""
+
+    nodes: int
+    master: str
+
+    def __post_init__(self) -> None:
+        host, _, port = self.master.rpartition(":")
+        if self.nodes < 1 or not host or not port.isdigit():
+            raise InvalidArgument(f"a rendezvous is N nodes (1 or more) at HOST:PORT, not {self.nodes} at {self.master!r}")
+
+    def torchrun(self, procs: int, node_rank: int) -> list[str]:
+        """torchrun's arguments for this node's `procs` ranks."""
+        host, _, port = self.master.rpartition(":")
+        return ["--nnodes", str(self.nodes), "--node-rank", str(node_rank), "--master-addr", host,
+                "--master-port", port, "--nproc-per-node", str(procs)]
 
 
 def die_with_parent() -> None:
@@ -27,11 +51,16 @@ def kill_group(pgid: int, sig: int) -> None:
         pass
 
 
+KEPT = {"ARTCLOUD_CACHE"}  # artcloud's settings a child needs: where the models are (else each child fetches its own)
+
+
 def child_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The server's environment less its secrets: none of artcloud's (the token, the TLS key, S3), no AWS
+    """The server's environment less its secrets: none of artcloud's (the token, the TLS key, S3) but KEPT, no AWS
     credentials, nothing named like a secret but the hub's token (a child may fetch a model or tokenizer)."""
     def secret(name: str) -> bool:
         upper = name.upper()
+        if upper in KEPT:
+            return False
         words = upper.split("_")
         return upper.startswith(("ARTCLOUD_", "AWS_")) or not upper.startswith(("HF_", "HUGGING_FACE_")) and (
             words[-1] == "KEY" or not {"TOKEN", "SECRET", "PASSWORD", "CREDENTIALS"}.isdisjoint(words))

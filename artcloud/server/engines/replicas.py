@@ -25,11 +25,12 @@ import ssl
 import tarfile
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from artcloud.errors import InvalidArgument
 from artcloud.server.engines.base import (
     Completion,
     EngineError,
@@ -93,10 +94,10 @@ class ReplicaSet(Sampler):
 
     def __init__(self, samplers: list[Sampler], names: list[str] | None = None, *, recheck_s: float = 5.0):
         if not samplers:
-            raise ValueError("a ReplicaSet needs at least one sampler")
+            raise InvalidArgument("a ReplicaSet needs at least one sampler")
         for s in samplers:
             if s.shares_trainer_weights:  # serving a step would load over the trainer's own adapter
-                raise ValueError(f"{type(s).__name__} shares the trainer's weights: give the set a sampler of its own")
+                raise InvalidArgument(f"{type(s).__name__} shares the trainer's weights: give the set a sampler of its own")
         names = names or [f"replica{i}" for i in range(len(samplers))]
         self.replicas = [Replica(n, s, live=False, turn=None if s.concurrent else threading.Lock())
                          for n, s in zip(names, samplers)]
@@ -189,32 +190,27 @@ class ReplicaSet(Sampler):
                 futures = {replica: self._pool.submit(replica.call, replica.sampler.generate, slot,
                                                       [requests[i] for i in idx])
                            for replica, idx in groups.items()}
-                outcomes: dict[Replica, Any] = {}
-                for replica, future in futures.items():
-                    try:
-                        outcomes[replica] = future.result()
-                    except BaseException as e:  # noqa: BLE001 - sorted below, once every replica has answered
-                        outcomes[replica] = e
-                    finally:
-                        self._done(replica, [requests[i] for i in groups[replica]])
+                wait(futures.values())  # every replica answers before any load is given back or any error raised
+                for replica, idx in groups.items():
+                    self._done(replica, [requests[i] for i in idx])
                 pending = []
-                for replica, out in outcomes.items():
+                for replica, future in futures.items():
                     idx = groups[replica]
-                    if isinstance(out, FAILURES):
-                        self._fail(replica, out)
+                    try:
+                        out = future.result()  # anything but a replica's failure (a bad request) is the caller's
+                    except FAILURES as e:
+                        self._fail(replica, e)
                         if any(watched[i] is not None and watched[i].sent for i in idx):
                             raise SamplerUnavailable(f"the inference replica serving this streamed request failed "
-                                                     f"after its first tokens ({out}): send the request again") from out
+                                                     f"after its first tokens ({e}): send the request again") from e
                         self.moved += len(idx)
                         pending.extend(idx)
-                    elif isinstance(out, BaseException):
-                        raise out
-                    elif len(out) != len(idx):
+                        continue
+                    if len(out) != len(idx):
                         raise EngineError(f"replica {replica.name} answered {len(out)} results for {len(idx)} requests")
-                    else:
-                        replica.served += len(idx)
-                        for i, completions in zip(idx, out):
-                            results[i] = completions
+                    replica.served += len(idx)
+                    for i, completions in zip(idx, out):
+                        results[i] = completions
             return [r if r is not None else [] for r in results]
         finally:
             for r, sink in zip(requests, originals):
@@ -400,8 +396,10 @@ class RemoteSampler(Sampler):
             with self._http.stream("POST", "/replica/generate", json=body) as response:
                 if response.status_code != 200:
                     response.read()
-                    kind = SamplerUnavailable if response.status_code >= 500 or response.status_code == 404 else EngineError
-                    raise kind(f"replica {self.url} answered {response.status_code}: {response.text[:300]}")
+                    said = f"replica {self.url} answered {response.status_code}: {response.text[:300]}"
+                    if response.status_code >= 500 or response.status_code == 404:  # 404: it restarted, lost adapters
+                        raise SamplerUnavailable(said)
+                    raise EngineError(said)
                 for line in response.iter_lines():
                     if all(r.gone for r in requests):
                         break  # nobody waits for them: closing the stream stops them on the replica

@@ -16,6 +16,11 @@ load_adapter, and that call starts a new group.
 
 gloo on a CPU, NCCL on GPUs. gloo has no pre-multiplied sum, so FSDP's default average over ranks stays,
 and the loop scales each rank's loss by the world's size instead.
+
+Several nodes (`Rendezvous`): the server's torchrun is node 0 of a static rendezvous on the head, and `follow`
+(`artcloud trainer-node`) runs each other node's torchrun, which joins every group the head starts; its ranks learn
+the model from rank 0. No torchrun sees every node: a rank lost on one node fails the others at their next exchange
+with it (gloo and NCCL see the peer's connection close), and the server's next call starts a new group.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import torch
 from artcloud.errors import ArtcloudError, NotSupported
 from artcloud.server.engines import loading
 from artcloud.server.engines.base import EngineError, StepCallback, Trainer, TrainSample
-from artcloud.server.engines.children import child_env, die_with_parent, kill_group
+from artcloud.server.engines.children import Rendezvous, child_env, die_with_parent, kill_group
 from artcloud.server.engines.peft_trainer import OPTIMIZER_FILE, PeftTrainer
 from artcloud.train import loop
 from artcloud.types import LoraConfig, TrainConfig
@@ -177,13 +182,16 @@ class ShardedTrainer(Trainer):
     processes, each call made on all of them. The tokenizer and the model's shape are read here (no weights)."""
 
     def __init__(self, base_model: str, procs: int, *, dtype: str = "float32", device: str = "cpu",
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, rendezvous: Rendezvous | None = None):
         """`device` "cpu" or "cuda" (rank r on the r-th GPU torchrun's environment shows); `env`: more environment for
-        the ranks (CUDA_VISIBLE_DEVICES: the trainer's GPUs)."""
+        the ranks (CUDA_VISIBLE_DEVICES: the trainer's GPUs). `rendezvous`: the ranks here are node 0 of that many
+        trainer nodes, whose `artcloud trainer-node` joins each group this starts."""
         from transformers import AutoConfig, AutoTokenizer
 
         where = loading.resolve(base_model)
         self.base_model, self.procs, self.dtype, self.device, self.env = base_model, procs, dtype, device, dict(env or {})
+        self.rendezvous = rendezvous
+        self.ranks = procs  # in all nodes: known once the group is up
         self.tokenizer = AutoTokenizer.from_pretrained(where)
         loading.prepare_tokenizer(self.tokenizer, base_model)
         config = AutoConfig.from_pretrained(where)
@@ -205,7 +213,9 @@ class ShardedTrainer(Trainer):
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(path))
         listener.listen(1)
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.procs),
+        where = (self.rendezvous.torchrun(self.procs, 0) if self.rendezvous is not None
+                 else ["--standalone", "--nproc-per-node", str(self.procs)])
+        argv = [sys.executable, "-m", "torch.distributed.run", *where,
                 "-m", "artcloud.server.engines.sharded", str(path), self.base_model, self.dtype, self.device]
         log.info("starting the sharded trainer: %d ranks of %s (%s, %s)", self.procs, self.base_model, self.device, self.dtype)
         env = {**child_env(os.environ), **self.env}
@@ -226,7 +236,9 @@ class ShardedTrainer(Trainer):
             raise
         finally:
             listener.close()
-        log.info("the sharded trainer is up: %d ranks on %s", ready["ranks"], ready["backend"])
+        self.ranks = int(ready["ranks"])
+        log.info("the sharded trainer is up: %d ranks on %s%s", ready["ranks"], ready["backend"],
+                 f" over {self.rendezvous.nodes} nodes" if self.rendezvous is not None else "")
 
     def _stop(self) -> None:
         if self.conn is not None:
@@ -295,8 +307,8 @@ class ShardedTrainer(Trainer):
         self._call("set_rng_state", state)
 
     def status(self) -> dict[str, Any]:
-        return {"kind": "sharded", "ranks": self.procs, "restarts": self.restarts,
-                "pid": self.proc.pid if self.proc is not None else None}
+        return {"kind": "sharded", "ranks": self.ranks, "nodes": self.rendezvous.nodes if self.rendezvous else 1,
+                "restarts": self.restarts, "pid": self.proc.pid if self.proc is not None else None}
 
     def close(self) -> None:
         with self._lock:
@@ -313,13 +325,17 @@ class ShardedTrainer(Trainer):
 
 
 def serve_rank(control: str, base_model: str, dtype: str, device: str) -> None:
-    """One rank: the trainer, and the calls rank 0 receives from the server, made on every rank in order."""
+    """One rank: the trainer, and the calls rank 0 receives from the server, made on every rank in order. On
+    another node (`follow`) the model and dtype are rank 0's, told after the group forms."""
     import torch.distributed as dist
 
     world = join_world()
     if device == "cuda":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(device)
+    box: list[Any] = [(base_model, dtype)]
+    dist.broadcast_object_list(box, src=0)
+    base_model, dtype = box[0]
     trainer = ShardedPeftTrainer(base_model, world, dtype=dtype, device=device)
     conn = None
     if world.rank == 0:
@@ -385,6 +401,43 @@ def _exactly(conn: socket.socket, n: int) -> bytes:
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
+
+
+def follow(rendezvous: Rendezvous, node_rank: int, procs: int, device: str, stop: threading.Event,
+           *, again_s: float = 2.0) -> None:
+    """`artcloud trainer-node`: this node's `procs` ranks of every group the head's ShardedTrainer starts, until
+    `stop` is set. A group ends when a rank of it dies (torchrun stops the rest) or the server closes it; the
+    next one is joined at once (torchrun waits for the head's at the rendezvous)."""
+    while not stop.is_set():
+        argv = [sys.executable, "-m", "torch.distributed.run", *rendezvous.torchrun(procs, node_rank),
+                "-m", "artcloud.server.engines.sharded", "", "", "", device]
+        env = child_env(os.environ)
+        if device == "cpu":
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // procs)))
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, env=env)
+        log.info("trainer node %d: %d rank(s) waiting for the group at %s", node_rank, procs, rendezvous.master)
+        while proc.poll() is None:
+            if stop.wait(0.5):
+                kill_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return
+        log.info("trainer node %d: the group ended (torchrun exit code %s): joining the next one", node_rank,
+                 proc.returncode)
+        stop.wait(again_s)
+        _until_closed(rendezvous.master, stop)
+
+
+def _until_closed(master: str, stop: threading.Event, *, limit_s: float = 60.0) -> None:
+    """Wait (up to `limit_s`) until the ended group's rendezvous store on the head is gone: torchrun's static
+    rendezvous would otherwise join that stale store, which knows nothing of the next group."""
+    host, _, port = master.rpartition(":")
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and not stop.is_set():
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+        except OSError:
+            return
+        stop.wait(0.5)
 
 
 if __name__ == "__main__":
