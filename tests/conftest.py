@@ -63,7 +63,8 @@ LONGEST_FIRST = (
     "tests/test_server_faults.py", "tests/test_sky.py", "tests/test_run.py", "tests/test_vllm_server.py",
     "tests/test_sky_spot.py", "tests/test_run_cloud.py", "tests/test_s3.py", "tests/test_art_examples.py",
     "tests/test_modal.py", "tests/test_startup.py", "tests/test_client_faults.py", "tests/test_smollm2.py",
-    "tests/test_s3_server.py", "tests/test_lease.py", "tests/test_final_push.py",
+    "tests/test_sky_nodes.py", "tests/test_replicas.py", "tests/test_s3_server.py", "tests/test_lease.py",
+    "tests/test_final_push.py",
 )
 
 
