@@ -264,6 +264,8 @@ def test_a_replica_refuses_a_hostile_adapter_and_requests_without_the_token(tmp_
             assert c.get("/health").json() == {"ok": True}
             assert c.get("/replica/status").status_code == 401
             auth = {"Authorization": f"Bearer {token}"}
+            garbled = c.post("/replica/models", content=b"{not json", headers=auth)
+            assert garbled.status_code == 400 and garbled.json()["error"]["field"] == "body"
             assert c.post("/replica/models", json={"base_model": TINY}, headers=auth).status_code == 200
             other = c.post("/replica/models", json={"base_model": "someone/else"}, headers=auth)
             assert other.status_code == 409 and other.json()["error"]["field"] == "base_model"

@@ -45,7 +45,7 @@ from artcloud.server.engines.base import (
     SamplingParams,
     TokenSink,
 )
-from artcloud.server.engines.replicas import ADAPTER_FILES, LORA_HEADER, ca_context
+from artcloud.server.engines.replicas import ADAPTER_FILES, LORA_HEADER, Replica, ca_context
 from artcloud.types import LoraConfig
 
 log = logging.getLogger("artcloud.replica")
@@ -118,18 +118,12 @@ def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: st
     state: dict[str, Any] = {"sampler": None, "base_model": None, "adapters": {}, "epoch": secrets.token_hex(8),
                              "served": 0}
     loading = asyncio.Lock()
-    turn = threading.Lock()  # a sampler that does not batch by itself takes one call at a time
 
-    def sampler() -> Sampler:
+    def sampler() -> Replica:
+        """The sampler, as the head's set holds one (its calls one at a time where it does not batch by itself)."""
         if state["sampler"] is None:
             raise ApiError(409, "no_model", "this replica has no model yet: POST /replica/models first")
         return state["sampler"]
-
-    def call(fn: Callable[..., Any], *args: Any) -> Any:
-        if state["sampler"].concurrent:
-            return fn(*args)
-        with turn:
-            return fn(*args)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -141,7 +135,7 @@ def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: st
 
     @app.post("/replica/models")
     async def models(request: Request) -> dict[str, Any]:
-        body = await request.json()
+        body = await _json(request)
         base = body.get("base_model") if isinstance(body, dict) else None
         args = body.get("engine_args") or {} if isinstance(body, dict) else None
         if not isinstance(base, str) or not base or not isinstance(args, dict):
@@ -152,13 +146,13 @@ def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: st
                 raise ApiError(409, "other_model", f"this replica serves {state['base_model']}, not {base}: start "
                                "one replica per base model", "base_model")
             if state["sampler"] is None:
-                state["sampler"] = await asyncio.to_thread(load, base, args)
+                state["sampler"] = Replica.of("this", await asyncio.to_thread(load, base, args))
                 state["base_model"] = base
         return status()
 
     @app.get("/replica/status")
     def status() -> dict[str, Any]:
-        s = state["sampler"]
+        s = state["sampler"] and state["sampler"].sampler
         return {"epoch": state["epoch"], "base_model": state["base_model"],
                 "max_context": s.max_context if s is not None else None,
                 "sampler": s.status() if s is not None else None, "adapters": sorted(state["adapters"]),
@@ -166,7 +160,7 @@ def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: st
 
     @app.post("/replica/generate")
     async def generate(request: Request) -> StreamingResponse:
-        slot, requests, stream = _requests(await request.json())
+        slot, requests, stream = _requests(await _json(request))
         s = sampler()
         if slot is not None and slot not in state["adapters"]:
             raise ApiError(404, "unknown_adapter", f"this replica does not serve {slot}", "slot")
@@ -182,7 +176,7 @@ def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: st
 
         def work() -> None:
             try:
-                out = call(s.generate, slot, requests)
+                out = s.call(s.sampler.generate, slot, requests)
                 state["served"] += len(requests)
                 put({"done": [[asdict(c) for c in cs] for cs in out]})
             except Exception as e:  # noqa: BLE001 - said to the head, which takes this replica out
@@ -232,7 +226,7 @@ def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: st
                     raw.write(chunk)
                 raw.seek(0)
                 await asyncio.to_thread(_untar_adapter, raw, target)
-            await asyncio.to_thread(call, s.serve_adapter, slot, lora, target)
+            await asyncio.to_thread(s.call, s.sampler.serve_adapter, slot, lora, target)
         except BaseException:
             shutil.rmtree(target, ignore_errors=True)
             raise
@@ -246,12 +240,21 @@ def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: st
     async def delete_adapter(slot: str) -> dict[str, Any]:
         old = state["adapters"].pop(slot, None)
         if old is not None:
-            await asyncio.to_thread(call, sampler().drop_adapter, slot)
+            held = sampler()
+            await asyncio.to_thread(held.call, held.sampler.drop_adapter, slot)
             shutil.rmtree(old, ignore_errors=True)
         return {"slot": slot, "dropped": old is not None}
 
     app.add_middleware(TokenAuth, token=token, lease=Lease(None, None))
     return app
+
+
+async def _json(request: Request) -> Any:
+    """The request's JSON body; anything else is a 400, not a 500."""
+    try:
+        return await request.json()
+    except ValueError:
+        raise ApiError(400, "invalid_json", "the body is not JSON", "body") from None
 
 
 def _untar_adapter(raw: Any, target: Path) -> None:

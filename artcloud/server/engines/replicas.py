@@ -63,7 +63,12 @@ class Replica:
     last_error: str = ""
     turn: threading.Lock | None = None  # a sampler that does not batch by itself (the torch sampler): one call at a time
 
+    @classmethod
+    def of(cls, name: str, sampler: Sampler, **kw: Any) -> "Replica":
+        return cls(name, sampler, turn=None if sampler.concurrent else threading.Lock(), **kw)
+
     def call(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)`, one call at a time on a sampler that is not concurrent."""
         if self.turn is None:
             return fn(*args)
         with self.turn:
@@ -99,8 +104,7 @@ class ReplicaSet(Sampler):
             if s.shares_trainer_weights:  # serving a step would load over the trainer's own adapter
                 raise InvalidArgument(f"{type(s).__name__} shares the trainer's weights: give the set a sampler of its own")
         names = names or [f"replica{i}" for i in range(len(samplers))]
-        self.replicas = [Replica(n, s, live=False, turn=None if s.concurrent else threading.Lock())
-                         for n, s in zip(names, samplers)]
+        self.replicas = [Replica.of(n, s, live=False) for n, s in zip(names, samplers)]
         self.max_context = min(s.max_context for s in samplers)
         self.can_sleep = any(s.can_sleep for s in samplers)
         self.moved = 0  # requests sent again to another replica after theirs failed
@@ -134,12 +138,12 @@ class ReplicaSet(Sampler):
 
     def pick(self, request: GenerationRequest) -> Replica:
         """The replica for `request` (its samples counted in its load; the caller gives them back with `_done`)."""
-        blocks = self._blocks(request.prompt_ids)
+        blocks = self._blocks(request.prompt_ids)  # hashed before the lock: other threads pick meanwhile
+        prompt = hashlib.blake2b(str(request.prompt_ids).encode(), digest_size=16).digest()
         with self._lock:
             live = [r for r in self.replicas if r.live]
             if not live:
                 raise SamplerUnavailable("every inference replica is down (they are being restarted): retry in a few seconds")
-            prompt = hashlib.blake2b(str(request.prompt_ids).encode(), digest_size=16).digest()
             least = min(live, key=lambda r: (r.load, -self._tie(r, prompt)))
             chosen = least
             for k in range(len(blocks) - 1, -1, -1):
