@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import socket
 import threading
 import time
 import uuid
 from typing import Any
 
+import httpx
 import pytest
 from helpers import rollout_groups, train, wait_for
 from test_s3_server import s3_env
@@ -180,3 +183,29 @@ def test_a_step_in_flight_at_shutdown_is_dropped_not_committed(tmp_path, one_tor
         info = c.get("/artcloud/models/agent").json()
         assert info["step"] == 0 and info["history"] == []
     assert checkpoints.committed_steps(tmp_path / "data" / "p" / "agent") == [0]
+
+
+def test_an_idle_kept_alive_connection_does_not_hold_the_exit(start_server):
+    """A client's pooled connection reads nothing while idle, so it never answers the server's TLS close_notify.
+    asyncio would wait for that answer and uvicorn's graceful exit for the connection (10 s, the final pushes
+    behind it); the server closes the socket once its close_notify is sent instead."""
+    s = start_server()
+    url = httpx.URL(s.url)
+    raw = socket.create_connection((url.host, url.port))
+    with s.ssl_context().wrap_socket(raw, server_hostname=url.host) as conn:
+        conn.sendall(f"GET /health HTTP/1.1\r\nHost: {url.host}\r\n\r\n".encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < _content_length(answer):
+            answer += conn.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" not in answer.lower()  # kept alive
+        s.proc.send_signal(signal.SIGTERM)  # uvicorn's graceful path, then the signal raised again (-15)
+        s.proc.wait(60)
+        # The server's close_notify, then the end of the stream: it did not wait for an answer that never came.
+        assert conn.recv(1) == b""
+    log = s.log.read_text()
+    assert "Application shutdown complete" in log and "timeout graceful shutdown exceeded" not in log
+
+
+def _content_length(answer: bytes) -> int:
+    head = answer.partition(b"\r\n\r\n")[0].decode().lower()
+    return int(next(line.split(":")[1] for line in head.split("\r\n") if line.startswith("content-length:")))

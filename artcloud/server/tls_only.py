@@ -213,6 +213,16 @@ class _TLS(sslproto.SSLProtocol):
         self._owner.connection_lost(exc)
         super().connection_lost(exc)
 
+    def _start_shutdown(self) -> None:
+        """Our close_notify is in the socket's send buffer once asyncio's shutdown starts; asyncio would then wait
+        for the peer's (30 s on 3.11+, for ever on 3.10). A client's idle pooled connection never reads it, so each
+        one held a server's exit for uvicorn's whole graceful timeout, with the final pushes behind it. The socket
+        is closed instead once what it holds is sent (close() flushes first), as nginx does: nothing is lost. Not
+        while TLS still holds data of ours (`_write_backlog`: a write that waits on a read), on either asyncio."""
+        super()._start_shutdown()
+        if self._transport is not None and not self._write_backlog:
+            self._transport.close()
+
 
 class _Watched(asyncio.Protocol):
     """uvicorn's protocol as asyncio's TLS layer sees it: every call passed on, the bytes through `received`."""
