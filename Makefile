@@ -33,6 +33,11 @@ VLLM_PAIRS ?= vllm+peft,vllm+unsloth
 # first (tests/conftest.py: LONGEST_FIRST).
 TEST_WORKERS ?= 3
 PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+# One torch (OpenMP) thread per process while processes run side by side: the workers, their servers and ranks
+# are the parallelism. With torch's default (a thread per core) every process's threads spun on cores the others
+# held: the .venv suite took 16:34 of both cores, and 12:32 with one thread each (the CPU conformance tests went
+# from 42-149 s to under 18 s). test-engines, the vLLM pairs, keeps vLLM's own thread settings.
+ONE_THREAD := OMP_NUM_THREADS=1
 # One editable install of this checkout at a time, whoever runs it (the lock is pyproject.toml itself: flock is
 # advisory, so reading it is unaffected).
 EDITABLE := flock pyproject.toml
@@ -80,7 +85,7 @@ test:
 	$(MAKE) --no-print-directory -j3 --output-sync=target test-engines test-pythons test-laptop
 
 test-main: $(STAMP)
-	$(BIN)/python -m pytest -q -ra $(PYTEST_PAR) --ignore=tests/laptop
+	$(ONE_THREAD) $(BIN)/python -m pytest -q -ra $(PYTEST_PAR) --ignore=tests/laptop
 
 test-laptop: $(LAPTOP_STAMP)
 	$(LAPTOP)/bin/python -m pytest -q -ra tests/laptop
@@ -90,7 +95,7 @@ test-engines: $(VLLM_STAMP)
 	ARTCLOUD_CONFORMANCE_ENGINES=$(VLLM_PAIRS) $(VLLM_VENV)/bin/python -m pytest -q -ra tests/conformance
 
 test-fast: $(STAMP) $(LAPTOP_STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_PAR) -m "not slow" --ignore=tests/laptop
+	$(ONE_THREAD) $(BIN)/python -m pytest -q $(PYTEST_PAR) -m "not slow" --ignore=tests/laptop
 	$(LAPTOP)/bin/python -m pytest -q tests/laptop
 
 # The nvidia-* libraries do not depend on the Python; they are resolved with .venv's pip.
@@ -103,7 +108,7 @@ $(CUDA_LIBS_STAMP): | $(STAMP)
 test-pythons: $(PYTHON_STAMPS)
 	@set -e; for v in $(EXTRA_PYTHONS); do \
 		echo "== tests/pythons on Python $$v"; \
-		.venv-py$$v/bin/python -m pytest -q -ra tests/pythons; \
+		$(ONE_THREAD) .venv-py$$v/bin/python -m pytest -q -ra tests/pythons; \
 	done
 
 clean-pythons:
