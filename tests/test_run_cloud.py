@@ -16,7 +16,7 @@ import pytest
 
 from tests.sky_standin import leftover_processes
 from tests.test_modal import fake  # noqa: F401  (fixture)
-from tests.test_run import TINY_ARGS, TRAIN, s3_steps
+from tests.test_run import TINY_ARGS, TRAIN, assert_pushed_through, s3_steps
 from tests.test_sky import recording, use_s3
 
 
@@ -56,7 +56,7 @@ def test_run_on_sky_trains_prices_and_tears_the_cluster_down(sky_env, monkeypatc
     assert summary["price_per_hour"] > 0 and 0 < summary["estimated_cost_usd"] < 50  # the catalog's price
     assert summary["teardown"] == {"ok": True, "detail": "final checkpoint pushed; att-sky torn down"}
     assert summary["models"][0]["final_checkpoint"] == f"{s3}/nightly/five-words/checkpoints/2"
-    assert s3_steps(seaweed, s3, "nightly", "five-words") == [0, 1, 2]
+    assert_pushed_through(seaweed, s3, "nightly", "five-words", 2)
     assert "att-sky" not in status_names() and leftover_processes(sky_env) == {}
 
 
@@ -112,7 +112,8 @@ def test_detach_on_sky_the_runner_exits_and_the_loop_finishes_on_the_cluster(sky
     # The budget travelled with the loop: the catalog's price, counted from the launch.
     assert summary["budget_usd"] == 50 and summary["price_per_hour"] > 0
     (model,) = summary["models"]
-    assert model["step"] == 2 and s3_steps(seaweed, s3, "nightly", "five-words") == [0, 1, 2]
+    assert model["step"] == 2
+    assert_pushed_through(seaweed, s3, "nightly", "five-words", 2)
     assert model["final_checkpoint"] == f"{s3}/nightly/five-words/checkpoints/2"
     markdown = seaweed.client().get_object(Bucket=bucket, Key=f"{prefix}/runs/det-sky/summary.md")["Body"].read().decode()
     assert "succeeded" in markdown
