@@ -34,8 +34,9 @@ ENV_S3 = "ARTCLOUD_S3"
 # instead of TCP's ~15 minutes of retransmissions; idle connections are probed by keep-alives.
 TCP_USER_TIMEOUT_MS = 60_000
 TCP_KEEPALIVE = (30, 10, 3)  # idle seconds before the first probe, seconds between probes, probes
-# How long uvicorn's graceful exit waits for open connections. A TLS connection whose peer vanished
-# never answers the close_notify, so it holds the exit this long (then the final pushes run).
+# How long uvicorn's graceful exit waits for open connections (then the final pushes run): a response still
+# being sent, or one whose peer stopped reading, holds the exit up to this long. An idle connection does not
+# (tls_only._TLS closes the socket once its close_notify is sent, without waiting for the peer's).
 GRACEFUL_SHUTDOWN_S = 10
 
 
