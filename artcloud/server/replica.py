@@ -119,7 +119,7 @@ def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: st
                              "served": 0}
     loading = asyncio.Lock()
 
-    def sampler() -> Replica:
+    def held() -> Replica:
         """The sampler, as the head's set holds one (its calls one at a time where it does not batch by itself)."""
         if state["sampler"] is None:
             raise ApiError(409, "no_model", "this replica has no model yet: POST /replica/models first")
@@ -161,7 +161,7 @@ def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: st
     @app.post("/replica/generate")
     async def generate(request: Request) -> StreamingResponse:
         slot, requests, stream = _requests(await _json(request))
-        s = sampler()
+        s = held()
         if slot is not None and slot not in state["adapters"]:
             raise ApiError(404, "unknown_adapter", f"this replica does not serve {slot}", "slot")
         loop = asyncio.get_running_loop()
@@ -214,7 +214,7 @@ def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: st
         except ValueError as e:
             raise ApiError(400, "invalid_request", f"{LORA_HEADER}: the adapter's LoraConfig as JSON ({e})".splitlines()[0],
                            LORA_HEADER) from None
-        s = sampler()
+        s = held()
         target = Path(tempfile.mkdtemp(prefix=f"{slot}-", dir=folder))
         try:
             with tempfile.TemporaryFile(dir=folder) as raw:
@@ -240,8 +240,8 @@ def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: st
     async def delete_adapter(slot: str) -> dict[str, Any]:
         old = state["adapters"].pop(slot, None)
         if old is not None:
-            held = sampler()
-            await asyncio.to_thread(held.call, held.sampler.drop_adapter, slot)
+            s = held()
+            await asyncio.to_thread(s.call, s.sampler.drop_adapter, slot)
             shutil.rmtree(old, ignore_errors=True)
         return {"slot": slot, "dropped": old is not None}
 
