@@ -5,7 +5,9 @@ across world sizes (1 -> 2, 2 -> 1) matches too.
 
 AdamW's first updates are lr x sign(gradient): an element whose gradient is at the level of float32
 summation noise (two ranks add in another order than one process) can move either way. So weights must
-match to 1e-6 but for under 1 % of their elements, and those by at most 2 x lr per gradient step.
+match to 1e-6 (1 % of a step at lr 1e-4) but for under 1 % of their elements, and those by at most 2 x lr per
+gradient step (tolerances.assert_same_adam_steps; activation checkpointing's recomputation too). The metrics
+agree to float32's rounding of sums over the hidden size (tolerances.assert_same_step_metrics).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 import torch
 from conftest import SMOLLM2, TINY
 from safetensors.torch import load_file
+from tolerances import SMOLLM2_HIDDEN, TINY_HIDDEN, assert_same_adam_steps, assert_same_step_metrics, ratio_bound
 
 from artcloud.server import chat
 from artcloud.server.engines.base import TrainSample
@@ -35,8 +38,6 @@ pytestmark = pytest.mark.slow
 RANK = Path(__file__).with_name("sharded_rank.py")
 LORA = LoraConfig(rank=8, alpha=16)
 CONFIG = TrainConfig(learning_rate=1e-4, gradient_steps=2)
-WEIGHTS_ATOL = 1e-6
-SIGN_NOISE_SHARE = 0.01
 
 
 def _samples(trainer: PeftTrainer, seed: int) -> list[TrainSample]:
@@ -97,22 +98,18 @@ def _assert_same_files(a: Path, b: Path) -> None:
     assert json.loads((a / "adapter_config.json").read_text()) == json.loads((b / "adapter_config.json").read_text())
 
 
-def _assert_same_step(a: Path, b: Path, metrics_a: list[dict], metrics_b: list[dict]) -> None:
+def _assert_same_step(a: Path, b: Path, metrics_a: list[dict], metrics_b: list[dict],
+                      samples: list[TrainSample]) -> None:
     (wa, oa), (wb, ob) = _tensors(a), _tensors(b)
     assert sorted(wa) == sorted(wb) and len(wa) == 2 * len(LORA.target_modules) * 30  # A and B, 30 layers
-    diff = torch.cat([(wa[k] - wb[k]).abs().flatten() for k in sorted(wa)])
-    noisy = float((diff > WEIGHTS_ATOL).float().mean())
-    assert noisy < SIGN_NOISE_SHARE and float(diff.max()) <= 2 * CONFIG.learning_rate * CONFIG.gradient_steps, (
-        noisy, float(diff.max()))
+    assert_same_adam_steps(wa, wb, CONFIG.learning_rate, CONFIG.gradient_steps)
     assert oa["param_groups"] == ob["param_groups"] and sorted(oa["state"]) == sorted(ob["state"])
     assert all(torch.equal(oa["state"][i]["step"], ob["state"][i]["step"]) for i in oa["state"])
     assert [m["gradient_step"] for m in metrics_a] == [m["gradient_step"] for m in metrics_b] == [1, 2]
-    for ma, mb in zip(metrics_a, metrics_b):
-        assert (ma["tokens"], ma["samples"]) == (mb["tokens"], mb["samples"])
-        for key in ("loss", "grad_norm", "mean_ratio", "clip_fraction"):
-            assert ma[key] == pytest.approx(mb[key], rel=1e-4, abs=1e-6), key
+    assert_same_step_metrics(metrics_a, metrics_b, samples, SMOLLM2_HIDDEN)
 
 
+@pytest.mark.numeric
 def test_two_ranks_train_as_one_process_and_resume_across_world_sizes(tmp_path):
     reference = PeftTrainer(SMOLLM2)
     first, second = _samples(reference, 1), _samples(reference, 2)
@@ -126,8 +123,10 @@ def test_two_ranks_train_as_one_process_and_resume_across_world_sizes(tmp_path):
         tmp_path, run(first, tmp_path / "sharded-1"), run([], tmp_path / "sharded-again", tmp_path / "single-1"),
         run(second, tmp_path / "sharded-2-from-single-1", tmp_path / "single-1"),
         run(second, tmp_path / "sharded-2-from-sharded-1", tmp_path / "sharded-1"))
-    _assert_same_step(tmp_path / "single-1", tmp_path / "sharded-1", single1, sharded1)
-    assert sharded1[0]["mean_ratio"] == pytest.approx(1.0, abs=1e-4)  # the old logprobs are the policy's own
+    _assert_same_step(tmp_path / "single-1", tmp_path / "sharded-1", single1, sharded1, first)
+    # The old logprobs are the policy's own (one process, other batch shapes): the ratio is 1 to their noise.
+    old = [x for s in first for x in s.old_logprobs]
+    assert abs(sharded1[0]["mean_ratio"] - 1.0) <= ratio_bound(old, SMOLLM2_HIDDEN)
 
     # A checkpoint loaded and saved again is the same files, on either side.
     _assert_same_files(tmp_path / "single-1", tmp_path / "sharded-again")
@@ -137,9 +136,11 @@ def test_two_ranks_train_as_one_process_and_resume_across_world_sizes(tmp_path):
     # The next step from either checkpoint, on either side: 1 -> 2 ranks and 1 -> 1, 2 -> 1 and 2 -> 2.
     for start, sharded2 in (("single-1", sharded2_from_single), ("sharded-1", sharded2_from_sharded)):
         single2 = _single(second, tmp_path / f"single-2-from-{start}", resume=tmp_path / start)
-        _assert_same_step(tmp_path / f"single-2-from-{start}", tmp_path / f"sharded-2-from-{start}", single2, sharded2)
+        _assert_same_step(tmp_path / f"single-2-from-{start}", tmp_path / f"sharded-2-from-{start}", single2, sharded2,
+                          second)
 
 
+@pytest.mark.numeric
 def test_activation_checkpointing_changes_nothing_but_memory_and_bfloat16_weights_train_float32_loras(tmp_path):
     """What the ranks do on CUDA (checkpointing on, the base in bfloat16), here on the CPU with tiny-random:
     recomputing each layer's activations gives the step of the run that kept them; a bfloat16 base trains
@@ -150,11 +151,11 @@ def test_activation_checkpointing_changes_nothing_but_memory_and_bfloat16_weight
     kept, recomputed, _ = _sharded(tmp_path, run(samples, tmp_path / "kept", base_model=TINY, checkpointing=False),
                                    run(samples, tmp_path / "recomputed", base_model=TINY, checkpointing=True),
                                    run(samples, tmp_path / "bf16", base_model=TINY, dtype="bfloat16", checkpointing=True))
-    for a, b in zip(kept, recomputed, strict=True):
-        for key in ("loss", "grad_norm", "mean_ratio"):
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    # The backward through recomputed activations is not bitwise the one through kept ones (issue 38: 1 weight of
+    # 90,112 was 1.12e-6 off where torch picks AVX-512 kernels): the same rules as two ranks against one process.
+    assert_same_step_metrics(kept, recomputed, samples, TINY_HIDDEN)
     (wa, _), (wb, _) = _tensors(tmp_path / "kept"), _tensors(tmp_path / "recomputed")
-    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+    assert_same_adam_steps(wa, wb, CONFIG.learning_rate, CONFIG.gradient_steps)
     weights, optimizer = _tensors(tmp_path / "bf16")
     assert {w.dtype for w in weights.values()} == {torch.float32}
     assert {v.dtype for st in optimizer["state"].values() for v in st.values() if v.dim()} == {torch.float32}

@@ -39,6 +39,7 @@ async def chunks_and_plain(server, **kw):
     return chunks, plain
 
 
+@pytest.mark.numeric
 def test_the_openai_client_reads_tokens_ids_and_logprobs_chunk_by_chunk(tiny_server):
     chunks, plain = asyncio.run(chunks_and_plain(tiny_server, n=2, max_tokens=12, seed=5, temperature=1.0,
                                                  top_logprobs=2, stream_options={"include_usage": True}))
@@ -68,6 +69,7 @@ def test_the_openai_client_reads_tokens_ids_and_logprobs_chunk_by_chunk(tiny_ser
         assert mine[-1].finish_reason is not None
 
 
+@pytest.mark.numeric
 def test_collect_stream_gives_the_unstreamed_completion(tiny_server):
     async def main():
         async with client_for(tiny_server) as client:
@@ -218,6 +220,7 @@ def test_a_streamed_choice_is_the_unstreamed_one(tok, text, stop, tools):
 # ------------------------------------------------------------------------------------------ training
 
 
+@pytest.mark.numeric
 def test_a_streamed_and_an_unstreamed_rollout_of_the_same_seed_train_to_the_same_adapter(tiny_server):
     """Two models on one base, the same prompts and seeds, through the SDK: one samples unstreamed, the
     other streams (and never asks for logprobs); one training step each gives byte-equal adapters."""
