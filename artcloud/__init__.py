@@ -30,7 +30,7 @@ from artcloud.errors import (
 from artcloud.types import LoraConfig, TrainConfig, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
-    from artcloud import utils  # OpenPipe ART's names: artcloud.utils.iterate_dataset, ...
+    from artcloud import dev, local, trajectories, utils  # OpenPipe ART's modules: artcloud.utils.iterate_dataset, ...
     from artcloud.backends.client import ServerGone, VersionMismatch
     from artcloud.backends.from_env import backend_from_env
     from artcloud.backends.local import LocalBackend
@@ -38,13 +38,21 @@ if TYPE_CHECKING:
     from artcloud.backends.remote import Backend, RemoteBackend
     from artcloud.backends.sky import SkyBackend, SkyError
     from artcloud.backends.spec import SandboxSpec
-    from artcloud.gather import GatherError, gather_trajectories, gather_trajectory_groups
-    from artcloud.model import LinearTemperatureAnnealer, Model, TrainableModel, TrainResult
+    from artcloud.gather import GatherError, gather_trajectories, gather_trajectory_groups, trajectory_group_batches
+    from artcloud.model import LinearTemperatureAnnealer, Model, TrainableModel
     from artcloud.rewards import RulerError, ruler, ruler_score_group
     from artcloud.storage.checkpoints import CorruptCheckpoint
     from artcloud.storage.s3 import StorageError, pull_checkpoint
     from artcloud.streaming import collect_stream
-    from artcloud.types import History, Messages, MessagesAndChoices, Tools
+    from artcloud.types import (
+        History,
+        LocalTrainResult,
+        Messages,
+        MessagesAndChoices,
+        Tools,
+        TrainResult,
+        TrainSFTConfig,
+    )
     from artcloud.utils import DatasetBatch, retry
 
 # Loaded on first use: module -> the names it gives `artcloud` ("utils" is the module itself).
@@ -58,13 +66,17 @@ _LAZY = {name: module for module, names in {
     "artcloud.backends.from_env": ["backend_from_env"],
     "artcloud.storage.s3": ["StorageError", "pull_checkpoint"],
     "artcloud.storage.checkpoints": ["CorruptCheckpoint"],
-    "artcloud.gather": ["gather_trajectory_groups", "GatherError", "gather_trajectories"],
-    "artcloud.model": ["Model", "TrainableModel", "TrainResult", "LinearTemperatureAnnealer"],
+    "artcloud.gather": ["gather_trajectory_groups", "GatherError", "gather_trajectories", "trajectory_group_batches"],
+    "artcloud.model": ["Model", "TrainableModel", "LinearTemperatureAnnealer"],
     "artcloud.rewards": ["ruler", "ruler_score_group", "RulerError"],
     "artcloud.streaming": ["collect_stream"],
-    # OpenPipe ART's names
-    "artcloud.types": ["History", "Messages", "MessagesAndChoices", "Tools"],
+    # OpenPipe ART's names and modules
+    "artcloud.types": ["History", "Messages", "MessagesAndChoices", "Tools", "TrainSFTConfig", "LocalTrainResult",
+                       "TrainResult"],
     "artcloud.utils": ["retry", "DatasetBatch", "utils"],
+    "artcloud.dev": ["dev"],
+    "artcloud.local": ["local"],
+    "artcloud.trajectories": ["trajectories"],
 }.items() for name in names}
 
 __all__ = [
@@ -77,19 +89,15 @@ __all__ = [
     "StorageError", "CorruptCheckpoint",
     "APIError", "BadRequest", "Unauthorized", "NotFound", "Conflict", "ModelLocked", "RateLimited", "Unavailable",
     "History", "Messages", "MessagesAndChoices", "Tools", "gather_trajectories", "retry", "DatasetBatch", "utils",
+    "TrainSFTConfig", "LocalTrainResult", "trajectory_group_batches", "dev", "local", "trajectories",
 ]
 
 
 # OpenPipe ART's top-level names that artcloud has no counterpart for, and what to write instead (README's
 # "Coming from OpenPipe ART" table lists them as not supported).
 _NOT_IN_ARTCLOUD = {
-    "dev": "engine settings go in artcloud.TrainableModel(engine_args={...}), training options in "
-           "TrainConfig(...) or train(_config={...})",
     "ServerlessBackend": "train on a cloud GPU of your own with artcloud.SkyBackend(gpu=...) or "
                          "artcloud.ModalBackend(...)",
-    "LocalTrainResult": "every backend's train() returns an artcloud.TrainResult",
-    "TrainSFTConfig": "artcloud trains with RL (GRPO) only",
-    "trajectory_group_batches": "batch the scenarios with artcloud.utils.iterate_dataset",
     "auto_trajectory": "build an artcloud.Trajectory in the rollout from the Choices your client returns",
     "capture_auto_trajectory": "build an artcloud.Trajectory in the rollout from the Choices your client returns",
     "yield_trajectory": "return an artcloud.Trajectory from the rollout",

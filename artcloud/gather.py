@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import warnings
-from typing import Any, Awaitable, Callable, Iterable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 from artcloud.errors import ArtcloudError, InvalidArgument, WrongType
 from artcloud.types import Trajectory, TrajectoryGroup, cancel_and_wait, check_trajectory, current_tally, resolve_group
@@ -261,3 +261,75 @@ async def _settle(state: _Tally, tasks: list[asyncio.Future], everything: Awaita
                                   f"{state.max_exceptions}); the first: {type(errors[0]).__name__}: {errors[0]}",
                                   errors) from e
             raise
+
+
+async def trajectory_group_batches(
+    groups: Iterable[TrajectoryGroup | Awaitable[TrajectoryGroup]],
+    *,
+    batch_size: int,
+    max_batch_exceptions: int | float = 0,
+    max_concurrent_batches: int = 4,
+    skip_batches: int = 0,
+    pbar_desc: str | None = "batches",
+    pbar_total_completion_tokens: bool = False,
+    progress: bool = True,
+) -> AsyncIterator[list[TrajectoryGroup]]:
+    """OpenPipe ART's `trajectory_group_batches`: batches of `batch_size` finished groups, in the order they
+    finish, while up to `batch_size * max_concurrent_batches` groups run at once (the next batch's rollouts run
+    while the caller trains on this one). The first `skip_batches * batch_size` groups are never run (resuming).
+    A group that raises (or whose rollout does) is left out and counts against `max_batch_exceptions` of its
+    batch (a count, or a fraction of `batch_size` when < 1); one too many raises GatherError. The last batch may
+    be smaller. Leaving the loop early, or an error, cancels every group still running and waits for it to end.
+
+        async for batch in art.trajectory_group_batches(make_group(s) for s in scenarios), batch_size=4):
+            await backend.train(model, batch)
+    """
+    if batch_size < 1 or max_concurrent_batches < 1 or skip_batches < 0:
+        raise InvalidArgument("trajectory_group_batches needs batch_size >= 1, max_concurrent_batches >= 1 and "
+                              "skip_batches >= 0")
+    if pbar_total_completion_tokens:
+        warnings.warn("pbar_total_completion_tokens is deprecated in ART and does nothing in artcloud",
+                      DeprecationWarning, stacklevel=2)
+    unstarted = list(groups)[batch_size * skip_batches:]
+    for item in unstarted:
+        if not isinstance(item, TrajectoryGroup) and not inspect.isawaitable(item):
+            raise WrongType(f"trajectory_group_batches got a {type(item).__name__}: pass TrajectoryGroups, or "
+                            "awaitables that return one")
+    limit = max_batch_exceptions * batch_size if isinstance(max_batch_exceptions, float) and max_batch_exceptions < 1 \
+        else max_batch_exceptions
+
+    async def one(item: TrajectoryGroup | Awaitable[TrajectoryGroup]) -> TrajectoryGroup:
+        group = await (resolve_group(item) if isinstance(item, TrajectoryGroup) else item)
+        if not isinstance(group, TrajectoryGroup):
+            raise WrongType(f"a group awaitable returned {type(group).__name__}, not an artcloud.TrajectoryGroup")
+        return group
+
+    pending: set[asyncio.Future] = set()
+    batch: list[TrajectoryGroup] = []
+    errors: list[BaseException] = []
+    bar = _Tally(pbar_desc or "batches", progress, None, max_batch_exceptions)
+    try:
+        while unstarted or pending:
+            while unstarted and len(pending) < batch_size * max_concurrent_batches:
+                pending.add(asyncio.ensure_future(one(unstarted.pop(0))))
+            with bar:
+                bar.total = batch_size
+                bar.show()
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.exception() is not None:
+                    errors.append(task.exception())
+                    if len(errors) > limit:
+                        raise GatherError(f"{len(errors)} groups of a batch failed (max_batch_exceptions="
+                                          f"{max_batch_exceptions}); the first: {type(errors[0]).__name__}: {errors[0]}",
+                                          errors) from errors[0]
+                elif len(task.result().trajectories) >= 2:  # as gather: GRPO needs two to compare
+                    batch.append(task.result())
+            bar.done = len(batch)
+            if len(batch) >= batch_size:
+                out, batch, errors = batch[:batch_size], batch[batch_size:], []
+                yield out
+        if batch:
+            yield batch
+    finally:
+        await cancel_and_wait(list(pending))

@@ -12,13 +12,14 @@ import asyncio
 import logging
 import uuid
 import warnings
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Iterable, Iterator, Mapping, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Iterable, Mapping, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from artcloud.errors import ArtcloudError, InvalidArgument, NotInArtcloud, NotSupported, WrongState, WrongType
-from artcloud.types import LoraConfig, TrainConfig, TrajectoryGroup, is_choice
+from artcloud.art_options import apply_art_options, internal_config
+from artcloud.errors import ArtcloudError, InvalidArgument, NotInArtcloud, WrongState, WrongType
+from artcloud.types import LoraConfig, TrainConfig, TrainResult, TrainSFTConfig, TrajectoryGroup, is_choice
 
 if TYPE_CHECKING:
     from artcloud.backends.remote import RemoteBackend
@@ -48,23 +49,6 @@ class LinearTemperatureAnnealer:
     def temperature(self, step: int) -> float:
         frac = min(max(step, 0), self.steps) / self.steps
         return self.start + (self.end - self.start) * frac
-
-
-@dataclass
-class TrainResult:
-    """What one training step did. Unpacks like ART's result: `step, metrics, checkpoint_path = result`."""
-
-    step: int  # the model's step after this call (NAME@step is served now)
-    trained: bool  # False when every group had equal rewards (nothing to learn)
-    metrics: dict[str, Any] = field(default_factory=dict)
-    events: list[dict[str, Any]] = field(default_factory=list, repr=False)
-    # The step's checkpoint folder on the SERVER's disk (for LocalBackend a folder on this machine; for
-    # SkyBackend and ModalBackend one on the sandbox). With S3 the same step is pushed under the model's
-    # prefix: `artcloud.pull_checkpoint` fetches it. None when the server did not say (a resumed step).
-    checkpoint_path: str | None = None
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter((self.step, self.metrics, self.checkpoint_path))
 
 
 # The user's own config type: `Model[MyConfig]` types and validates `config` as one; a bare `Model` takes any object.
@@ -108,6 +92,10 @@ class Model(BaseModel, Generic[ModelConfig]):
     id: str | None = None
     report_metrics: list[str] | None = None  # ["wandb"]; None: W&B if WANDB_API_KEY
     step: int = 0  # the newest step this object knows of
+    # OpenPipe ART's: kept, not used. Checkpoints, history and state live where the backend's server keeps them
+    # (LocalBackend(path=...)); a W&B run is named after the model.
+    base_path: str = ".art"
+    run_id: str | None = None
 
     # A prompted model's endpoint (ART's fields; properties here, since a served model's are the backend's).
     _inference_base_url: str | None = PrivateAttr(None)
@@ -115,6 +103,7 @@ class Model(BaseModel, Generic[ModelConfig]):
     _backend: Any = PrivateAttr(None)  # RemoteBackend
     _external_client: Any = PrivateAttr(None)
     _wandb: Any = PrivateAttr(None)  # report.WandbReporter
+    _wandb_config: dict[str, Any] = PrivateAttr(default_factory=dict)  # update_wandb_config's, for the W&B run
 
     def __init__(self, *, name: str, project: str, base_model: str | None = None, config: ModelConfig | None = None,
                  inference_model_name: str | None = None, inference_base_url: str | None = None,
@@ -199,6 +188,8 @@ class Model(BaseModel, Generic[ModelConfig]):
         history there, for `log`, as ART's backend keeps one; it is still sampled at its own endpoint."""
         lora = self._lora().model_dump() if self.base_model is not None else {}
         info = await backend.register(self.name, self.project, self.base_model, lora, engine_args=self.engine_args)
+        for note in (info.model_extra or {}).get("warnings") or []:  # e.g. GPU settings a CPU engine goes without
+            warnings.warn(f"{self.name}: {note}", UserWarning, stacklevel=2)
         self.step = info.step
         if self.base_model is not None:
             self.inference_model_name = self.name  # the bare name is always the newest step
@@ -263,8 +254,45 @@ class Model(BaseModel, Generic[ModelConfig]):
 
         if report.wandb_enabled(self.report_metrics):
             if self._wandb is None:
-                self._wandb = report.WandbReporter(self.project, self.name)
+                self._wandb = report.WandbReporter(self.project, self.name, self._wandb_config)
             self._wandb.report(record, batch)
+
+    def update_wandb_config(self, config: dict[str, Any]) -> None:
+        """ART's: merge `config` into this model's W&B run config, given to the run when it starts (the first
+        report) or at once if it runs. A key already set to another value is an InvalidArgument (W&B keeps a run's
+        config), naming it."""
+        from artcloud import report
+
+        if not isinstance(config, dict):
+            raise WrongType(f"update_wandb_config takes a dict, not {type(config).__name__}", field="config")
+        merged = report.merge_config(self._wandb_config, config)
+        self._wandb_config.clear()
+        self._wandb_config.update(merged)  # the same dict the reporter holds
+        if self._wandb is not None:
+            self._wandb.update_config(config)
+
+    # ------------------------------------------------------------------------------------- state
+
+    def read_state(self) -> dict[str, Any] | None:
+        """ART's persistent state of this model (a dataset position, say), or None if none was written. It lives
+        on the server beside the checkpoints: committed with each step, pushed to S3 with it, and back on a new
+        server (a spot replacement too) with the step it belongs to. A blocking call (as ART's file read is)."""
+        return self.backend.model_state(self.name).state
+
+    def overwrite_state(self, state: dict[str, Any]) -> None:
+        """Replace the model's state (a JSON object) with `state`; it is on the server when this returns."""
+        self.backend.model_state(self.name, {"state": _json_object(state)})
+
+    def merge_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Deep-merge `state` into the model's state (nested dicts key by key, anything else replaced) on the
+        server, and return the merged state."""
+        return self.backend.model_state(self.name, {"state": _json_object(state), "merge": True}).state or {}
+
+    def write_state(self, state: dict[str, Any]) -> None:
+        """Deprecated in ART: use overwrite_state() or merge_state()."""
+        warnings.warn("write_state() is deprecated. Use overwrite_state() or merge_state() instead.",
+                      DeprecationWarning, stacklevel=2)
+        self.overwrite_state(state)
 
 
 class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
@@ -282,15 +310,22 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
 
     _annealer: LinearTemperatureAnnealer | None = PrivateAttr(None)
     _pending: asyncio.Task | None = PrivateAttr(None)
+    # TrainConfig fields for every step, from _internal_config's trainer_args: a step's own settings win.
+    _train_defaults: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     def __init__(self, *, name: str, project: str, base_model: str, config: ModelConfig | None = None,
                  lora: LoraConfig | None = None, engine_args: dict[str, Any] | None = None,
                  entity: str | None = None, id: str | None = None, report_metrics: list[str] | None = None,
                  _internal_config: Any = None, **fields: Any):
-        if _internal_config is not None:
-            raise NotSupported("TrainableModel(_internal_config=...) is OpenPipe ART's (art.dev.InternalModelConfig): "
-                               "pass engine_args={...} instead (its engine_args, e.g. max_model_len, and Unsloth's "
-                               "load_in_4bit, max_seq_length)", field="_internal_config")
+        internal = internal_config(_internal_config) if _internal_config is not None else None
+        if internal is not None:  # ART's art.dev.InternalModelConfig: artcloud's engine_args, lora, step defaults
+            clash = sorted(set(internal.engine_args) & set(engine_args or {}))
+            if clash or (internal.lora and lora is not None):
+                raise InvalidArgument(f"TrainableModel got {'engine_args ' + ', '.join(clash) if clash else 'a LoRA'} both "
+                                      "in _internal_config and as its own argument: pass it once", field="_internal_config")
+            engine_args = {**internal.engine_args, **(engine_args or {})} or None
+            if internal.lora:
+                lora = LoraConfig(**internal.lora)
         if isinstance(config, LoraConfig):
             if lora is not None:
                 raise InvalidArgument("TrainableModel got a LoraConfig both as config= and lora=: pass it as lora= only",
@@ -302,6 +337,7 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
             raise WrongType(f"lora must be an artcloud.LoraConfig, not {type(lora).__name__}", field="lora")
         super().__init__(name=name, project=project, base_model=base_model, config=config, engine_args=engine_args,
                          entity=entity, id=id, report_metrics=report_metrics, lora=lora or LoraConfig(), **fields)
+        self._train_defaults = internal.train_defaults if internal is not None else {}
 
     def _lora(self) -> LoraConfig:
         return self.lora
@@ -340,8 +376,8 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         if self._backend is not backend:
             raise InvalidArgument(f"{self.name} is not registered on this backend: `await model.register(backend)` first",
                                   field="model")
-        train_config = apply_art_options(config or TrainConfig(), options, where="backend.train")
-        return await self.train(groups, train_config, verbose=verbose, progress=progress)
+        config, save_checkpoint = apply_art_options(self._defaults(config), options, where="backend.train")
+        return await self._train(groups, config, save_checkpoint, verbose=verbose, progress=progress)
 
     async def train(
         self,
@@ -354,10 +390,45 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
     ) -> TrainResult:
         """One GRPO step on `groups`; follows the job's events (with a progress bar) to its end.
 
-        `_config`: ART's experimental `art.dev.TrainConfig` keys; those artcloud has (epsilon, epsilon_high,
-        scale_rewards, kl_penalty_coef, ppo) are honoured, the rest only at ART's defaults (else one line
+        `_config`: ART's experimental `art.dev.TrainConfig` keys (and LocalBackend.train's keywords): TrainConfig
+        takes them under ART's names; the few it has no counterpart for only at ART's defaults (else one line
         says so). `verbose` prints each training event as a line besides the bar."""
-        config = apply_art_options(config or TrainConfig(), _config or {}, where="_config")
+        config, save_checkpoint = apply_art_options(self._defaults(config), _config or {}, where="_config")
+        return await self._train(groups, config, save_checkpoint, verbose=verbose, progress=progress)
+
+    async def train_sft(self, trajectories: Iterable[Any], config: TrainSFTConfig | None = None,
+                        _config: Mapping[str, Any] | None = None, verbose: bool = False, *,
+                        progress: bool = True) -> TrainResult:
+        """Supervised fine-tuning, as OpenPipe ART's `model.train_sft`: cross-entropy on the assistant's tokens of
+        each trajectory (tool calls included; system, user and tool messages are context), `config.batch_size`
+        trajectories per optimizer step, each batch at its learning rate (one, or a list with one per batch). One
+        call is one training step (NAME@STEP -> NAME@STEP+1), committed, pushed and resumed as an RL step is. The
+        trajectories are read as they are sent: a generator over a file of any size is never held whole
+        (artcloud.utils.sft.train_sft_from_file). `_config`: ART's art.dev.TrainSFTConfig, which has no keys."""
+        from artcloud.supervised import train_sft
+
+        if _config:
+            raise InvalidArgument(f"train_sft(_config=...): art.dev.TrainSFTConfig has no keys artcloud takes, not "
+                                  f"{sorted(_config)}", field="_config")
+        if config is not None and not isinstance(config, TrainSFTConfig):
+            raise WrongType(f"train_sft's config is an artcloud.TrainSFTConfig, not {type(config).__name__}",
+                            field="config")
+        if self._pending is not None:
+            await self._pending
+            self._pending = None
+        result = await train_sft(self, trajectories, config or TrainSFTConfig(), verbose=verbose, progress=progress)
+        await self._push_temperature()
+        self._report_train([], result)
+        return result
+
+    def _defaults(self, config: TrainConfig | None) -> TrainConfig:
+        """`config` (or the defaults), with _internal_config's trainer_args where it did not set the field itself."""
+        config = config or TrainConfig()
+        unset = {k: v for k, v in self._train_defaults.items() if k not in config.model_fields_set}
+        return config.model_copy(update=unset) if unset else config
+
+    async def _train(self, groups: Iterable[TrajectoryGroup], config: TrainConfig, save_checkpoint: bool, *,
+                     verbose: bool, progress: bool) -> TrainResult:
         backend = self.backend
         groups = list(groups)
         _check_groups(groups)
@@ -404,7 +475,8 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
             raise ArtcloudError(f"training {self.name} failed: {last.get('message')}", code=last.get("code", "error"))
         self.step = last["step"]
         result = TrainResult(step=self.step, trained=last.get("trained", False), metrics=_numbers(last.get("metrics", {})),
-                             events=[e.model_dump() for e in events], checkpoint_path=last.get("checkpoint"))
+                             events=[e.model_dump() for e in events],
+                             checkpoint_path=last.get("checkpoint") if save_checkpoint else None)
         if result.trained:  # kept until S3 has it: a machine lost before its push trains it again on the next
             backend.note_trained(self.name, self.step, body, last.get("s3"))
         await self._push_temperature()
@@ -422,27 +494,20 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
             log.warning("%s: step %d trained, but reporting it to W&B failed: %s", self.name, result.step, e)
 
 
-# ------------------------------------------------------------------------------------- ART's training options
+# ------------------------------------------------------------------------------------- helpers
 
 
-def apply_art_options(config: TrainConfig, options: Mapping[str, Any], *, where: str) -> TrainConfig:
-    """`config` with ART's training options applied (LocalBackend.train keywords, art.dev.TrainConfig keys:
-    TrainConfig's own table of ART's names, types._from_art_names); one line for any that artcloud cannot
-    honour, naming what to write instead."""
-    from artcloud.types import _from_art_names
+def _json_object(state: Any) -> dict[str, Any]:
+    """`state` checked to be what ART's state.json holds: a JSON object (WrongType naming what is not)."""
+    import json
 
-    if not isinstance(options, Mapping):
-        raise WrongType(f"{where} must be a dict of art.dev.TrainConfig keys, not {type(options).__name__}", field=where)
-    options = dict(options)
-    if options.pop("save_checkpoint", True) is not True:
-        raise NotSupported(f"{where}: save_checkpoint=False is an OpenPipe ART option artcloud does not have "
-                           "(artcloud commits every step: NAME@STEP is its checkpoint); leave it out", field="save_checkpoint")
+    if not isinstance(state, dict):
+        raise WrongType(f"a model's state is a dict (a JSON object), not {type(state).__name__}", field="state")
     try:
-        update = _from_art_names(options)
-    except ArtcloudError as e:
-        e.args = (f"{where}: {e}",)  # the same error, saying which argument it is about
-        raise
-    return type(config).model_validate({**config.model_dump(), **update}) if update else config
+        json.dumps(state, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise WrongType(f"a model's state must be JSON: {e}", field="state") from None
+    return state
 
 
 def _numbers(record: Mapping[str, Any]) -> dict[str, float]:
@@ -511,7 +576,9 @@ class _Progress:
                                        markup=True, highlight=False)
         if self._progress is None:
             return
-        if event.type == "start":
+        if event.type == "start" and data.get("kind") == "sft":
+            self._progress.update(self._task, status="supervised fine-tuning")
+        elif event.type == "start":
             self._progress.update(self._task, status=f"{data.get('samples', 0)} samples, reward {data.get('reward_mean', 0):.3f}")
         elif event.type == "step":
             self._progress.update(self._task, completed=data["gradient_step"], total=data["gradient_steps"],

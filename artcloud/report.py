@@ -157,9 +157,10 @@ def trajectory_text(t: Trajectory) -> str:
 class WandbReporter:
     """One model's W&B run, made on first use (wandb imported then)."""
 
-    def __init__(self, project: str, name: str):
+    def __init__(self, project: str, name: str, config: dict[str, Any] | None = None):
         self.project = project
         self.name = name
+        self.config = config if config is not None else {}  # the run's config (the model's update_wandb_config)
         self._run: Any = None
         self._splits: set[str] = set()
 
@@ -168,10 +169,32 @@ class WandbReporter:
         import wandb
 
         if self._run is None or getattr(self._run, "_is_finished", False):
-            run = wandb.init(project=self.project, name=self.name, id=self.name, resume="allow")
+            run = wandb.init(project=self.project, name=self.name, id=self.name, resume="allow",
+                             config=dict(self.config) or None)
             run.define_metric("training_step")
             self._run, self._splits = run, set()
         return self._run
+
+    def update_config(self, changes: dict[str, Any]) -> None:
+        """The run's config gains `changes` (merge_config has checked them): at once if the run exists."""
+        if self._run is not None and not getattr(self._run, "_is_finished", False):
+            self._run.config.update(changes)
+
+
+def merge_config(existing: dict[str, Any], updates: dict[str, Any], path: str = "") -> dict[str, Any]:
+    """`existing` with `updates` merged in, nested dicts key by key, as OpenPipe ART's update_wandb_config does: a
+    W&B run's config is set once, so a key already set to another value is an InvalidArgument naming it."""
+    merged = dict(existing)
+    for key, value in updates.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in merged:
+            merged[key] = value
+        elif isinstance(merged[key], dict) and isinstance(value, dict):
+            merged[key] = merge_config(merged[key], value, where)
+        elif merged[key] != value:
+            raise InvalidArgument(f"the W&B config is set once per run: {where!r} is {merged[key]!r} already, not "
+                                  f"{value!r}", field=where)
+    return merged
 
     def report(self, record: dict[str, Any], batch: Batch | None = None) -> dict[str, Any]:
         """Log a history record (and its batch's reward histogram and sample table) to W&B; what was logged."""

@@ -14,9 +14,9 @@ import inspect
 import math
 import time
 import traceback
-import warnings
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Annotated, Any, AsyncIterator, Generator, Iterable, Iterator, Literal, Protocol
 
@@ -61,36 +61,26 @@ class LoraConfig(BaseModel):
     init_seed: Seed = 0
 
 
-# OpenPipe ART's training knobs (art.TrainConfig, art.dev.TrainConfig / `_config`) under artcloud's names.
+# OpenPipe ART's names for TrainConfig's fields (art.TrainConfig, LocalBackend.train's keywords, art.dev.TrainConfig).
 _ART_ALIASES = {"beta": "kl_coef", "epsilon": "clip_epsilon", "epsilon_high": "clip_epsilon_high", "loss_fn": "loss"}
 # ART knobs artcloud has no counterpart for: ART's default (accepted, as None is: artcloud trains as ART does
 # at it), and what to write instead of any other value.
 _ART_UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "kl_penalty_source": ("current_learner", "artcloud's KL term (kl_coef) is always taken against the base model"),
-    "kl_ref_adapter_path": (None, "artcloud's KL term (kl_coef) is always taken against the base model"),
-    "kl_penalty_reference_step": (None, "artcloud's KL term (kl_coef) is always taken against the base model"),
-    "kl_penalty_step_lag": (None, "artcloud's KL term (kl_coef) is always taken against the base model"),
+    "kl_penalty_source": ("current_learner", "the KL reference is the base model, or kl_penalty_reference_step / "
+                                             "kl_ref_adapter_path"),
+    "kl_penalty_step_lag": (None, "name the reference step itself with kl_penalty_reference_step"),
     "grad_accumulation_sequences": (None, "artcloud sizes its micro-batches itself; for several optimizer steps per "
                                           "train() call set gradient_steps"),
-    "final_training_step": (None, "artcloud has no learning-rate schedule to end; stop calling train() instead"),
+    "final_training_step": (None, "stop calling train() instead"),
     "allow_training_without_logprobs": (False, "leave logprobs out of completion requests (they come by default)"),
     "precalculate_logprobs": (False, "artcloud always trains on the logprobs the choices were sampled with"),
-    "normalize_advantages": (None, "set scale_rewards (True divides by the group's reward std)"),
-    "importance_sampling_level": ("token", "leave it out: artcloud's ratio is per token"),
-    "advantage_balance": (0.0, "leave it out"),
-    "mask_prob_ratio": (False, "leave it out"),
-    "plot_tensors": (False, "leave it out"),
-    "scale_learning_rate_by_reward_std_dev": (False, "leave it out"),
-    "num_trajectories_learning_rate_multiplier_power": (0.0, "leave it out"),
-    "max_negative_advantage_importance_sampling_weight": (None, "leave it out"),
-    "truncated_importance_sampling": (None, "leave it out"),
-    "kimi_k2_tau": (None, "leave it out"),
+    "plot_tensors": (False, "leave it out (the step's metrics are in the history and on W&B)"),
+    "loss_fn_config": (None, "the losses take no config here: set epsilon / epsilon_high and the other keywords"),
 }
-# ART knobs that change only speed or memory, or ask what artcloud does anyway: accepted, no effect.
-_ART_MET = {
-    "optimizer_save_interval",  # artcloud saves the optimizer with every checkpoint (every step)
-    "logprob_calculation_chunk_size", "packed_sequence_length",  # artcloud sizes and packs its batches itself
-}
+# ART knobs that change only speed or memory on ART's engine: accepted, no effect (artcloud saves the optimizer
+# with every checkpoint, and sizes and packs its batches itself).
+_ART_MET = {"optimizer_save_interval", "logprob_calculation_chunk_size", "packed_sequence_length"}
+ImportanceSamplingLevel = Literal["token", "sequence", "average", "geometric_average"]
 
 
 class TrainConfig(BaseModel):
@@ -98,23 +88,56 @@ class TrainConfig(BaseModel):
 
     One `train` call is one step (the served name moves from NAME@STEP to NAME@STEP+1); it may take
     several gradient steps (`gradient_steps` minibatches over the groups), each reported as an event.
-    OpenPipe ART's names are accepted in the constructor (`beta` for `kl_coef`, `epsilon`, `loss_fn`...);
-    what goes over the wire (`model_dump()`) is always artcloud's names.
+    The defaults are OpenPipe ART 0.5.18's (`LocalBackend.train`): CISPO, clipped at 1 - 1.0 and 1 + 4.0, learning
+    rate 5e-6. ART's names are accepted in the constructor (`beta` for `kl_coef`, `epsilon`, `loss_fn`,
+    `normalize_advantages`...); what goes over the wire (`model_dump()`) is always artcloud's names. The loss and
+    every knob are in artcloud/train/grpo.py, the learning-rate scalings in artcloud/train/loop.py.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     # ART's default: larger rates quickly wreck a LoRA on an instruct model under RL.
     learning_rate: float = Field(5e-6, gt=0.0, le=1.0)
-    loss: Literal["ppo", "cispo"] = "ppo"
-    clip_epsilon: float = Field(0.2, gt=0.0, le=10.0)
-    # Upper clip bound (DAPO's "clip higher"); None means the same as clip_epsilon.
+    loss: Literal["ppo", "cispo"] = "cispo"
+    # The importance ratio's clip range [1 - clip_epsilon, 1 + clip_epsilon_high]. None: ART's default for the
+    # loss (CISPO 1.0 and 4.0; PPO 0.2 and clip_epsilon): see clip_bounds().
+    clip_epsilon: float | None = Field(None, gt=0.0, le=10.0)
     clip_epsilon_high: float | None = Field(None, gt=0.0, le=10.0)
-    # k3 estimator of KL(policy || base model); 0 skips the reference forward pass entirely. ART: `beta`.
+    # "token": a ratio per token; "sequence": one per trajectory (the mean log-ratio of its sampled tokens, as
+    # GSPO); "average" / "geometric_average": the arithmetic / geometric mean of the two.
+    importance_sampling_level: ImportanceSamplingLevel = "token"
+    # ART's per-token KL penalty folded into the advantages: tokens that diverge more from the reference than
+    # the step's average lose advantage, those that diverge less gain (art/loss.py).
+    kl_penalty_coef: float = Field(0.0, ge=0.0)
+    # The KL reference (kl_penalty_coef and kl_coef): None, the base model; else this model's checkpoint at this
+    # step, or a checkpoint folder on the server (a TrainResult.checkpoint_path of a model on the same base).
+    kl_penalty_reference_step: int | None = Field(None, ge=0)
+    kl_ref_adapter_path: str | None = Field(None, min_length=1, max_length=4096)
+    # k3 estimator of KL(policy || reference) added to the loss (ART's older `beta`); 0 skips it.
     kl_coef: float = Field(0.0, ge=0.0)
+    # > 0 scales negative advantages by 1 - b (at 1 only positive ones train), < 0 positive ones by 1 + b; the
+    # step's mean |advantage| per token is kept.
+    advantage_balance: float = Field(0.0, ge=-1.0, le=1.0)
+    # Ratios outside the clip range count 0 (no gradient, no weight) instead of being clipped.
+    mask_prob_ratio: bool = False
+    # An upper bound on the importance ratio, applied before the loss (ART applies it to every token).
+    max_negative_advantage_importance_sampling_weight: float | None = Field(None, gt=0.0)
+    # Each token's loss times min(ratio, this) (no gradient through the factor): truncated importance sampling.
+    truncated_importance_sampling: float | None = Field(None, gt=0.0)
+    # Kimi K2's term: each token's advantage minus tau x its log-ratio (no gradient through it).
+    kimi_k2_tau: float | None = None
+    # The step's learning rate times (the fitted trend of the history's within-group reward std at this step)
+    # / (its value at the first step): the rate falls as the groups' rewards converge.
+    scale_learning_rate_by_reward_std_dev: bool = False
+    # The learning rate times (trajectories in the gradient step) ** this power.
+    num_trajectories_learning_rate_multiplier_power: float = Field(0.0, ge=-4.0, le=4.0)
     max_grad_norm: float | None = Field(1.0, gt=0.0)
     gradient_steps: int = Field(1, ge=1, le=64)
     weight_decay: float = Field(0.0, ge=0.0)
+    # AdamW's betas and epsilon (ART's adam_params, Tinker's AdamParams, set them too).
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    adam_epsilon: float = Field(1e-8, gt=0.0, le=1.0)
     # Divide advantages by the group's reward std (GRPO); False keeps only the mean baseline (Dr. GRPO).
     scale_rewards: bool = True
 
@@ -123,12 +146,39 @@ class TrainConfig(BaseModel):
 
     @property
     def beta(self) -> float:
-        """ART's name for `kl_coef`."""
+        """ART's older name for `kl_coef`."""
         return self.kl_coef
 
     @beta.setter
     def beta(self, value: float) -> None:
         self.kl_coef = value
+
+    def clip_bounds(self) -> tuple[float, float]:
+        """(epsilon, epsilon_high): the ratio is clipped to [1 - epsilon, 1 + epsilon_high]. ART's defaults for
+        what is unset: CISPO 1.0 and 4.0, PPO 0.2 and epsilon (art/loss.py)."""
+        ppo = self.loss == "ppo"
+        low = self.clip_epsilon if self.clip_epsilon is not None else (0.2 if ppo else 1.0)
+        high = self.clip_epsilon_high if self.clip_epsilon_high is not None else (low if ppo else 4.0)
+        return low, high
+
+    @property
+    def kl_reference(self) -> bool:
+        """The step needs the reference policy's logprobs."""
+        return self.kl_coef > 0 or self.kl_penalty_coef > 0
+
+
+def _adam_params(value: Any) -> dict[str, Any]:
+    """ART's adam_params (Tinker's AdamParams, or a dict with its keys) as TrainConfig fields."""
+    if value is None:
+        return {}
+    get = value.get if isinstance(value, dict) else (lambda k, d=None: getattr(value, k, d))
+    names = {"learning_rate": "learning_rate", "beta1": "adam_beta1", "beta2": "adam_beta2", "eps": "adam_epsilon",
+             "weight_decay": "weight_decay"}
+    unknown = set(value) - set(names) if isinstance(value, dict) else set()
+    if unknown:
+        raise InvalidArgument(f"adam_params has no key {sorted(unknown)[0]!r}: it takes {', '.join(names)}",
+                              field="adam_params")
+    return {ours: get(theirs) for theirs, ours in names.items() if get(theirs) is not None}
 
 
 def _from_art_names(data: dict[str, Any]) -> dict[str, Any]:
@@ -136,18 +186,19 @@ def _from_art_names(data: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in data.items():
         if key in TrainConfig.model_fields:
-            out[key] = value
+            if value is not None or TrainConfig.model_fields[key].default is None:  # ART's None: the default
+                out[key] = value
         elif key in _ART_ALIASES:
-            if value is not None:  # ART's dev config passes None for "the default"
+            if value is not None:  # ART passes None for "the default"
                 out[_ART_ALIASES[key]] = value
-        elif key == "ppo":
-            if value:  # ART's ppo=True: PPO's clipped ratio, artcloud's loss="ppo"
-                out["loss"] = "ppo"
-        elif key == "kl_penalty_coef":
-            if value:
-                warnings.warn("TrainConfig(kl_penalty_coef=...): artcloud applies it as kl_coef, a KL(policy || base "
-                              "model) loss term, not as ART's per-token advantage penalty", UserWarning, stacklevel=3)
-                out["kl_coef"] = value
+        elif key == "ppo":  # ART's dev config: ppo=True is loss_fn="ppo", False its default, CISPO
+            if value is not None:
+                out.setdefault("loss", "ppo" if value else "cispo")
+        elif key == "normalize_advantages":  # ART: False centres the rewards without dividing by their std
+            if value is False:
+                out["scale_rewards"] = False
+        elif key == "adam_params":
+            out.update(_adam_params(value))
         elif key in _ART_UNSUPPORTED:
             neutral, instead = _ART_UNSUPPORTED[key]
             if value is not None and value != neutral:
@@ -160,6 +211,48 @@ def _from_art_names(data: dict[str, Any]) -> dict[str, Any]:
             raise InvalidArgument(f"TrainConfig got both {alias!r} and {name!r}, which are the same setting: pass one",
                                   field=alias)
     return out
+
+
+@dataclass
+class TrainResult:
+    """What one training step did (`model.train`, `backend.train`). Unpacks like ART's result: `step, metrics,
+    checkpoint_path = result`. It is ART's LocalTrainResult too (its checkpoint_path)."""
+
+    step: int  # the model's step after this call (NAME@step is served now)
+    trained: bool  # False when every group had equal rewards (nothing to learn)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    # The step's checkpoint folder on the SERVER's disk (for LocalBackend a folder on this machine; for
+    # SkyBackend and ModalBackend one on the sandbox). With S3 the same step is pushed under the model's
+    # prefix: `artcloud.pull_checkpoint` fetches it. None when the server did not say (a resumed step).
+    checkpoint_path: str | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.step, self.metrics, self.checkpoint_path))
+
+
+# OpenPipe ART's name for what LocalBackend.train returns: artcloud's every backend returns a TrainResult.
+LocalTrainResult = TrainResult
+
+
+class TrainSFTConfig(BaseModel):
+    """One supervised fine-tuning call (`model.train_sft`), as OpenPipe ART's art.TrainSFTConfig: the learning rate
+    (one for every batch, or a list with one per batch: `artcloud.utils.sft.create_lr_schedule`) and the
+    trajectories per batch ("auto": 2, ART's LocalBackend default). Each batch is one optimizer step; the call is
+    one training step (NAME@STEP -> NAME@STEP+1)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float | list[float] = 5e-5
+    batch_size: int | Literal["auto"] = "auto"
+
+    def __init__(self, **data: Any):
+        _check_fields(type(self), data)
+        super().__init__(**data)
+
+    @property
+    def batch(self) -> int:
+        return 2 if self.batch_size == "auto" else self.batch_size
 
 
 class PydanticException(BaseModel):

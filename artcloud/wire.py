@@ -107,6 +107,27 @@ class TemperatureRequest(_Strict):
     temperature: float = Field(ge=0.0, le=5.0)
 
 
+class StateRequest(_Strict):
+    """PUT /artcloud/models/{name}/state: OpenPipe ART's overwrite_state (merge false) or merge_state (true)."""
+
+    state: dict[str, Any] = Field(description="a JSON object: the new state, or what to deep-merge into it")
+    merge: bool = Field(False, description="deep-merge into the state (nested objects key by key) instead of replacing it")
+
+
+class ForkRequest(_Strict):
+    """POST /artcloud/models/{name}/fork: start a model (not trained yet) from another model's committed checkpoint,
+    as OpenPipe ART's backend._experimental_fork_checkpoint (the SFT-then-RL recipe)."""
+
+    from_model: str = Field(min_length=1, max_length=128, pattern=NAME_PATTERN)
+    from_project: str | None = Field(None, min_length=1, max_length=128, pattern=NAME_PATTERN,
+                                     description="default: the model's own project")
+    from_s3_bucket: str | None = Field(None, min_length=3, max_length=63, pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$",
+                                       description="look for the checkpoint in this bucket (the server's S3 endpoint "
+                                                   "and credentials); default: this server's disk, then its --s3")
+    prefix: str | None = Field(None, max_length=512, pattern=r"^[A-Za-z0-9._/-]*$", description="the bucket's prefix")
+    not_after_step: int | None = Field(None, ge=0, lt=2**53, description="the newest checkpoint at or before this step")
+
+
 class PruneRequest(_Strict):
     """Delete a model's checkpoints but the latest and the best by `best_metric` (ART's delete_checkpoints)."""
 
@@ -279,6 +300,59 @@ class TrainRequest(_Strict):
     config: TrainConfig = Field(default_factory=TrainConfig)
     # A retried POST with the same key returns the first job instead of training twice.
     idempotency_key: str | None = Field(None, min_length=1, max_length=200)
+
+
+# ---------------------------------------------------------------------------------------------- SFT
+
+MAX_SFT_BATCHES = 64  # the batches of one chunk
+MAX_SFT_ROWS = 1_024  # the rows of one batch
+
+
+class SFTRow(BaseModel):
+    """One conversation to learn from (a row of OpenPipe ART's SFT JSONL): its assistant turns, tool calls
+    included, are trained on; system, user and tool messages are context only."""
+
+    model_config = ConfigDict(extra="ignore")  # ART's rows may carry response_format and the like
+
+    messages: Annotated[list[Message], _at_most(MAX_ITEMS)] = Field(min_length=1, fail_fast=True,
+                                                                    json_schema_extra={"maxItems": MAX_ITEMS})
+    tools: list[dict[str, Any]] | None = None
+
+
+class SFTBatch(_Strict):
+    """One optimizer step of supervised fine-tuning, at its own learning rate."""
+
+    rows: Annotated[list[SFTRow], _at_most(MAX_SFT_ROWS)] = Field(min_length=1, fail_fast=True,
+                                                                  json_schema_extra={"maxItems": MAX_SFT_ROWS})
+    learning_rate: float = Field(ge=0.0, le=1.0, allow_inf_nan=False)  # a decay ends at 0 (create_lr_schedule)
+
+
+class SFTStart(_Strict):
+    """POST /artcloud/models/{name}/sft: one `train_sft` call, a job that trains the batches the client then sends
+    (POST /artcloud/jobs/{job_id}/sft) and commits one step after the last (OpenPipe ART's model.train_sft)."""
+
+    batches: int | None = Field(None, ge=1, lt=2**53, description="how many batches will come, where known (the "
+                                "progress's total)")
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="as ART's SFT: 1.0")
+    idempotency_key: str | None = Field(None, min_length=1, max_length=200)
+
+
+class SFTChunk(_Strict):
+    """The next batches of an SFT job, in order: `seq` counts chunks from 0 (a chunk sent again is answered, not
+    trained again); `last` ends the job, which then commits its step."""
+
+    seq: int = Field(ge=0, lt=2**53)
+    batches: Annotated[list[SFTBatch], _at_most(MAX_SFT_BATCHES)] = Field(
+        default_factory=list, fail_fast=True, json_schema_extra={"maxItems": MAX_SFT_BATCHES})
+    last: bool = False
+    abort: bool = Field(False, description="end the job now: nothing of it is committed (the client gave up)")
+
+
+class SFTAccepted(_Open):
+    job_id: str
+    seq: int = Field(description="the chunk taken")
+    batches: int = Field(description="batches taken so far, this chunk's included")
+    dropped_rows: int = Field(description="rows left out so far: longer than the model's context (as ART drops them)")
 
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -461,6 +535,13 @@ class HistoryRecord(_Open):
     split: str
     time: float
     source: str
+
+
+class ModelState(_Open):
+    """A model's persistent state (OpenPipe ART's state.json) and the step it belongs to."""
+
+    step: int = Field(ge=0, description="the model's step when the state was written (or the checkpoint it came with)")
+    state: dict[str, Any] | None = Field(description="null until a state is written")
 
 
 class Temperature(_Open):

@@ -115,16 +115,17 @@ def test_models_are_pydantic_models_generic_in_their_config_as_in_art():
 
 def test_art_training_options_are_honoured_or_refused_in_one_line():
     kl = "beta" if "beta" in artcloud.TrainConfig.model_fields else "kl_coef"
-    config = apply_art_options(artcloud.TrainConfig(), {"learning_rate": 1e-4, "beta": 0.05, "epsilon": 0.1, "epsilon_high": 0.3,
-                                                        "scale_rewards": False, "ppo": True, "plot_tensors": False,
-                                                        "logprob_calculation_chunk_size": 512}, where="_config")
+    config, save = apply_art_options(artcloud.TrainConfig(), {"learning_rate": 1e-4, "beta": 0.05, "epsilon": 0.1,
+                                                              "epsilon_high": 0.3, "scale_rewards": False, "ppo": True,
+                                                              "plot_tensors": False, "save_checkpoint": False,
+                                                              "logprob_calculation_chunk_size": 512}, where="_config")
     assert (config.learning_rate, getattr(config, kl), config.clip_epsilon, config.clip_epsilon_high, config.scale_rewards,
-            config.loss) == (1e-4, 0.05, 0.1, 0.3, False, "ppo")
-    assert getattr(apply_art_options(artcloud.TrainConfig(), {"kl_penalty_coef": 0.2}, where="_config"), kl) == 0.2
+            config.loss, save) == (1e-4, 0.05, 0.1, 0.3, False, "ppo", False)
+    assert apply_art_options(artcloud.TrainConfig(), {"kl_penalty_coef": 0.2}, where="_config")[0].kl_penalty_coef == 0.2
 
     model = artcloud.TrainableModel(name="m", project="p", base_model=TINY)
     for options, error, words in [({"plot_tensors": True}, NotSupported, "plot_tensors=True.* is OpenPipe ART's"),
-                                  ({"save_checkpoint": False}, NotSupported, "commits every step"),
+                                  ({"save_checkpoint": "no"}, WrongType, "save_checkpoint must be True or False"),
                                   ({"frobnicate": 1}, InvalidArgument, "_config: TrainConfig has no field 'frobnicate'")]:
         with pytest.raises(error, match=words) as e:
             asyncio.run(model.train([], _config=options))  # refused before anything is sent
@@ -454,29 +455,31 @@ def test_backend_train_and_delete_checkpoints(tiny_server):
         await model.register(backend)
         assert model.backend() is backend  # ART calls it as a method
         client = model.openai_client()
-        with pytest.raises(NotSupported, match="save_checkpoint=False"):
-            await backend.train(model, [await trajectories(model, client, [0.0, 1.0])], save_checkpoint=False)
         # reward_mean per step: 0.95, 0.15, 0.25 -> step 1 is the best, step 3 the latest.
         for rewards in ([1.0, 0.9], [0.1, 0.2], [0.3, 0.2]):
             step, metrics, path = await backend.train(model, [await trajectories(model, client, rewards)],
                                                       learning_rate=1e-3, beta=0.0, progress=False)
             assert path is not None and Path(path).name == str(step) and (Path(path) / "manifest.json").exists()
             assert metrics["reward_mean"] == pytest.approx(sum(rewards) / 2)
-        assert step == 3 == model.step
-        assert (await backend.model_info("prune")).checkpoints == [0, 1, 2, 3]
+        # ART's save_checkpoint=False: the result names no checkpoint (the step commits all the same, as in ART)
+        result = await backend.train(model, [await trajectories(model, client, [0.0, 1.0])], save_checkpoint=False,
+                                     learning_rate=1e-3, progress=False)
+        assert (result.step, result.checkpoint_path) == (4, None)
+        assert step == 3 and model.step == 4
+        assert (await backend.model_info("prune")).checkpoints == [0, 1, 2, 3, 4]
 
         answer_ = await model.delete_checkpoints(best_checkpoint_metric="reward_mean")
-        assert (answer_["best_step"], answer_["kept"], answer_["deleted"]) == (1, [1, 3], [0, 2])
-        assert (await backend.model_info("prune")).checkpoints == [1, 3]
+        assert (answer_["best_step"], answer_["kept"], answer_["deleted"]) == (1, [1, 4], [0, 2, 3])
+        assert (await backend.model_info("prune")).checkpoints == [1, 4]
         served = await client.chat.completions.create(model="prune@1", messages=MESSAGES, max_tokens=2)
         assert served.model == "prune@1"  # the best step, kept, still serves
         # ART's default metric, which nothing logged here: as ART, the latest step alone stays, with a warning
         answer_ = await model.delete_checkpoints()
-        assert (answer_["best_step"], answer_["kept"], answer_["deleted"]) == (None, [3], [1])
+        assert (answer_["best_step"], answer_["kept"], answer_["deleted"]) == (None, [4], [1])
         assert answer_["note"].startswith("no step of prune has 'val/reward' in its history (its metrics: ")
         assert "reward_mean" in answer_["note"]
-        served = await client.chat.completions.create(model="prune@3", messages=MESSAGES, max_tokens=2)
-        assert served.model == "prune@3"
+        served = await client.chat.completions.create(model="prune@4", messages=MESSAGES, max_tokens=2)
+        assert served.model == "prune@4"
         await backend.down()
 
     asyncio.run(main())

@@ -233,8 +233,33 @@ def test_train_config_takes_arts_names_and_sends_artclouds():
                           allow_training_without_logprobs=False)  # ART's default: what artcloud does
     assert (dev.clip_epsilon, dev.clip_epsilon_high, dev.loss, dev.scale_rewards) == (0.3, 0.4, "cispo", False)
     assert art.TrainConfig(ppo=False, loss_fn="cispo").loss == "cispo" and art.TrainConfig(ppo=True).loss == "ppo"
-    with pytest.warns(UserWarning, match="KL"):
-        assert art.TrainConfig(kl_penalty_coef=0.2).kl_coef == 0.2
+    # ART's kl_penalty_coef is its own knob (a penalty on the advantages), not the k3 term (kl_coef, ART's beta)
+    assert (art.TrainConfig(kl_penalty_coef=0.2).kl_penalty_coef, art.TrainConfig(kl_penalty_coef=0.2).kl_coef) == (0.2, 0)
+
+
+def test_train_config_defaults_are_art_0_5_18s():
+    # art/local/backend.py:638-677, art/loss.py:73-82: CISPO clipped at 1.0 / 4.0, PPO at 0.2 / epsilon
+    default = art.TrainConfig()
+    assert (default.learning_rate, default.loss, default.clip_bounds()) == (5e-6, "cispo", (1.0, 4.0))
+    assert art.TrainConfig(loss_fn="ppo").clip_bounds() == (0.2, 0.2)
+    assert art.TrainConfig(loss_fn="ppo", epsilon=0.1).clip_bounds() == (0.1, 0.1)
+    assert art.TrainConfig(epsilon=0.5).clip_bounds() == (0.5, 4.0)  # CISPO's high bound stays 4.0, as in ART
+    # ART's own defaults passed explicitly are accepted and change nothing
+    explicit = art.TrainConfig(learning_rate=5e-6, loss_fn="cispo", loss_fn_config=None, normalize_advantages=True,
+                               adam_params=None, kl_penalty_coef=0.0, kl_penalty_reference_step=None,
+                               kl_ref_adapter_path=None, epsilon=None, epsilon_high=None, advantage_balance=0.0,
+                               scale_rewards=True, importance_sampling_level="token",
+                               max_negative_advantage_importance_sampling_weight=None, mask_prob_ratio=False,
+                               kimi_k2_tau=None, precalculate_logprobs=False, allow_training_without_logprobs=False,
+                               plot_tensors=False, truncated_importance_sampling=None,
+                               scale_learning_rate_by_reward_std_dev=False, logprob_calculation_chunk_size=1024,
+                               packed_sequence_length=None, num_trajectories_learning_rate_multiplier_power=0.0)
+    assert explicit.model_dump() == default.model_dump()
+    assert art.TrainConfig(normalize_advantages=False).scale_rewards is False
+    adam = art.TrainConfig(adam_params={"learning_rate": 1e-4, "beta1": 0.8, "beta2": 0.95, "eps": 1e-12})
+    assert (adam.learning_rate, adam.adam_beta1, adam.adam_beta2, adam.adam_epsilon) == (1e-4, 0.8, 0.95, 1e-12)
+    with pytest.raises(InvalidArgument, match="adam_params has no key 'beta3'"):
+        art.TrainConfig(adam_params={"beta3": 0.5})
 
 
 def test_train_config_says_in_one_line_what_to_write_instead():

@@ -67,11 +67,10 @@ def test_the_cpu_engine_takes_the_engine_args_it_honours_and_names_the_rest(tmp_
         return c.post("/artcloud/models", json={"name": name, "project": "p", "base_model": TINY, "engine_args": args})
 
     with app() as c:
-        r = register(c, "a", {"max_model_len": 64, "gpu_memory_utilization": 0.8, "enforce_eager": True})
+        r = register(c, "a", {"max_model_len": 64, "trust_remote_code": True})
         error = r.json()["error"]
         assert r.status_code == 400 and error["code"] == "invalid_engine_args", r.text
-        assert error["field"] == "engine_args.enforce_eager" and "\n" not in error["message"]
-        assert error["message"].startswith("engine_args enforce_eager, gpu_memory_utilization: not for the CPU engine")
+        assert "'trust_remote_code' cannot be set per model" in error["message"] and "\n" not in error["message"]
         r = register(c, "a", {"max_model_len": 4096})  # over tiny-random's 2048 positions
         assert r.status_code == 400 and r.json()["error"]["field"] == "engine_args.max_model_len", r.text
         assert not c.get("/artcloud/status").json()["engines"]  # nothing loaded by a refused register
@@ -104,8 +103,16 @@ def test_the_cpu_engine_takes_the_engine_args_it_honours_and_names_the_rest(tmp_
     with app(folder="bad-seed") as c:
         r = register(c, "s", {"seed": -1})
         assert r.status_code == 400 and r.json()["error"]["field"] == "engine_args.seed", r.text
-    with pytest.raises(artcloud.InvalidArgument, match="^engine_args gpu_memory_utilization: not for the CPU engine"):
-        Registry(tmp_path / "e", engine="cpu", engine_args={"gpu_memory_utilization": 0.8})
+    # The GPU engine's settings (ART's templates set gpu_memory_utilization) are taken without effect, and said so.
+    with app(folder="gpu-args") as c:
+        r = register(c, "g", {"max_model_len": 64, "gpu_memory_utilization": 0.8, "enforce_eager": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["warnings"] == ["engine_args enforce_eager, gpu_memory_utilization: the GPU engine's (vLLM's, "
+                                        "Unsloth's), without effect on the CPU engine, which takes max_model_len, "
+                                        "max_seq_length, dtype, seed, trainer_procs"]
+    # Any other vLLM flag of the operator's is refused by the CPU engine, naming it.
+    with pytest.raises(artcloud.InvalidArgument, match="^engine_args block_size: not for the CPU engine"):
+        Registry(tmp_path / "e", engine="cpu", engine_args={"block_size": 16})
 
 
 def test_auto_falling_back_to_the_cpu_engine_keeps_the_operators_engine_args_it_can_take(monkeypatch, tmp_path, caplog):
@@ -174,20 +181,17 @@ def test_the_vllm_engine_refuses_a_placement_it_cannot_run(tmp_path):
             build_vllm_engine(TINY, trainer=trainer, workdir=tmp_path, engine_args=args, cuda_devices=n)
 
 
-def test_arts_engine_args_on_a_local_backend_take_effect_or_are_refused_by_name(tmp_path):
-    """ART's `_internal_config=` moves to `engine_args=`: on LocalBackend's CPU engine, max_model_len bounds what
-    the model samples; vLLM's other settings are refused in one line that names each."""
+def test_arts_engine_args_on_a_local_backend_take_effect_or_are_named_in_a_warning(tmp_path):
+    """ART's `_internal_config=art.dev.InternalModelConfig(engine_args=...)` (its own SFT template's): on
+    LocalBackend's CPU engine, max_model_len bounds what the model samples; vLLM's memory setting has no effect
+    there, and one warning names it."""
     async def main() -> None:
         async with artcloud.LocalBackend(tmp_path / "local") as backend:
-            vllm_only = artcloud.TrainableModel(name="big", project="p", base_model=TINY,
-                                                engine_args={"max_model_len": 64, "gpu_memory_utilization": 0.8})
-            with pytest.raises(artcloud.ArtcloudError) as e:
-                await vllm_only.register(backend)
-            assert (e.value.status, e.value.code, e.value.field) == (400, "invalid_engine_args",
-                                                                     "engine_args.gpu_memory_utilization")
-            assert "\n" not in str(e.value)
-            model = artcloud.TrainableModel(name="short", project="p", base_model=TINY, engine_args={"max_model_len": 64})
-            await model.register(backend)
+            model = artcloud.TrainableModel(name="short", project="p", base_model=TINY,
+                                            _internal_config=artcloud.dev.InternalModelConfig(
+                                                engine_args={"max_model_len": 64, "gpu_memory_utilization": 0.7}))
+            with pytest.warns(UserWarning, match=r"^short: engine_args gpu_memory_utilization: the GPU engine's"):
+                await model.register(backend)
             r = await model.openai_client().chat.completions.create(model=model.name, messages=MESSAGES, max_tokens=500,
                                                                      temperature=0)  # greedy: no EOS drawn by chance
             assert r.usage.total_tokens == 64 and r.choices[0].finish_reason == "length", r.usage

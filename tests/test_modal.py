@@ -365,8 +365,8 @@ def test_client_killed_the_sandbox_goes_when_the_lease_runs_out(fake, tmp_path):
 @pytest.mark.slow
 def test_a_sandbox_that_exits_during_start_up_fails_with_its_logs(fake):
     # an engine setting the server refuses at start (the client checks the engine's name, not its settings)
-    with pytest.raises(ModalError, match=r"(?s)ended \(exit code 2\).*engine_args gpu_memory_utilization: not for the CPU") as e:
-        asyncio.run(ModalBackend(gpu="H100", name="dies", engine="cpu", engine_args={"gpu_memory_utilization": 0.5},
+    with pytest.raises(ModalError, match=r"(?s)ended \(exit code 2\).*engine_args block_size: not for the CPU") as e:
+        asyncio.run(ModalBackend(gpu="H100", name="dies", engine="cpu", engine_args={"block_size": 16},
                                  tunnel_ca=fake.edge_ca_path).start())
     assert e.value.code == "server_exited"
     assert fake.live_pids() == [] and StateDir().load("dies").state == "down"

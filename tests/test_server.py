@@ -177,7 +177,7 @@ def test_train_job_advances_the_step_and_streams_events(tiny_server):
         assert [e["seq"] for e in events(c, evs[0]["job_id"], after=2)] == [3, 4, 5]
 
 
-def test_equal_reward_groups_are_reported_not_trained(tiny_server):
+def test_equal_reward_groups_are_reported_not_trained_and_the_step_advances_as_in_art(tiny_server):
     with tiny_server.client() as c:
         step0 = c.get("/artcloud/models/agent").json()["step"]
         resp = chat(c, "agent", "x", n=3)
@@ -185,7 +185,13 @@ def test_equal_reward_groups_are_reported_not_trained(tiny_server):
         evs = train(c, "agent", [flat])
         assert evs[1]["data"]["groups_skipped_equal_rewards"] == 1
         assert evs[-1]["data"]["trained"] is False and "equal rewards" in evs[-1]["data"]["message"]
-        assert c.get("/artcloud/models/agent").json()["step"] == step0
+        assert [e["type"] for e in evs] == ["queued", "start", "end"]  # no gradient step
+        # OpenPipe ART advances the step on the same adapter: a script resuming at get_step() counts batches by it
+        info = c.get("/artcloud/models/agent").json()
+        assert info["step"] == evs[-1]["data"]["step"] == step0 + 1 and step0 + 1 in info["checkpoints"]
+        same = chat(c, f"agent@{step0 + 1}", "x", temperature=0.0)["choices"][0]["logprobs"]
+        before = chat(c, f"agent@{step0}", "x", temperature=0.0)["choices"][0]["logprobs"]
+        assert same == before  # the adapter is unchanged
 
 
 def test_idempotency_key_returns_the_same_job(tiny_server):

@@ -30,8 +30,10 @@ from artcloud.wire import (
     HistoryRecord,
     JobSummary,
     ModelInfo,
+    ModelState,
     PromptedInfo,
     Pruned,
+    SFTAccepted,
     ShutdownAnswer,
     Status,
     parse,
@@ -51,6 +53,9 @@ FINAL_PUSH_WAIT_S = FINAL_PUSH_DEADLINE_S + 60.0
 
 
 REGISTER_TIMEOUT_S = 1800.0
+# An SFT chunk is answered once the job has room for it: two chunks of training at most (a 14B model's batches take
+# minutes on a GPU).
+SFT_CHUNK_WAIT_S = 3600.0
 
 
 class VersionMismatch(ArtcloudError):
@@ -269,6 +274,37 @@ class Client:
                              code="server_unreachable") from e
         raise AssertionError("unreachable")
 
+    def call_sync(self, method: str, path: str, *, json_body: Any = None, attempts: int = 3) -> dict[str, Any]:
+        """`call`, blocking, on a connection of its own: for OpenPipe ART's synchronous model methods
+        (read_state, merge_state), which scripts call from inside their event loop. Retried on a lost connection
+        and on a 5xx; a server that does not answer is ServerGone."""
+        import time
+
+        ep = self.endpoint
+        with httpx.Client(base_url=ep.url, verify=client_ssl_context(ep.ca, check_hostname=ep.check_hostname),
+                          headers={"Authorization": f"Bearer {ep.token}", "User-Agent": f"artcloud/{__version__}"},
+                          timeout=httpx.Timeout(self.timeout, connect=30.0)) as http:
+            for attempt in range(1, attempts + 1):
+                try:
+                    response = http.request(method, path, json=json_body)
+                    _raise_for(response)
+                    return _answer(response)
+                except Exception as e:
+                    if attempt == attempts or not _retryable(e):
+                        if isinstance(e, httpx.TransportError):
+                            raise ServerGone(f"the artcloud server at {ep.url} does not answer ({type(e).__name__}: "
+                                             f"{e})", code="server_unreachable") from e
+                        raise
+                    time.sleep(0.5 * 2 ** (attempt - 1))
+        raise AssertionError("unreachable")
+
+    def model_state(self, name: str, body: dict[str, Any] | None = None) -> ModelState:
+        """GET (body None) or PUT a model's state (OpenPipe ART's read_state / overwrite_state / merge_state), blocking.
+        A PUT is retried: writing the same state (or merging the same object) twice gives the same state."""
+        path = f"/artcloud/models/{name}/state"
+        answer = self.call_sync("GET" if body is None else "PUT", path, json_body=body)
+        return parse(ModelState, answer, f"{'GET' if body is None else 'PUT'} {path}")
+
     async def health(self, *, retry: bool = True) -> Health:
         body = await self.call("GET", "/health", retry=retry)
         check_version(body.get("version"))  # first: another version's answer may have another shape
@@ -317,6 +353,13 @@ class Client:
         path = f"/artcloud/models/{name}/checkpoints/prune"
         return parse(Pruned, await self.call("POST", path, json_body={"best_metric": best_metric}), f"POST {path}")
 
+    async def fork(self, name: str, body: dict[str, Any]) -> ModelInfo:
+        """Start `name` from another model's checkpoint (POST .../fork); not retried: a retry after a fork that
+        went through would be refused (the model is no longer at step 0)."""
+        path = f"/artcloud/models/{name}/fork"
+        return parse(ModelInfo, await self.call("POST", path, json_body=body, retry=False, timeout=REGISTER_TIMEOUT_S),
+                     f"POST {path}")
+
     async def heartbeat(self) -> None:
         await self.call("POST", "/artcloud/heartbeat", retry=False)
 
@@ -326,6 +369,18 @@ class Client:
         assert body.get("idempotency_key"), "training posts must carry an idempotency key"
         path = f"/artcloud/models/{name}/train"
         return parse(JobSummary, await self.call("POST", path, json_body=body, busy=True), f"POST {path}")
+
+    async def start_sft(self, name: str, body: dict[str, Any]) -> JobSummary:
+        """POST a supervised fine-tuning job (its idempotency key makes a retried POST return the same job)."""
+        assert body.get("idempotency_key"), "SFT posts must carry an idempotency key"
+        path = f"/artcloud/models/{name}/sft"
+        return parse(JobSummary, await self.call("POST", path, json_body=body), f"POST {path}")
+
+    async def send_sft_chunk(self, job_id: str, body: dict[str, Any]) -> SFTAccepted:
+        """POST an SFT job's next chunk; the server answers once it has room for it (training's pace, so no timeout
+        of a request's own), and a chunk sent again is not trained twice (its seq), so it is retried."""
+        path = f"/artcloud/jobs/{job_id}/sft"
+        return parse(SFTAccepted, await self.call("POST", path, json_body=body, timeout=SFT_CHUNK_WAIT_S), f"POST {path}")
 
     async def follow_job(self, job_id: str, on_event: EventCallback | None = None,
                          reconnect_for_s: float = 300.0) -> list[Event]:

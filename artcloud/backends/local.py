@@ -156,7 +156,8 @@ class LocalBackend(SandboxBackend):
 
     `in_process` is OpenPipe ART's; artcloud always runs the server as a child process (a crash or an out of
     memory there never takes this script down, and the child dies with it), which trains the same:
-    in_process=True is accepted with a warning that says so.
+    in_process=True is accepted with a warning that says so. `gpu_cost_per_hour_usd` (ART's) prices this machine
+    for the cost figures (`cold_start()`, the run summary).
 
     engine: cpu, vllm, vllm+unsloth, vllm+peft or auto (see `artcloud serve --help`); engine_args: the engine's
     settings (artcloud serve --engine-args), the defaults under each model's own: the CPU engine takes
@@ -181,8 +182,15 @@ class LocalBackend(SandboxBackend):
         max_duration: str | float | None = None,
         trainer_procs: int = 1,
         in_process: bool = False,
+        gpu_cost_per_hour_usd: float | None = None,
         **kwargs: Any,
     ):
+        if gpu_cost_per_hour_usd is not None:
+            if isinstance(gpu_cost_per_hour_usd, bool) or not isinstance(gpu_cost_per_hour_usd, (int, float)) \
+                    or not 0 <= gpu_cost_per_hour_usd < 1e6:
+                raise InvalidArgument(f"gpu_cost_per_hour_usd must be dollars per hour (a number >= 0), not "
+                                      f"{gpu_cost_per_hour_usd!r}", field="gpu_cost_per_hour_usd")
+            self.price_per_hour = float(gpu_cost_per_hour_usd)  # what cold_start() and the run summary price with
         if type(trainer_procs) is not int or trainer_procs < 1:
             raise InvalidArgument(f"trainer_procs must be a whole number >= 1, not {trainer_procs!r}")
         if trainer_procs > 1:

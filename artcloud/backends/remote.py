@@ -28,7 +28,17 @@ from artcloud.backends.client import (
 )
 from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported
 from artcloud.tls import client_ssl_context
-from artcloud.wire import Event, Health, HistoryRecord, JobSummary, ModelInfo, PromptedInfo, Pruned, ShutdownAnswer
+from artcloud.wire import (
+    Event,
+    Health,
+    HistoryRecord,
+    JobSummary,
+    ModelInfo,
+    ModelState,
+    PromptedInfo,
+    Pruned,
+    ShutdownAnswer,
+)
 
 log = logging.getLogger("artcloud.client")
 
@@ -326,8 +336,30 @@ class RemoteBackend:
         await self.client.set_temperature(name, temperature)
         self._temperatures[name] = temperature
 
+    def model_state(self, name: str, body: dict[str, Any] | None = None) -> ModelState:
+        """A model's persistent state (OpenPipe ART's state methods, which are synchronous): read, or written with
+        `body` ({"state": ..., "merge": bool}); blocking, on a connection of its own."""
+        return self.client.model_state(name, body)
+
     async def delete_checkpoints(self, name: str, best_metric: str) -> Pruned:
         return await self.client.delete_checkpoints(name, best_metric)
+
+    async def _experimental_fork_checkpoint(self, model: Any, from_model: str, from_project: str | None = None,
+                                            from_s3_bucket: str | None = None, not_after_step: int | None = None,
+                                            verbose: bool = False, prefix: str | None = None) -> None:
+        """OpenPipe ART's: start `model` (not trained yet) from `from_model`'s newest committed checkpoint at or
+        before `not_after_step`, found on the server's disk, else on S3 (`from_s3_bucket`/`prefix`, or the server's
+        own --s3); the model is then at that step, its adapter and optimizer the other's (its history and state
+        its own). The SFT-then-RL recipe: fork an SFT model, then train it with RL. Called before `register`, as
+        ART's scripts do, it registers the model first."""
+        if getattr(model, "_backend", None) is not self:
+            await model.register(self)
+        body = {"from_model": from_model, "from_project": from_project, "from_s3_bucket": from_s3_bucket,
+                "prefix": prefix, "not_after_step": not_after_step}
+        info = await self.client.fork(model.name, {k: v for k, v in body.items() if v is not None})
+        model.step = info.step
+        if verbose:
+            log.warning("%s: forked from %s at step %d", model.name, from_model, info.step)
 
     async def _experimental_push_to_s3(self, *args: Any, **kwargs: Any) -> None:
         """OpenPipe ART's explicit push: artcloud pushes every checkpoint itself."""

@@ -13,7 +13,12 @@
     PUT  /artcloud/models/{name}/temperature       default sampling temperature (a request's own wins)
     POST /artcloud/models/{name}/checkpoints/prune delete all checkpoints but the latest and the best by a metric
     POST /artcloud/models/{name}/train             start a training job -> 202 {job_id}
+    POST /artcloud/models/{name}/sft               start a supervised fine-tuning job (ART's train_sft) -> 202
+    POST /artcloud/jobs/{job_id}/sft               its next chunk of batches (server/sft.py)
     POST /artcloud/models/{name}/log               model.log: a split's metrics at a step join the history
+    POST /artcloud/models/{name}/fork              start from another model's checkpoint (ART's fork_checkpoint)
+    GET  /artcloud/models/{name}/state             ART's read_state: the model's state.json, and its step
+    PUT  /artcloud/models/{name}/state             ART's overwrite_state / merge_state (kept with the checkpoints)
     GET  /artcloud/jobs/{job_id}                   job status
     GET  /artcloud/jobs/{job_id}/events?after=N    NDJSON events after cursor N (&follow=true to wait)
     POST /artcloud/shutdown                        refuse new training, wait for jobs (optional), push
@@ -23,15 +28,17 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -45,11 +52,13 @@ from artcloud.server.middleware import BodyLimit, TokenAuth
 from artcloud.server.models import ServedModel
 from artcloud.server.registry import Registry
 from artcloud.server.samples import build_samples
+from artcloud.server.sft import Feed, chunk_hash, prepare
 from artcloud.server.tls_only import quiet_accept_errors
 
 log = logging.getLogger("artcloud.server")
 
 DEFAULT_MAX_TOKENS = 256
+SFT_CHUNK_MAX_BYTES = 8 << 20  # parsed on a thread, holding the GIL: a bound on how long that stalls the loop
 JOB_ID_PATTERN = r"^job-[0-9a-f]{20}$"
 
 # Path parameters, with the same rules as the bodies that create them (so the schema says what exists).
@@ -60,7 +69,7 @@ JobId = Path(pattern=JOB_ID_PATTERN, description="a job id, as POST /artcloud/mo
 # (Not prune: a fuzzer following the links would mostly delete checkpoints and reach the jobs more rarely.)
 _MODEL_LINKS = {
     op: {"operationId": op, "parameters": {"name": "$response.body#/name"}}
-    for op in ("get_model_info", "set_temperature", "train", "log_metrics")
+    for op in ("get_model_info", "set_temperature", "train", "log_metrics", "get_state", "put_state")
 }
 _JOB_LINKS = {
     op: {"operationId": op, "parameters": {"job_id": "$response.body#/job_id"}}
@@ -119,7 +128,7 @@ def create_app(registry: Registry, token: str) -> FastAPI:
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> dict[str, Any]:
-        return _with_models(app.openapi(), wire.TrainRequest)
+        return _with_models(app.openapi(), wire.TrainRequest, wire.SFTChunk)
 
     # ------------------------------------------------------------------------------------- OpenAI
 
@@ -211,6 +220,27 @@ def create_app(registry: Registry, token: str) -> FastAPI:
     async def prune_checkpoints(body: wire.PruneRequest, name: str = ModelName) -> dict[str, Any]:
         return await registry.trainer(name).prune(body.best_metric)
 
+    @app.post("/artcloud/models/{name}/fork", operation_id="fork_checkpoint", response_model=wire.ModelInfo,
+              responses=errors(400, 404, 409, 503))
+    async def fork_checkpoint(body: wire.ForkRequest, name: str = ModelName) -> dict[str, Any]:
+        """Start a model that has not trained yet from another model's newest committed checkpoint (at or before
+        not_after_step): OpenPipe ART's _experimental_fork_checkpoint. It is then at that checkpoint's step."""
+        return await registry.fork(name, body)
+
+    @app.get("/artcloud/models/{name}/state", operation_id="get_state", response_model=wire.ModelState,
+             responses=errors(400, 404, 503))
+    async def get_state(name: str = ModelName) -> dict[str, Any]:
+        """The model's persistent state (OpenPipe ART's read_state) and the step it belongs to."""
+        return registry.state(name)
+
+    @app.put("/artcloud/models/{name}/state", operation_id="put_state", response_model=wire.ModelState,
+             responses=errors(400, 404, 503))
+    async def put_state(body: wire.StateRequest, name: str = ModelName) -> dict[str, Any]:
+        """Replace the state, or deep-merge into it (`merge`): ART's overwrite_state and merge_state. It is on the
+        server's disk when this answers, on S3 soon after, and in the next checkpoint; a model that resumes at step
+        S gets the state written at S (model_state.py)."""
+        return await registry.write_state(name, body)
+
     @app.post("/artcloud/models/{name}/log", operation_id="log_metrics", response_model=wire.HistoryRecord,
               responses=errors(400, 404, 409, 503))
     async def log_metrics(body: wire.LogRequest, name: str = ModelName) -> dict[str, Any]:
@@ -259,6 +289,7 @@ def create_app(registry: Registry, token: str) -> FastAPI:
                 return _job_response(_check_same(existing, body_hash), 200)
         registry.lifecycle.check_open()  # a retried POST above still gets its job; nothing new starts
         trainer.check_can_train()
+        config = trainer.resolve(req.config)  # the KL reference as a checkpoint folder here (400 if it is none)
         engine = trainer.model.engine
         samples, stats = await asyncio.to_thread(build_samples, engine, req)
         async with trainer.submit_lock:  # a concurrent retry with the same key must not start a second job
@@ -269,8 +300,51 @@ def create_app(registry: Registry, token: str) -> FastAPI:
             registry.lifecycle.check_open()  # shutdown may have begun while the samples were built
             trainer.check_can_train()
             job = trainer.jobs.create(idempotency_key=key, body_hash=body_hash)
-            trainer.submit(job, samples, stats, req.config)
+            trainer.submit(job, samples, stats, config)
         return _job_response(job, 202)
+
+    @app.post("/artcloud/models/{name}/sft", status_code=202, operation_id="sft", response_model=wire.JobSummary,
+              responses={202: {"links": _JOB_LINKS}, 200: {"model": wire.JobSummary, "links": _JOB_LINKS,
+                                                            "description": "a retried POST: the job its key started"},
+                         **errors(400, 404, 409, 429, 503)})
+    async def sft(body: wire.SFTStart, name: str = ModelName) -> JSONResponse:
+        """One supervised fine-tuning call (OpenPipe ART's train_sft): a job that trains the batches then posted to
+        POST /artcloud/jobs/{job_id}/sft, one optimizer step each, and commits one step after the last
+        (server/sft.py). It waits in the model's queue as a training job does."""
+        trainer = registry.trainer(name)
+        body_hash = hashlib.sha256(body.model_dump_json(exclude={"idempotency_key"}).encode()).hexdigest()
+        async with trainer.submit_lock:
+            if body.idempotency_key:
+                existing = trainer.jobs.find_by_key(body.idempotency_key)
+                if existing is not None and existing.status != "failed":
+                    return _job_response(_check_same(existing, body_hash), 200)
+            registry.lifecycle.check_open()
+            trainer.check_can_train()
+            job = trainer.jobs.create(idempotency_key=body.idempotency_key, body_hash=body_hash)
+            trainer.submit_sft(job, Feed(total=body.batches, max_grad_norm=body.max_grad_norm))
+        return _job_response(job, 202)
+
+    @app.post("/artcloud/jobs/{job_id}/sft", operation_id="sft_batches", response_model=wire.SFTAccepted,
+              responses=errors(400, 404, 409, 413),
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": {"$ref": "#/components/schemas/SFTChunk"}}}}})
+    async def sft_batches(request: Request, job_id: str = JobId) -> dict[str, Any]:
+        """The next chunk of an SFT job's batches (`seq` from 0; `last` ends the job). Its rows are checked and
+        tokenised now: a bad one is a 400 naming it, and nothing of the chunk trains. It answers once the job has
+        room for the chunk (two wait at most), so a client never runs ahead of training; a chunk sent again is
+        answered again, not trained twice."""
+        feed = registry.find_feed(job_id)
+        raw = await request.body()
+        if len(raw) > SFT_CHUNK_MAX_BYTES:
+            raise ApiError(413, "payload_too_large", f"an SFT chunk holds at most {SFT_CHUNK_MAX_BYTES} bytes, not "
+                           f"{len(raw)}: send fewer batches per chunk")
+        try:
+            chunk = await asyncio.to_thread(wire.SFTChunk.model_validate_json, raw)
+        except ValidationError as e:
+            raise RequestValidationError([{**e.errors(include_url=False)[0], "loc": ("body", *e.errors()[0]["loc"])}])
+        engine = registry.find_trainer(job_id).model.engine
+        answer = await feed.put(chunk, chunk_hash(chunk), partial(prepare, engine, chunk))
+        return {"job_id": job_id, **answer}
 
     @app.get("/artcloud/jobs/{job_id}", operation_id="get_job", response_model=wire.JobSummary,
              responses=errors(400, 404))

@@ -102,6 +102,33 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[di
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def render_conversation(tokenizer: Any, messages: list[dict[str, Any]],
+                        tools: list[dict[str, Any]] | None) -> tuple[list[int], list[bool]]:
+    """A whole conversation's token ids, and which of them are the assistant's (supervised fine-tuning trains on
+    those: each assistant turn as the model would write it after render_prompt's context, its end-of-turn token
+    included). ValueError for a chat template that renders an earlier turn differently once later ones follow."""
+    knows = template_knows_tools(tokenizer)
+    kwargs: dict[str, Any] = {"tools": tools} if (tools and knows) else {}
+    norm = normalise_messages(messages, tools, knows)
+
+    def render(upto: int, prompt: bool) -> str:
+        return tokenizer.apply_chat_template(norm[:upto], add_generation_prompt=prompt, tokenize=False, **kwargs)
+
+    full = render(len(norm), False)
+    spans = []  # the characters of each assistant turn in `full`
+    for i, m in enumerate(norm):
+        if m["role"] != "assistant":
+            continue
+        before, through = render(i, True), render(i + 1, False)
+        if not (full.startswith(through) and through.startswith(before)):
+            raise ValueError("this chat template renders an assistant turn differently once later messages follow it "
+                             "(it may drop earlier turns' reasoning): give each assistant turn a row of its own")
+        spans.append((len(before), len(through)))
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)  # the template wrote any BOS
+    trained = [any(a < end and start < b for a, b in spans) for start, end in encoded["offset_mapping"]]
+    return encoded["input_ids"], trained
+
+
 def prompt_sha256(prompt_ids: list[int]) -> str:
     """sha256 hex digest of token ids, each written as 4 bytes, unsigned little-endian (vocabularies are
     far below 2**32). Both sides use this one function: the chat route stamps it on each choice, the

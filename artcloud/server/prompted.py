@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from artcloud.server import history
+from artcloud.server.model_state import StateKeeper
 from artcloud.server.pusher import Pusher
 from artcloud.wire import LogRequest, RegisterRequest
 
@@ -30,6 +31,7 @@ class PromptedModel:
         self.pusher = pusher
         self.history: list[dict[str, Any]] = []
         self._lock = asyncio.Lock()  # one writer of the folder's history files at a time
+        self.state = StateKeeper(folder, pusher)  # ART's state.json; a prompted model's is always at step 0
 
     async def resume(self, take_over: bool = False) -> bool:
         """Take the S3 claim (with S3), then the history this folder or S3 kept: S3's where it continues this
@@ -43,7 +45,11 @@ class PromptedModel:
         if remote is not None and remote[:len(records)] == records:
             records = remote
         self.history = records
+        await self.state.resume(0, None)
         return local is not None or remote is not None
+
+    async def write_state(self, state: dict[str, Any], merge: bool) -> dict[str, Any]:
+        return await self.state.write(state, merge_into=merge, step=0)
 
     async def log(self, req: LogRequest) -> dict[str, Any]:
         history.check_log(req, self.history, self.name)
@@ -55,7 +61,7 @@ class PromptedModel:
             except OSError as e:  # a full disk: the record stays in memory (and goes to S3)
                 log.warning("could not write the history files of %s: %s", self.name, e)
         if self.pusher is not None:
-            self.pusher.schedule_history(history.to_jsonl(self.history))
+            self.pusher.schedule_live(history.HISTORY_FILE, history.to_jsonl(self.history))
         return record
 
     def info(self) -> dict[str, Any]:

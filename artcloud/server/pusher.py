@@ -4,8 +4,9 @@ One pusher per model. Pushes run one at a time on their own thread (never the en
 requested while one runs waits, and only the newest waiting step is pushed (every step's files are
 content-addressed by sha256, so skipping an intermediate step loses nothing a resume needs). A failed
 push is retried with backoff, and a newer step asked for meanwhile goes first (it carries everything).
-The model's live history (history.py) is pushed the same way, after any waiting step: only its newest
-text, so a fresh machine also gets what was logged since the last commit.
+The model's live files, its history (history.py) and its state (model_state.py), are pushed the same way, after
+any waiting step: only each one's newest text, so a fresh machine also gets what was logged or written since the
+last commit.
 
 The pusher is also the one writer of the model's S3 location: it holds the single-writer claim
 (renewed every third of `claim_timeout_s`, so a slow step never lets a second server take the model
@@ -51,7 +52,7 @@ class Pusher:
         self.claim_timeout_s = claim_timeout_s
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"s3-push-{model}")
         self._wanted: Path | None = None
-        self._history: str | None = None  # the newest history.jsonl text not yet on S3
+        self._live: dict[str, str] = {}  # each live file's newest text not yet on S3 (history.jsonl, state.json)
         self._task: asyncio.Task | None = None
         self._renewer: asyncio.Task | None = None
         self._kick = asyncio.Event()  # cuts a retry's backoff short (a flush is waiting)
@@ -90,7 +91,8 @@ class Pusher:
 
     def _lose(self, why: str) -> None:
         self.lost = why
-        self._wanted = self._history = None
+        self._wanted = None
+        self._live.clear()
         log.error("%s: this server no longer owns the model on S3, so it stops pushing: %s", self.model, why)
 
     async def release(self) -> None:
@@ -113,11 +115,11 @@ class Pusher:
         self._wanted = folder
         self._start()
 
-    def schedule_history(self, text: str) -> None:
-        """Push this history.jsonl text (replacing any not yet pushed) after any waiting step."""
+    def schedule_live(self, name: str, text: str) -> None:
+        """Push this text of live file `name` (replacing any not yet pushed) after any waiting step."""
         if self.lost is not None:
             return
-        self._history = text
+        self._live[name] = text
         self._start()
 
     def _start(self) -> None:
@@ -126,14 +128,15 @@ class Pusher:
 
     async def _run(self) -> None:
         delay = 1.0
-        while (self._wanted is not None or self._history is not None) and self.lost is None:
-            folder, text = self._wanted, None
+        while (self._wanted is not None or self._live) and self.lost is None:
+            folder, live = self._wanted, None
             if folder is not None:
                 self._wanted = None
                 work: Callable[[], Any] = partial(self._push, folder)
             else:
-                text, self._history = self._history, None
-                work = partial(self._push_history, text)
+                live = next(iter(self._live))
+                text = self._live.pop(live)
+                work = partial(self._push_live, live, text)
             try:
                 done = await self._in_thread(work)
             except ClaimLost as e:
@@ -144,11 +147,9 @@ class Pusher:
             except Exception as e:  # retried inside push; what reaches here is reported and retried here
                 self.errors += 1
                 self.last_error = f"{type(e).__name__}: {e}"
-                log.warning("pushing %s to %s failed: %s", folder or "the history", self.store.config.uri,
-                            self.last_error)
-                if folder is None:
-                    if self._history is None:
-                        self._history = text  # unless a newer text came meanwhile
+                log.warning("pushing %s to %s failed: %s", folder or live, self.store.config.uri, self.last_error)
+                if live is not None:
+                    self._live.setdefault(live, text)  # unless a newer text came meanwhile
                 elif self._wanted is not None:
                     continue  # a newer step arrived meanwhile: push that instead, it carries everything
                 elif not folder.exists():
@@ -185,26 +186,30 @@ class Pusher:
         self.store.sweep_uncommitted(self.project, self.model)
         return result.step, result.uploaded_bytes, result.seconds
 
-    def _push_history(self, text: str) -> None:
+    def _push_live(self, name: str, text: str) -> None:
         self.store.renew(self.project, self.model, self.owner)  # as _push: never write over a new owner
-        self.store.put_history(self.project, self.model, text)
+        self.store.put_live(self.project, self.model, name, text)
+
+    async def read_live(self, name: str, limit: int) -> str | None:
+        """S3's live copy of file `name` of this model (untrusted text), or None if it has none or it cannot be read
+        (a live file is worth a warning, not a failed resume: the checkpoint has its own copy)."""
+        try:
+            return await self._in_thread(self.store.get_live, self.project, self.model, name, limit)
+        except Exception as e:
+            log.warning("%s: its %s on %s could not be read, so the checkpoint's is used: %s",
+                        self.model, name, self.store.config.uri, e)
+            return None
 
     async def read_history(self) -> list[dict[str, Any]] | None:
-        """The well-formed records of S3's live history.jsonl of this model, or None if it has none or it
-        cannot be read (a history is worth a warning, not a failed resume)."""
-        try:
-            text = await self._in_thread(self.store.get_history, self.project, self.model, history.MAX_HISTORY_BYTES)
-        except Exception as e:
-            log.warning("%s: the history on %s could not be read, so the checkpoint's is used: %s",
-                        self.model, self.store.config.uri, e)
-            return None
+        """The well-formed records of S3's live history.jsonl of this model, or None."""
+        text = await self.read_live(history.HISTORY_FILE, history.MAX_HISTORY_BYTES)
         if text is None:
             return None
         return await asyncio.to_thread(history.parse_jsonl, text, f"{self.store.config.uri} history")
 
     @property
     def pending(self) -> bool:
-        return (self._wanted is not None or self._history is not None
+        return (self._wanted is not None or bool(self._live)
                 or (self._task is not None and not self._task.done()))
 
     async def flush(self, timeout: float = FINAL_PUSH_DEADLINE_S, attempts: int = 3) -> None:

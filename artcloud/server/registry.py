@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import tempfile
 import uuid
 from dataclasses import dataclass
 from functools import partial
@@ -32,11 +33,12 @@ from artcloud.server.limits import Limits
 from artcloud.server.models import EngineHost, ServedModel
 from artcloud.server.prompted import PromptedModel
 from artcloud.server.pusher import CLAIM_TIMEOUT_S, Pusher
+from artcloud.server.sft import Feed
 from artcloud.server.startup import Startup
 from artcloud.server.training import ModelTrainer, Retention
 from artcloud.storage import checkpoints
-from artcloud.storage.s3 import CheckpointStore
-from artcloud.wire import LogRequest, RegisterRequest
+from artcloud.storage.s3 import CheckpointStore, StorageError
+from artcloud.wire import ForkRequest, LogRequest, RegisterRequest, StateRequest
 
 log = logging.getLogger("artcloud.server")
 
@@ -199,7 +201,7 @@ class Registry:
             checkpoints.write_json_atomic(spec_path, spec.model_dump(mode="json"))
             self.models[spec.name], self.trainers[spec.name] = model, trainer
             log.info("%s %s at step %d", "resumed" if resumed else "registered", spec.name, model.step)
-            return {**trainer.info(), "resumed": resumed}
+            return {**trainer.info(), "resumed": resumed, **({"warnings": host.engine.notes} if host.engine.notes else {})}
 
     async def _register_prompted(self, spec: RegisterRequest, folder: Path, take_over: bool) -> dict[str, Any]:
         """A model served elsewhere, for its history alone (prompted.py). Under `_register_lock`."""
@@ -245,6 +247,51 @@ class Registry:
     async def log(self, name: str, req: LogRequest) -> dict[str, Any]:
         return await self.with_history(name).log(req)
 
+    async def fork(self, name: str, req: ForkRequest) -> dict[str, Any]:
+        """OpenPipe ART's _experimental_fork_checkpoint onto `name`: the newest committed checkpoint (at or before
+        `not_after_step`) of another model, from this server's disk, else from S3 (`from_s3_bucket`, or this
+        server's own --s3), pulled and verified as any checkpoint from S3 is."""
+        trainer = self.trainer(name)
+        project = req.from_project or trainer.model.spec.project
+        label = f"{project}/{req.from_model}"
+        if (project, req.from_model) == (trainer.model.spec.project, name):
+            raise ApiError(400, "invalid_request", "from_model: a model cannot be forked from itself", "from_model")
+        bound = req.not_after_step if req.not_after_step is not None else 2**63
+        if req.from_s3_bucket is None:
+            source_dir = self.root / project / req.from_model
+            local = [s for s in checkpoints.committed_steps(source_dir) if s <= bound]
+            if local:
+                return await trainer.fork(checkpoints.checkpoints_dir(source_dir) / str(local[-1]), local[-1], label)
+        store = self.store
+        if req.from_s3_bucket is not None:
+            if store is None:
+                raise ApiError(400, "invalid_request", "from_s3_bucket: this server has no S3 endpoint or credentials: "
+                               "start it with --s3 s3://BUCKET/PREFIX", "from_s3_bucket")
+            store = CheckpointStore(dataclasses.replace(store.config, bucket=req.from_s3_bucket,
+                                                        prefix=(req.prefix or "").strip("/")))
+        if store is None:
+            raise ApiError(404, "checkpoint_not_found", f"no committed checkpoint of {label} at or before step "
+                           f"{req.not_after_step} on this server (and it has no S3)", "from_model")
+        loop = asyncio.get_running_loop()
+        try:
+            steps = [s for s in await loop.run_in_executor(None, store.committed_steps, project, req.from_model)
+                     if s <= bound]
+            if not steps:
+                raise ApiError(404, "checkpoint_not_found", f"no committed checkpoint of {label} at or before step "
+                               f"{req.not_after_step} here or on {store.config.uri}", "from_model")
+            with tempfile.TemporaryDirectory(prefix=".fork-", dir=trainer.model.folder) as tmp:
+                pulled = await loop.run_in_executor(None, store.pull, project, req.from_model, steps[-1], Path(tmp))
+                return await trainer.fork(pulled, steps[-1], f"{label} on {store.config.uri}")
+        except StorageError as e:
+            raise ApiError(409, "checkpoint_invalid", f"cannot fork {label} from {store.config.uri}: {e}",
+                           "from_model") from e
+
+    def state(self, name: str) -> dict[str, Any]:
+        return self.with_history(name).state.answer()
+
+    async def write_state(self, name: str, req: StateRequest) -> dict[str, Any]:
+        return await self.with_history(name).write_state(req.state, req.merge)
+
     def resolve(self, requested: str) -> Target:
         """`NAME`, `NAME@STEP` or a loaded base model's id."""
         self._check_ready()
@@ -265,6 +312,20 @@ class Registry:
             raise ApiError(404, "model_not_found", f"{requested} is a prompted model: it is served at its own "
                            f"inference_base_url, not here; served here: {served}", "model")
         raise ApiError(404, "model_not_found", f"no model {requested!r} is served here; served: {served}", "model")
+
+    def find_feed(self, job_id: str) -> Feed:
+        """The chunk feed of SFT job `job_id` (ApiError 404 for no such job, 409 for one that takes no chunks)."""
+        feed = self.find_trainer(job_id).feeds.get(job_id)
+        if feed is None:
+            raise ApiError(409, "job_ended", f"job {job_id} takes no batches: it is not a supervised fine-tuning job, or "
+                           "it has ended", "job_id")
+        return feed
+
+    def find_trainer(self, job_id: str) -> ModelTrainer:
+        for trainer in self.trainers.values():
+            if job_id in trainer.jobs.jobs:
+                return trainer
+        raise ApiError(404, "job_not_found", f"no job {job_id!r} on this server", "job_id")
 
     def find_job(self, job_id: str):
         for trainer in self.trainers.values():

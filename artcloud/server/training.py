@@ -18,11 +18,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import statistics
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from pathlib import Path
+from typing import Any, Awaitable, Callable
 
 from artcloud.errors import ArtcloudError, first_line
 from artcloud.server import history
@@ -30,8 +33,10 @@ from artcloud.server.api_errors import ApiError
 from artcloud.server.engines.base import TrainSample
 from artcloud.server.jobs import CAUSES, Job, JobStore, os_cause
 from artcloud.server.limits import Limits
+from artcloud.server.model_state import STATE_FILE, StateKeeper
 from artcloud.server.models import ServedModel
 from artcloud.server.pusher import CLAIM_TIMEOUT_S, Pusher
+from artcloud.server.sft import Feed
 from artcloud.storage import checkpoints
 from artcloud.storage.s3 import CheckpointStore, StorageError
 from artcloud.types import TrainConfig
@@ -75,15 +80,18 @@ class ModelTrainer:
                        if store is not None else None)
         self.jobs = JobStore(model.name, model.folder / "jobs", max_kept=self.limits.max_kept_jobs)
         self.submit_lock = asyncio.Lock()  # a concurrent retry with the same key must not start a second job
-        self._queue: asyncio.Queue[tuple[Job, list[TrainSample], dict[str, Any], TrainConfig]] = asyncio.Queue()
+        # Each job and what runs it (_run: an RL step; _run_sft: a train_sft call), in order.
+        self._queue: asyncio.Queue[tuple[Job, Callable[[], Awaitable[None]]]] = asyncio.Queue()
+        self.feeds: dict[str, Feed] = {}  # an SFT job's chunks, by job id (sft.py), while it takes them
         self._worker: asyncio.Task | None = None
         self._closing = False
-        self._current: Job | None = None  # the job the worker runs
+        self._current: tuple[Job, Callable[[], Awaitable[None]]] | None = None  # the job the worker runs
         self.fault: str | None = None  # why training is degraded (disk_full, rollback_failed, ...) until a step commits
         # Shutdown freezes the model: from then on no step commits, so what it answers is what S3 holds.
         self.commit_lock = asyncio.Lock()
         self.frozen = False
         self._history_lock = asyncio.Lock()  # one writer of the model folder's history files at a time
+        self.state = StateKeeper(model.folder, self.pusher, self.commit_lock)  # ART's state.json (model_state.py)
         self._deleting = asyncio.Lock()  # retention (_retain) and prune (delete_checkpoints): one at a time
         self._tasks: set[asyncio.Task] = set()  # retention runs a push started (the loop holds tasks weakly)
 
@@ -109,11 +117,13 @@ class ModelTrainer:
                 await model.host.call(model.engine.create_adapter, model.slot, model.spec.lora)
             except ValueError as e:  # peft: "Target modules {...} not found in the base model", a bad rank
                 raise ApiError(400, "invalid_lora", f"this LoRA cannot be made on {model.spec.base_model}: {e}", "lora") from e
+            await self.state.resume(0, None)
             await self._commit(0)
             resumed = False
         else:
             step, folder = found
             await model.host.call(model.engine.load_adapter, model.slot, model.spec.lora, folder, optimizer=True)
+            await self.state.resume(step, folder)
             state = checkpoints.read_trainer_state(folder)
             model.step = step
             remote_history = None
@@ -165,7 +175,13 @@ class ModelTrainer:
 
     def submit(self, job: Job, samples: list[TrainSample], stats: dict[str, Any], config: TrainConfig) -> None:
         job.emit("queued", position=self._queue.qsize())
-        self._queue.put_nowait((job, samples, stats, config))
+        self._queue.put_nowait((job, partial(self._run, job, samples, stats, config)))
+
+    def submit_sft(self, job: Job, feed: Feed) -> None:
+        """An SFT job (sft.py): it waits in the queue as a training job does, taking chunks meanwhile."""
+        job.emit("queued", position=self._queue.qsize(), kind="sft")
+        self.feeds[job.id] = feed
+        self._queue.put_nowait((job, partial(self._run_sft, job, feed)))
 
     def _start_worker(self) -> None:
         """The model's training worker; one that ends on anything but a cancel (a bug) is started anew."""
@@ -173,7 +189,8 @@ class ModelTrainer:
             if task.cancelled() or self._closing:
                 return
             log.error("the training worker of %s ended (%r): starting it again", self.name, task.exception())
-            job, self._current = self._current, None
+            current, self._current = self._current, None
+            job = current[0] if current is not None else None
             if job is not None and not job.done:  # its job ends, with the cause, not silently
                 job.emit("error", code="internal_error", step=self.model.step,
                          message=f"training failed: {task.exception()!r}; {self.name} stays at step {self.model.step}")
@@ -192,12 +209,16 @@ class ModelTrainer:
                     continue
             else:
                 item = await self._queue.get()
-            job = self._current = item[0]
+            job, run = self._current = item
             try:
                 await self._reload()
-                await self._run(*item)
+                await run()
             except Exception as e:  # whatever failed, the job ends with its cause and the next one runs
                 self._failed(job, e)
+            finally:
+                feed = self.feeds.pop(job.id, None)
+                if feed is not None:
+                    feed.close(f"the job ended ({job.status})")
             self._current = None
 
     def _failed(self, job: Job, e: Exception) -> None:
@@ -212,6 +233,9 @@ class ModelTrainer:
             log.error("%s: %s", name, e)
             event = dict(code="non_finite", cause=e.cause, gradient_step=e.gradient_step,
                          message=f"{e}; {name} stays at step {step}")
+        elif type(e) is ArtcloudError and e.code == "client_gone":  # an SFT job whose batches stopped coming
+            log.warning("%s: %s", name, e)
+            event = dict(code=e.code, message=f"{e}; nothing of this job was committed, {name} stays at step {step}")
         else:
             log.error("training job %s failed", job.id, exc_info=e)
             code = os_cause(e)
@@ -227,12 +251,10 @@ class ModelTrainer:
     async def _run(self, job: Job, samples: list[TrainSample], stats: dict[str, Any], config: TrainConfig) -> None:
         model = self.model
         job.emit("start", step=model.step, **stats)
-        if not samples:
-            job.emit("end", step=model.step, served_as=model.served_as, trained=False, metrics=stats, message="every "
-                     "group had equal rewards, so there was nothing to learn: the adapter and step are unchanged")
-            return
         loop = asyncio.get_running_loop()
         next_step = model.step + 1
+        if config.scale_learning_rate_by_reward_std_dev:
+            config = config.model_copy(update={"learning_rate": config.learning_rate * self._std_dev_multiplier(stats)})
 
         def on_step(metrics: dict[str, Any]) -> None:  # called on the engine thread
             loop.call_soon_threadsafe(partial(job.emit, "step", step=next_step, **metrics))
@@ -241,7 +263,10 @@ class ModelTrainer:
             t0 = time.time()
             record: dict[str, Any] | None = None
             try:
-                steps = await model.host.call(model.engine.train_step, model.slot, samples, config, on_step)
+                # Every group with equal rewards: nothing to learn, and the step still advances on the same adapter,
+                # as OpenPipe ART's does (a script resuming at `await model.get_step()` counts its batches by it).
+                steps = (await model.host.call(model.engine.train_step, model.slot, samples, config, on_step)
+                         if samples else [])
                 record = history.training_record(next_step, job.id, stats, steps, time.time() - t0)
                 async with self.commit_lock:
                     if self.frozen:
@@ -261,8 +286,146 @@ class ModelTrainer:
             await self._retain()
         except Exception as e:  # the step is committed: an old one left on disk is no reason to fail it
             log.warning("%s: retention after step %d failed: %s", self.name, next_step, e)
-        job.emit("end", step=next_step, served_as=model.served_as, trained=True, metrics=record, checkpoint=str(folder),
-                 s3=self.s3_status())
+        note = {} if samples else {"message": "every group had equal rewards, so there was nothing to learn: the step "
+                                   "advanced with the adapter unchanged"}
+        job.emit("end", step=next_step, served_as=model.served_as, trained=bool(samples), metrics=record,
+                 checkpoint=str(folder), s3=self.s3_status(), **note)
+
+    def _std_dev_multiplier(self, stats: dict[str, Any]) -> float:
+        """TrainConfig.scale_learning_rate_by_reward_std_dev: a line fitted to the training records' within-group
+        reward std (`reward_std_dev`) by step, this step's included; its value at this step over its value at step 0
+        (the intercept). 1 with fewer than two points or an intercept <= 0 (as OpenPipe ART computed it)."""
+        points = {r["step"]: r["reward_std_dev"] for r in self.model.history
+                  if r.get("source") == "train" and isinstance(r.get("reward_std_dev"), (int, float))}
+        points[self.model.step + 1] = float(stats["reward_std_dev"])
+        if len(points) < 2:
+            return 1.0
+        xs, ys = list(points), list(points.values())
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        intercept = my - slope * mx
+        return (slope * xs[-1] + intercept) / intercept if intercept > 0 else 1.0
+
+    def resolve(self, config: TrainConfig) -> TrainConfig:
+        """`config` with its KL reference (kl_penalty_reference_step, kl_ref_adapter_path) as a committed checkpoint
+        folder on this server, in kl_ref_adapter_path; ApiError 400 naming the field for one that is not (a client's
+        path is untrusted: only a committed checkpoint under this server's root is read)."""
+        model = self.model
+        if config.kl_penalty_reference_step is not None:
+            folder = checkpoints.step_folder(model.folder, config.kl_penalty_reference_step)
+            if folder is None:
+                raise ApiError(400, "invalid_request", f"config.kl_penalty_reference_step: {self.name} has no committed "
+                               f"checkpoint at step {config.kl_penalty_reference_step} on this server (it has "
+                               f"{checkpoints.committed_steps(model.folder)})", "config.kl_penalty_reference_step")
+            return config.model_copy(update={"kl_ref_adapter_path": str(folder)})
+        if config.kl_ref_adapter_path is None:
+            return config
+        root = model.folder.parent.parent.resolve()  # ROOT/PROJECT/MODEL/checkpoints/STEP
+        folder = Path(config.kl_ref_adapter_path).resolve()
+        inside = (len(folder.parents) > 3 and folder.parents[3] == root and folder.parent.name == "checkpoints"
+                  and checkpoints.STEP_NAME.fullmatch(folder.name) is not None)
+        if not inside or checkpoints.step_folder(folder.parents[1], int(folder.name)) != folder:
+            raise ApiError(400, "invalid_request", "config.kl_ref_adapter_path: not a committed checkpoint on this "
+                           "server: give a TrainResult.checkpoint_path of a model registered here (or "
+                           "kl_penalty_reference_step for one of this model's own steps)", "config.kl_ref_adapter_path")
+        return config.model_copy(update={"kl_ref_adapter_path": str(folder)})
+
+    # ------------------------------------------------------------------------------------- fork
+
+    async def fork(self, source: Path, step: int, label: str) -> dict[str, Any]:
+        """Start this model from a committed checkpoint of another model (`source`, its folder at `step`), as
+        OpenPipe ART's _experimental_fork_checkpoint: its adapter and optimizer become this model's step `step`
+        (committed, served, pushed). Its history and state stay this model's own (ART copies checkpoint files
+        only). A model that has trained already is refused (fork onto a new name)."""
+        model = self.model
+        try:
+            saved = await asyncio.to_thread(checkpoints.verify, source)  # what another model's folder holds is checked
+            adapter = json.loads((source / "adapter_config.json").read_text())
+        except (OSError, ValueError, checkpoints.CorruptCheckpoint) as e:
+            raise ApiError(409, "checkpoint_invalid", f"{label} cannot be forked: {e}", "from_model") from e
+        if adapter.get("base_model_name_or_path") != model.spec.base_model:
+            raise ApiError(400, "invalid_request", f"from_model: {label} is an adapter of "
+                           f"{adapter.get('base_model_name_or_path')!r}, not of {model.spec.base_model!r}", "from_model")
+        async with self.submit_lock, model.lock.write(), self.commit_lock:
+            if self.busy_with_jobs or model.step != 0 or checkpoints.committed_steps(model.folder) != [0]:
+                raise ApiError(409, "model_trained", f"{self.name} is at step {model.step} with checkpoints "
+                               f"{checkpoints.committed_steps(model.folder)}: a fork starts a model that has not trained "
+                               "yet; fork onto a new model name", "name")
+            try:
+                await model.host.call(model.engine.load_adapter, model.slot, model.spec.lora, source,
+                                      optimizer="optimizer.pt" in saved["files"])
+            except Exception as e:  # another LoRA shape: the model goes back to its own step 0
+                await self._reload(failed_step=True)
+                raise ApiError(400, "invalid_request", f"from_model: {label} does not fit this model's LoRA "
+                               f"({model.spec.lora.model_dump()}): {first_line(e)}", "from_model") from e
+            if step == 0:
+                await model.host.call(checkpoints.delete, model.folder, 0)
+            try:
+                await self._commit(step)
+            except BaseException:
+                await self._reload(failed_step=True)
+                raise
+            model.step = step
+        log.info("%s starts at step %d, forked from %s", self.name, step, label)
+        return self.info()
+
+    @property
+    def busy_with_jobs(self) -> bool:
+        return not self._queue.empty() or self._current is not None
+
+    # ------------------------------------------------------------------------------------- state
+
+    async def write_state(self, state: dict[str, Any], merge: bool) -> dict[str, Any]:
+        """ART's overwrite_state / merge_state: on this disk (and on its way to S3) when it returns; tagged with
+        the step it belongs to (after any commit under way)."""
+        return await self.state.write(state, merge_into=merge, step=lambda: self.model.step)
+
+    async def _run_sft(self, job: Job, feed: Feed) -> None:
+        """One train_sft call (sft.py): each batch that comes is an optimizer step; after the last, one commit."""
+        from artcloud.train.loop import SFTStep
+
+        model = self.model
+        loop = asyncio.get_running_loop()
+        next_step = model.step + 1
+        job.emit("start", step=model.step, kind="sft", batches=feed.total)
+        done = 0
+
+        def on_step(metrics: dict[str, Any]) -> None:  # called on the engine thread
+            loop.call_soon_threadsafe(partial(job.emit, "step", step=next_step, **metrics))
+
+        async with model.lock.write():  # inference waits from here until NAME@next_step is served
+            t0, record, steps = time.time(), None, []
+            try:
+                while True:
+                    chunk = await feed.next()
+                    for samples, learning_rate in chunk.batches:
+                        done += 1
+                        step = SFTStep(learning_rate, max_grad_norm=feed.max_grad_norm, batch=done, batches=feed.total)
+                        steps += await model.host.call(model.engine.train_step, model.slot, samples, step, on_step)
+                    if chunk.last:
+                        break
+                stats = {"kind": "sft", "batches": done, "trajectories": sum(s["samples"] for s in steps),
+                         "trajectories_dropped": feed.dropped}
+                record = history.training_record(next_step, job.id, stats, steps, time.time() - t0)
+                async with self.commit_lock:
+                    if self.frozen:
+                        raise Abandoned(next_step)
+                    model.history.append(record)
+                    folder = await self._commit(next_step)
+            except BaseException:
+                feed.close("it failed: nothing of it was committed")
+                model.history = [r for r in model.history if r is not record]
+                await self._reload(failed_step=True)
+                raise
+            model.step = next_step
+            self.fault = None
+        await self._save_history()
+        try:
+            await self._retain()
+        except Exception as e:
+            log.warning("%s: retention after step %d failed: %s", self.name, next_step, e)
+        job.emit("end", step=next_step, served_as=model.served_as, trained=done > 0, metrics=record,
+                 checkpoint=str(folder), s3=self.s3_status())
 
     # ------------------------------------------------------------------------------------- history
 
@@ -278,7 +441,7 @@ class ModelTrainer:
         model.history.append(record)
         await self._save_history()
         if self.pusher is not None:  # the next commit carries it too; until then S3's live copy does
-            self.pusher.schedule_history(history.to_jsonl(model.history))
+            self.pusher.schedule_live(history.HISTORY_FILE, history.to_jsonl(model.history))
         return record
 
     async def _save_history(self) -> None:
@@ -298,8 +461,11 @@ class ModelTrainer:
                  "lora": model.spec.lora.model_dump(), "temperature": model.temperature}
         save = partial(model.engine.save_adapter, model.slot, optimizer=True)
 
+        state_text = self.state.checkpoint_text(step)
+
         def write(folder: Any) -> list[str]:
-            return [*save(folder), *history.write_files(folder, records)]
+            (folder / STATE_FILE).write_text(state_text)
+            return [*save(folder), *history.write_files(folder, records), STATE_FILE]
 
         folder = await model.host.call(checkpoints.commit, model.folder, step, write, state)
         # The sampler serves what was committed (vLLM loads the adapter; the CPU engine already has it). A

@@ -42,7 +42,8 @@ log = logging.getLogger("artcloud.storage")
 
 LATEST = "LATEST"
 OWNER = "OWNER"
-HISTORY = "history.jsonl"  # the model's live history (artcloud/server/history.py), beside LATEST
+# The model's live files beside LATEST: its history (artcloud/server/history.py) and its state (model_state.py).
+LIVE_FILES = {"history.jsonl": "application/x-ndjson", "state.json": "application/json"}
 MAX_POINTER_BYTES = 64 << 10  # LATEST and OWNER are a few dozen bytes
 
 
@@ -481,14 +482,15 @@ class CheckpointStore(Bucket):
             log.info("swept uncommitted steps %s of %s/%s from %s", swept, project, model, self.config.uri)
         return swept
 
-    def put_history(self, project: str, model: str, text: str) -> None:
-        """The model's live history.jsonl (the caller holds the claim: one writer)."""
-        self._put(self._key(project, model, HISTORY), text.encode(), ContentType="application/x-ndjson")
+    def put_live(self, project: str, model: str, name: str, text: str) -> None:
+        """One of the model's live files (LIVE_FILES; the caller holds the claim: one writer)."""
+        self._put(self._key(project, model, name), text.encode(), ContentType=LIVE_FILES[name])
 
-    def get_history(self, project: str, model: str, limit: int) -> str | None:
-        """The model's live history.jsonl as text (untrusted: the caller validates each record), at most
-        `limit` bytes (a bigger one is a StorageError); None if there is none."""
-        found = self._get_object(self._key(project, model, HISTORY), limit)
+    def get_live(self, project: str, model: str, name: str, limit: int) -> str | None:
+        """One of the model's live files as text (untrusted: the caller validates it), at most `limit` bytes (a
+        bigger one is a StorageError); None if there is none."""
+        assert name in LIVE_FILES, name
+        found = self._get_object(self._key(project, model, name), limit)
         return None if found is None else found[0].decode(errors="replace")
 
     # ------------------------------------------------------------------------------------- read

@@ -321,8 +321,10 @@ def whole_number(args: dict[str, Any], key: str, least: int) -> int:
 
 
 def cpu_engine_args(args: dict[str, Any]) -> dict[str, Any]:
-    """CPUEngine's keywords for engine_args `args`; EngineArgsError naming every key it cannot honour."""
-    refused = sorted(k for k in args if k not in CPU_ARGS)
+    """CPUEngine's keywords for engine_args `args`. The GPU engine's per-model settings (MODEL_ARGS: vLLM's memory and
+    batch sizes, Unsloth's 4-bit) have no effect on a CPU and are left out (`gpu_only` names them, for a warning:
+    OpenPipe ART's own templates set gpu_memory_utilization); EngineArgsError naming any other key it cannot honour."""
+    refused = sorted(k for k in args if k not in CPU_ARGS and k not in MODEL_ARGS)
     if refused:
         raise EngineArgsError(f"engine_args {', '.join(refused)}: not for the CPU engine (vLLM's or Unsloth's); it "
                               f"takes {', '.join(CPU_ARGS)} (or run artcloud serve --engine vllm on a GPU)",
@@ -340,12 +342,27 @@ def cpu_engine_args(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def gpu_only(args: dict[str, Any]) -> list[str]:
+    """The keys of `args` that the CPU engine takes without effect (the GPU engine's settings), sorted."""
+    return sorted(k for k in args if k not in CPU_ARGS and k in MODEL_ARGS)
+
+
 def cpu_engine(base_model: str, engine_args: dict[str, Any] | None = None, *,
                defaults: dict[str, Any] | None = None, **kw: Any) -> Engine:
-    """The CPU engine, with the operator's engine_args (`defaults`) under a register request's."""
+    """The CPU engine, with the operator's engine_args (`defaults`) under a register request's. The GPU engine's
+    settings among them are left out with one warning naming them (in the log, and in each register answer:
+    Engine.notes)."""
     from artcloud.server.engines.cpu import CPUEngine
 
-    return CPUEngine(base_model, **{**kw, **cpu_engine_args({**(defaults or {}), **(engine_args or {})})})
+    args = {**(defaults or {}), **(engine_args or {})}
+    engine = CPUEngine(base_model, **{**kw, **cpu_engine_args(args)})
+    ignored = gpu_only(args)
+    if ignored:
+        note = (f"engine_args {', '.join(ignored)}: the GPU engine's (vLLM's, Unsloth's), without effect on the CPU "
+                f"engine, which takes {', '.join(CPU_ARGS)}")
+        log.warning("%s", note)
+        engine.notes = [note]
+    return engine
 
 
 def _cpu_factory(defaults: dict[str, Any] | None, **kw: Any) -> Callable[..., Engine]:

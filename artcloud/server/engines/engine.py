@@ -58,6 +58,7 @@ class Engine:
         self._generating = 0  # generations in flight
         self._training = False
         self._training_waits = 0  # trainer work waiting for generations in flight to end
+        self.notes: list[str] = []  # what a client should hear about how it was made (engine_args left out)
 
     @property
     def concurrent(self) -> bool:
