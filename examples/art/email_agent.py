@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import openai
 
 import artcloud as art  # ART: import art
-from artcloud import LocalBackend  # ART: from art.local import LocalBackend
+from artcloud.local import LocalBackend  # ART: from art.local import LocalBackend
 from artcloud.utils import iterate_dataset  # ART: from art.utils import iterate_dataset
 
 BASE_MODEL = "Qwen/Qwen2.5-7B-Instruct"

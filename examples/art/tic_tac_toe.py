@@ -20,7 +20,7 @@ from openai import AsyncOpenAI
 from pydantic import BaseModel
 
 import artcloud as art  # ART: import art
-from artcloud import LocalBackend  # ART: from art.local.backend import LocalBackend
+from artcloud.local.backend import LocalBackend  # ART: from art.local.backend import LocalBackend
 
 BASE_MODEL = "Qwen/Qwen2.5-3B-Instruct"
 STEPS = 50

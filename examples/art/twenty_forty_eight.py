@@ -19,7 +19,7 @@ import openai
 from pydantic import BaseModel
 
 import artcloud as art  # ART: import art
-from artcloud import LocalBackend  # ART: from art.local import LocalBackend
+from artcloud.local import LocalBackend  # ART: from art.local import LocalBackend
 
 BASE_MODEL = "Qwen/Qwen2.5-3B-Instruct"
 TRAIN_STEPS = 10
