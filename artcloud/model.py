@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Iterable, Mapping, Typ
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from artcloud.art_options import apply_art_options, internal_config
-from artcloud.errors import ArtcloudError, InvalidArgument, NotInArtcloud, WrongState, WrongType
+from artcloud.errors import ArtcloudError, InvalidArgument, NotInArtcloud, NotSupported, WrongState, WrongType
 from artcloud.types import LoraConfig, TrainConfig, TrainResult, TrainSFTConfig, TrajectoryGroup, is_choice
 
 if TYPE_CHECKING:
@@ -183,9 +183,15 @@ class Model(BaseModel, Generic[ModelConfig]):
         self._inference_api_key = value
         self._external_client = None
 
-    async def register(self, backend: "RemoteBackend") -> None:
+    async def register(self, backend: "RemoteBackend", _openai_client_config: Mapping[str, Any] | None = None) -> None:
         """Serve this model on `backend` (with `base_model`). A prompted model (no `base_model`) gets a
-        history there, for `log`, as ART's backend keeps one; it is still sampled at its own endpoint."""
+        history there, for `log`, as ART's backend keeps one; it is still sampled at its own endpoint.
+        `_openai_client_config` (ART's art.dev.OpenAIServerConfig: its vLLM server's settings) is accepted empty:
+        artcloud's server is its own."""
+        if _openai_client_config:
+            raise NotSupported(f"register(_openai_client_config={dict(_openai_client_config)!r}) configures OpenPipe "
+                               "ART's vLLM server; artcloud serves through its own: give vLLM's settings as "
+                               "engine_args= on the model", field="_openai_client_config")
         lora = self._lora().model_dump() if self.base_model is not None else {}
         info = await backend.register(self.name, self.project, self.base_model, lora, engine_args=self.engine_args)
         for note in (info.model_extra or {}).get("warnings") or []:  # e.g. GPU settings a CPU engine goes without
@@ -342,8 +348,8 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
     def _lora(self) -> LoraConfig:
         return self.lora
 
-    async def register(self, backend: "RemoteBackend") -> None:
-        await super().register(backend)
+    async def register(self, backend: "RemoteBackend", _openai_client_config: Mapping[str, Any] | None = None) -> None:
+        await super().register(backend, _openai_client_config)
         await self._push_temperature()
 
     def set_temperature_annealer(self, annealer: LinearTemperatureAnnealer | None) -> None:

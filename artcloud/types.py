@@ -76,10 +76,13 @@ _ART_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "precalculate_logprobs": (False, "artcloud always trains on the logprobs the choices were sampled with"),
     "plot_tensors": (False, "leave it out (the step's metrics are in the history and on W&B)"),
     "loss_fn_config": (None, "the losses take no config here: set epsilon / epsilon_high and the other keywords"),
+    "moe_routing_replay_bundle": (None, "artcloud trains dense models only"),
+    "moe_routing_replay_path": (None, "artcloud trains dense models only"),
 }
 # ART knobs that change only speed or memory on ART's engine: accepted, no effect (artcloud saves the optimizer
 # with every checkpoint, and sizes and packs its batches itself).
-_ART_MET = {"optimizer_save_interval", "logprob_calculation_chunk_size", "packed_sequence_length"}
+_ART_MET = {"optimizer_save_interval", "logprob_calculation_chunk_size", "packed_sequence_length",
+            "moe_routing_replay_strict"}  # (how strictly a MoE routing replay is followed: there is none here)
 ImportanceSamplingLevel = Literal["token", "sequence", "average", "geometric_average"]
 
 

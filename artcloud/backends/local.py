@@ -161,7 +161,8 @@ class LocalBackend(SandboxBackend):
 
     engine: cpu, vllm, vllm+unsloth, vllm+peft or auto (see `artcloud serve --help`); engine_args: the engine's
     settings (artcloud serve --engine-args), the defaults under each model's own: the CPU engine takes
-    max_model_len, max_seq_length, dtype and seed, and refuses vLLM's other settings by name. s3: push checkpoints to
+    max_model_len, max_seq_length, dtype and seed, goes without vLLM's and Unsloth's per-model settings (memory,
+    batch sizes, 4-bit) with a warning naming them, and refuses any other key by name. s3: push checkpoints to
     s3://BUCKET/PREFIX too (credentials from this environment). lease, max_duration: as `artcloud serve`.
     trainer_procs: train with the sharded trainer (FSDP2 over that many processes, gloo) while the server's own
     model samples (the CPU engine's engine_args trainer_procs).
@@ -185,12 +186,11 @@ class LocalBackend(SandboxBackend):
         gpu_cost_per_hour_usd: float | None = None,
         **kwargs: Any,
     ):
-        if gpu_cost_per_hour_usd is not None:
-            if isinstance(gpu_cost_per_hour_usd, bool) or not isinstance(gpu_cost_per_hour_usd, (int, float)) \
-                    or not 0 <= gpu_cost_per_hour_usd < 1e6:
-                raise InvalidArgument(f"gpu_cost_per_hour_usd must be dollars per hour (a number >= 0), not "
-                                      f"{gpu_cost_per_hour_usd!r}", field="gpu_cost_per_hour_usd")
-            self.price_per_hour = float(gpu_cost_per_hour_usd)  # what cold_start() and the run summary price with
+        if gpu_cost_per_hour_usd is not None and (
+                isinstance(gpu_cost_per_hour_usd, bool) or not isinstance(gpu_cost_per_hour_usd, (int, float))
+                or not 0 <= gpu_cost_per_hour_usd < 1e6):
+            raise InvalidArgument(f"gpu_cost_per_hour_usd must be dollars per hour (a number >= 0), not "
+                                  f"{gpu_cost_per_hour_usd!r}", field="gpu_cost_per_hour_usd")
         if type(trainer_procs) is not int or trainer_procs < 1:
             raise InvalidArgument(f"trainer_procs must be a whole number >= 1, not {trainer_procs!r}")
         if trainer_procs > 1:
@@ -213,6 +213,8 @@ class LocalBackend(SandboxBackend):
             args += ["--max-duration", f"{round(spec.max_duration)}s"]
         secrets = make_launch_secrets()
         self.provisioner = LocalProvisioner(self.path, args, self.engine_env, secrets)
+        if gpu_cost_per_hour_usd is not None:  # what cold_start() and the run summary price this machine with
+            self.provisioner.price_per_hour = float(gpu_cost_per_hour_usd)
         self.log_file = self.provisioner.log_file
         kwargs.setdefault("heartbeat_every_s", heartbeat_every(self.lease_s))
         super().__init__("https://localhost", token=secrets.token, ca_cert=secrets.ca_cert, **kwargs)
