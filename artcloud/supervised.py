@@ -133,7 +133,8 @@ async def _send(client: Any, job_id: str, source: Iterator[tuple[list[Row], floa
             labels.append([r.label for r in rows])
             size += len(json.dumps(body))
             if len(chunk) >= CHUNK_BATCHES or size >= CHUNK_BYTES:
-                await _post(client, job_id, seq, chunk, labels, last=False)
+                if not await _post(client, job_id, seq, chunk, labels, last=False):
+                    return
                 seq, chunk, labels, size = seq + 1, [], [], 0
         await _post(client, job_id, seq, chunk, labels, last=True)
     except BaseException:
@@ -146,11 +147,17 @@ async def _send(client: Any, job_id: str, source: Iterator[tuple[list[Row], floa
 
 
 async def _post(client: Any, job_id: str, seq: int, chunk: list[dict[str, Any]], labels: list[list[str]], *,
-                last: bool) -> None:
-    from artcloud.errors import BadRequest
+                last: bool) -> bool:
+    """Send one chunk; False when the job takes no more (it failed on the server: its events say why)."""
+    from artcloud.errors import BadRequest, Conflict
 
     try:
         await client.send_sft_chunk(job_id, {"seq": seq, "batches": chunk, "last": last})
+        return True
+    except Conflict as e:
+        if e.code != "job_ended":
+            raise
+        return False
     except BadRequest as e:
         where = re.match(r"batches\[(\d+)\]\.rows\[(\d+)\](.*)", e.field or "")
         if where is None:
