@@ -163,6 +163,47 @@ def test_activation_checkpointing_changes_nothing_but_memory_and_bfloat16_weight
     again.load_adapter("agent", LORA, tmp_path / "bf16", optimizer=True)  # any trainer resumes it
 
 
+@pytest.mark.numeric
+def test_two_ranks_fine_tune_and_take_a_kl_reference_adapter_as_one_process(tmp_path):
+    """The sharded trainer's other step kinds: an SFT step (cross-entropy on the assistant's tokens), and an RL step
+    whose KL reference is another adapter (swapped into the sharded LoRA weights for its pass), against one process."""
+    from artcloud.server.sft import conversation_samples
+    from artcloud.train.loop import SFTStep
+    from artcloud.wire import SFTBatch
+
+    tiny = PeftTrainer(TINY)
+    conversations = [[{"role": "user", "content": f"{i} + 1?"}, {"role": "assistant", "content": f"It is {i + 1}."}]
+                     for i in range(4)]
+    sft, _ = conversation_samples(tiny, SFTBatch(rows=[{"messages": c} for c in conversations], learning_rate=1e-3),
+                                  "b")
+    rl = _samples(tiny, 5)
+    del tiny
+    step = SFTStep(learning_rate=1e-3)
+    single = PeftTrainer(TINY)
+    single.create_adapter("agent", LORA)
+    single_sft = single.train_step("agent", sft, step, lambda m: None)
+    (tmp_path / "single-sft").mkdir()
+    single.save_adapter("agent", tmp_path / "single-sft", optimizer=True)
+    kl = TrainConfig(learning_rate=1e-4, kl_penalty_coef=0.5, kl_ref_adapter_path=str(tmp_path / "single-sft"))
+    single.create_adapter("fresh", LORA)
+    single_kl = single.train_step("fresh", rl, kl, lambda m: None)
+    (tmp_path / "single-kl").mkdir()
+    single.save_adapter("fresh", tmp_path / "single-kl", optimizer=True)
+    del single
+    sharded_sft, sharded_kl = _sharded(tmp_path, run(sft, tmp_path / "sharded-sft", base_model=TINY, config=step),
+                                       run(rl, tmp_path / "sharded-kl", base_model=TINY, config=kl))
+    # SFT: the loss is a mean of logprobs, each within the float32 bound of a dot product over the hidden size.
+    assert abs(sharded_sft[0]["loss"] - single_sft[0]["loss"]) <= ratio_bound([single_sft[0]["loss"]], TINY_HIDDEN)
+    assert sharded_sft[0]["tokens"] == single_sft[0]["tokens"] > 0
+    assert_same_adam_steps(_tensors(tmp_path / "single-sft")[0], _tensors(tmp_path / "sharded-sft")[0], 1e-3, 1)
+    # KL against the SFT adapter: not 0 (the policy is fresh), and the same on both sides.
+    assert abs(single_kl[0]["kl_policy_ref"]) > 1e-3  # a sample mean of log-ratios: either sign
+    assert abs(sharded_kl[0]["kl_policy_ref"] - single_kl[0]["kl_policy_ref"]) <= ratio_bound(
+        [x for s in rl for x in s.old_logprobs], TINY_HIDDEN)
+    assert_same_step_metrics(single_kl, sharded_kl, rl, TINY_HIDDEN)
+    assert_same_adam_steps(_tensors(tmp_path / "single-kl")[0], _tensors(tmp_path / "sharded-kl")[0], 1e-4, 1)
+
+
 # Loaded by the ranks (first on their PYTHONPATH; the server ignores it): each rank's training step waits at a
 # barrier of files, where the test kills one rank. Not named ARTCLOUD_*: the ranks get no such variable.
 RANK_BARRIER = """

@@ -291,3 +291,23 @@ def test_a_checkpoint_resumes_across_engines(engine, tmp_path):
     again = [TrainSample(ids, c.token_ids, c.logprobs, 0.0, 0) for c in served]
     assert_logprobs_close([s.old_logprobs for s in again], trainer_logprobs(cpu, "x", again))
     cpu.close()
+
+
+def test_supervised_fine_tuning_learns_an_answer_and_the_sampler_serves_it(engine, tmp_path):
+    """SFT steps (cross-entropy on the assistant's tokens) on one conversation: its loss falls, and once published
+    the sampler's greedy answer to the question is the taught one."""
+    from artcloud.server.sft import conversation_samples
+    from artcloud.train.loop import SFTStep
+    from artcloud.wire import SFTBatch
+
+    publish(engine, "sft", tmp_path / "0", new=True)
+    taught = "Paris is the capital, of course."
+    batch = SFTBatch(rows=[{"messages": [{"role": "user", "content": QUESTION},
+                                         {"role": "assistant", "content": taught}]}], learning_rate=1e-2)
+    samples, _ = conversation_samples(engine, batch, "b")
+    losses = [engine.train_step("sft", samples, SFTStep(learning_rate=1e-2, batch=i + 1), lambda m: None)[0]["loss"]
+              for i in range(10)]
+    assert losses[-1] < losses[0] / 4, losses
+    publish(engine, "sft", tmp_path / "1")
+    answer = greedy(engine, "sft", prompt(engine), max_tokens=16)
+    assert answer.text.strip() == taught, (answer.text, losses[-3:])
