@@ -19,11 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from artcloud.art_options import apply_art_options, internal_config
 from artcloud.errors import ArtcloudError, InvalidArgument, NotInArtcloud, NotSupported, WrongState, WrongType
+from artcloud.progress import JobProgress, record_numbers
 from artcloud.types import LoraConfig, TrainConfig, TrainResult, TrainSFTConfig, TrajectoryGroup, is_choice
 
 if TYPE_CHECKING:
     from artcloud.backends.remote import RemoteBackend
-    from artcloud.wire import Event
 
 log = logging.getLogger("artcloud")
 
@@ -453,7 +453,7 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
             generation = backend.generation
             try:
                 job = await backend.start_train(self.name, body)
-                with _Progress(self.name, config.gradient_steps, enabled=progress, verbose=verbose) as bar:
+                with JobProgress(self.name, config.gradient_steps, enabled=progress, verbose=verbose) as bar:
                     events = await backend.follow_job(job.job_id, on_event=bar.update)
                 break
             except ServerGone as e:
@@ -470,7 +470,7 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
                                 self.name, self.step)
                     await self._push_temperature()
                     history = {h.get("step"): h for h in info.history if h.get("source") == "train"}
-                    result = TrainResult(step=self.step, trained=True, metrics=_numbers(history.get(self.step, {})),
+                    result = TrainResult(step=self.step, trained=True, metrics=record_numbers(history.get(self.step, {})),
                                          events=[])
                     self._report_train(groups, result)  # the step's record, as if it had been followed to its end
                     return result
@@ -480,7 +480,7 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         if events[-1].type == "error":
             raise ArtcloudError(f"training {self.name} failed: {last.get('message')}", code=last.get("code", "error"))
         self.step = last["step"]
-        result = TrainResult(step=self.step, trained=last.get("trained", False), metrics=_numbers(last.get("metrics", {})),
+        result = TrainResult(step=self.step, trained=last.get("trained", False), metrics=record_numbers(last.get("metrics", {})),
                              events=[e.model_dump() for e in events],
                              checkpoint_path=last.get("checkpoint") if save_checkpoint else None)
         if result.trained:  # kept until S3 has it: a machine lost before its push trains it again on the next
@@ -516,13 +516,6 @@ def _json_object(state: Any) -> dict[str, Any]:
     return state
 
 
-def _numbers(record: Mapping[str, Any]) -> dict[str, float]:
-    """A history record's metrics: its numbers, without the step (ART scripts pass TrainResult.metrics on to
-    `model.log(metrics=...)`, which takes metrics only)."""
-    return {k: v for k, v in record.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time")}
-
-
 def _check_groups(groups: list[TrajectoryGroup]) -> None:
     if not groups:
         raise InvalidArgument("train() got no trajectory groups: gather some first (artcloud.gather_trajectory_groups)")
@@ -547,49 +540,3 @@ def _check_groups(groups: list[TrajectoryGroup]) -> None:
                     raise InvalidArgument(f"groups[{g}].trajectories[{t}] has a choice without logprobs (sampled with "
                                           "logprobs=False?): leave logprobs out or set it True, so training can use "
                                           "the sampling policy's logprobs")
-
-
-class _Progress:
-    """A rich progress bar over a job's gradient steps, with the latest loss; `verbose` also prints
-    each event as a line (ART's verbose=True)."""
-
-    def __init__(self, name: str, total: int, enabled: bool, verbose: bool = False):
-        self.enabled = enabled
-        self.verbose = verbose
-        self.name = name
-        self.total = total
-        self._progress = None
-        self._task = None
-
-    def __enter__(self) -> "_Progress":
-        if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self._progress = Progress(TextColumn("[bold]train {task.fields[name]}"), BarColumn(), MofNCompleteColumn(),
-                                      TextColumn("{task.fields[status]}"), TimeElapsedColumn(), transient=True)
-            self._progress.start()
-            self._task = self._progress.add_task("train", total=self.total, name=self.name, status="queued")
-        return self
-
-    def update(self, event: Event) -> None:
-        data = event.data
-        if self.verbose:
-            from rich.console import Console
-
-            shown = {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
-            Console(stderr=True).print(f"[dim]train {self.name}[/dim] {event.type}: "
-                                       + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()),
-                                       markup=True, highlight=False)
-        if self._progress is None:
-            return
-        if event.type == "start" and data.get("kind") == "sft":
-            self._progress.update(self._task, status="supervised fine-tuning")
-        elif event.type == "start":
-            self._progress.update(self._task, status=f"{data.get('samples', 0)} samples, reward {data.get('reward_mean', 0):.3f}")
-        elif event.type == "step":
-            self._progress.update(self._task, completed=data["gradient_step"], total=data["gradient_steps"],
-                                  status=f"loss {data['loss']:.4f}, grad norm {data['grad_norm']:.3f}")
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._progress is not None:
-            self._progress.stop()

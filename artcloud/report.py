@@ -180,22 +180,6 @@ class WandbReporter:
         if self._run is not None and not getattr(self._run, "_is_finished", False):
             self._run.config.update(changes)
 
-
-def merge_config(existing: dict[str, Any], updates: dict[str, Any], path: str = "") -> dict[str, Any]:
-    """`existing` with `updates` merged in, nested dicts key by key, as OpenPipe ART's update_wandb_config does: a
-    W&B run's config is set once, so a key already set to another value is an InvalidArgument naming it."""
-    merged = dict(existing)
-    for key, value in updates.items():
-        where = f"{path}.{key}" if path else str(key)
-        if key not in merged:
-            merged[key] = value
-        elif isinstance(merged[key], dict) and isinstance(value, dict):
-            merged[key] = merge_config(merged[key], value, where)
-        elif merged[key] != value:
-            raise InvalidArgument(f"the W&B config is set once per run: {where!r} is {merged[key]!r} already, not "
-                                  f"{value!r}", field=where)
-    return merged
-
     def report(self, record: dict[str, Any], batch: Batch | None = None) -> dict[str, Any]:
         """Log a history record (and its batch's reward histogram and sample table) to W&B; what was logged."""
         run = self.run()
@@ -221,3 +205,19 @@ def merge_config(existing: dict[str, Any], updates: dict[str, Any], path: str = 
         if self._run is not None:
             self._run.finish()
             self._run = None
+
+
+def merge_config(existing: dict[str, Any], updates: dict[str, Any], path: str = "") -> dict[str, Any]:
+    """`existing` with `updates` merged in, nested dicts key by key, as OpenPipe ART's update_wandb_config does: a
+    W&B run's config is set once, so a key already set to another value is an InvalidArgument naming it."""
+    merged = dict(existing)
+    for key, value in updates.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in merged:
+            merged[key] = value
+        elif isinstance(merged[key], dict) and isinstance(value, dict):
+            merged[key] = merge_config(merged[key], value, where)
+        elif merged[key] != value:
+            raise InvalidArgument(f"the W&B config is set once per run: {where!r} is {merged[key]!r} already, not "
+                                  f"{value!r}", field=where)
+    return merged

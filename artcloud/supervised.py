@@ -15,13 +15,11 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 from artcloud.errors import ArtcloudError, InvalidArgument, WrongType
+from artcloud.progress import JobProgress, record_numbers
 from artcloud.types import TrainResult, TrainSFTConfig, Trajectory, get_messages
-
-if TYPE_CHECKING:
-    from artcloud.model import TrainableModel
 
 CHUNK_BATCHES = 16
 CHUNK_BYTES = 4 << 20
@@ -71,7 +69,7 @@ def batches(trajectories: Iterable[Any], config: TrainSFTConfig) -> Iterator[tup
         yield batch, rate(index)
 
 
-async def train_sft(model: TrainableModel, trajectories: Iterable[Any], config: TrainSFTConfig, *,
+async def train_sft(model: Any, trajectories: Iterable[Any], config: TrainSFTConfig, *,
                     verbose: bool = False, progress: bool = True) -> TrainResult:
     """One supervised fine-tuning step of `model` on `trajectories` (see the module docstring). A machine lost
     meanwhile (and replaced by the backend) is an ArtcloudError with code "sft_lost": the trajectories were read
@@ -91,17 +89,15 @@ async def train_sft(model: TrainableModel, trajectories: Iterable[Any], config: 
                             f"{info.step}, and nothing of this call was committed: call it again", code="sft_lost") from e
 
 
-async def _train_sft(model: TrainableModel, backend: Any, trajectories: Iterable[Any], config: TrainSFTConfig, *,
+async def _train_sft(model: Any, backend: Any, trajectories: Iterable[Any], config: TrainSFTConfig, *,
                      verbose: bool, progress: bool) -> TrainResult:
-    from artcloud.model import _numbers, _Progress
-
     total = None
     if isinstance(config.learning_rate, list):
         total = len(config.learning_rate)
     elif hasattr(trajectories, "__len__"):
         total = -(-len(trajectories) // config.batch) or None  # type: ignore[arg-type]
     job = await backend.client.start_sft(model.name, {"batches": total, "idempotency_key": uuid.uuid4().hex})
-    with _Progress(model.name, total or 0, enabled=progress, verbose=verbose) as bar:
+    with JobProgress(model.name, total or 0, enabled=progress, verbose=verbose) as bar:
         following = asyncio.ensure_future(backend.follow_job(job.job_id, on_event=bar.update))
         try:
             await _send(backend.client, job.job_id, batches(trajectories, config), following)
@@ -116,7 +112,7 @@ async def _train_sft(model: TrainableModel, backend: Any, trajectories: Iterable
                             code=last.data.get("code", "error"))
     model.step = last.data["step"]
     return TrainResult(step=model.step, trained=bool(last.data.get("trained")),
-                       metrics=_numbers(last.data.get("metrics") or {}), events=[e.model_dump() for e in events],
+                       metrics=record_numbers(last.data.get("metrics") or {}), events=[e.model_dump() for e in events],
                        checkpoint_path=last.data.get("checkpoint"))
 
 

@@ -109,8 +109,24 @@ def test_models_are_pydantic_models_generic_in_their_config_as_in_art():
         "name": "agent-1", "project": "p", "base_model": TINY, "step": 0}
     assert dump["config"] == {"groups_per_step": 4, "difficulty": "easy"} and dump["lora"] == agent.lora.model_dump()
     assert artcloud.TrainableModel[RunConfig].model_validate(dump).model_dump() == dump  # and back
-    with pytest.raises(NotSupported, match=r"pass engine_args=\{\.\.\.\} instead"):
-        artcloud.TrainableModel(name="m", project="p", base_model=TINY, _internal_config={"engine_args": {"max_model_len": 8}})
+    # ART's _internal_config (art.dev.InternalModelConfig): onto engine_args, the LoRA and the step defaults
+    internal = artcloud.TrainableModel(name="m", project="p", base_model=TINY, _internal_config=artcloud.dev.InternalModelConfig(
+        engine_args={"max_model_len": 8}, init_args={"max_seq_length": 64, "fast_inference": True},
+        peft_args={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}, trainer_args={"max_grad_norm": 0.1}))
+    assert internal.engine_args == {"max_model_len": 8, "max_seq_length": 64}
+    assert (internal.lora.rank, internal.lora.alpha, internal.lora.target_modules) == (4, 8.0, ["q_proj"])
+    assert internal._defaults(None).max_grad_norm == 0.1
+    assert internal._defaults(artcloud.TrainConfig(max_grad_norm=0.5)).max_grad_norm == 0.5  # a step's own wins
+    for bad, words in [({"trainer_gpu_ids": [0]}, "places the trainer and vLLM itself"),
+                       ({"init_args": {"load_in_8bit": True}}, "16 bits, or 4 with load_in_4bit"),
+                       ({"peft_args": {"use_rslora": True}}, "set alpha= for the scale"),
+                       ({"tinker_args": {"renderer_name": "x"}}, "not through Tinker")]:
+        with pytest.raises(NotSupported, match=words) as e:
+            artcloud.TrainableModel(name="m", project="p", base_model=TINY, _internal_config=bad)
+        assert "\n" not in str(e.value)
+    with pytest.raises(InvalidArgument, match="engine_args max_model_len both"):
+        artcloud.TrainableModel(name="m", project="p", base_model=TINY, engine_args={"max_model_len": 9},
+                                _internal_config={"engine_args": {"max_model_len": 8}})
 
 
 def test_art_training_options_are_honoured_or_refused_in_one_line():

@@ -277,6 +277,11 @@ def test_wandb_gets_each_log_and_training_step(tiny_server, tmp_path, monkeypatc
 
     async def main():
         backend, model = await registered(tiny_server, "wb", report_metrics=["wandb"])
+        # ART's update_wandb_config: merged before the run starts, given to it then; a key set twice must agree
+        model.update_wandb_config({"task": "spread", "sampling": {"n": 3}})
+        model.update_wandb_config({"sampling": {"temperature": 1.0}, "task": "spread"})
+        with pytest.raises(artcloud.InvalidArgument, match="'sampling.n' is 3 already, not 4"):
+            model.update_wandb_config({"sampling": {"n": 4}})
         async with backend:
             groups = await gather_groups(model, n=3)
             spread(groups)
@@ -316,6 +321,10 @@ def test_wandb_gets_each_log_and_training_step(tiny_server, tmp_path, monkeypatc
     assert train_row["train/reward"] == pytest.approx(0.25) and train_row["train/rewards"]["_type"] == "histogram"
     assert train_row["train/samples"]["nrows"] == 6
     assert [r["val/accuracy"] for r in rows if "val/accuracy" in r] == [0.75, 1.0]  # not the quiet one's 0.0
+    first = next(iter(sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))))
+    config = {item.key: json.loads(item.value_json) for record in wandb_records(first)
+              if record.WhichOneof("record_type") == "run" for item in record.run.config.update}
+    assert config["task"] == "spread" and config["sampling"] == {"n": 3, "temperature": 1.0}
 
 
 def test_a_step_found_committed_after_a_lost_server_is_reported_too(tiny_server, tmp_path, monkeypatch, one_torch_thread):

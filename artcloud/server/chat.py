@@ -21,6 +21,7 @@ import time
 import uuid
 from typing import Any
 
+from artcloud.errors import InvalidArgument
 from artcloud.server.engines.base import Completion
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -106,7 +107,7 @@ def render_conversation(tokenizer: Any, messages: list[dict[str, Any]],
                         tools: list[dict[str, Any]] | None) -> tuple[list[int], list[bool]]:
     """A whole conversation's token ids, and which of them are the assistant's (supervised fine-tuning trains on
     those: each assistant turn as the model would write it after render_prompt's context, its end-of-turn token
-    included). ValueError for a chat template that renders an earlier turn differently once later ones follow."""
+    included). InvalidArgument for a chat template that renders an earlier turn differently once later ones follow."""
     knows = template_knows_tools(tokenizer)
     kwargs: dict[str, Any] = {"tools": tools} if (tools and knows) else {}
     norm = normalise_messages(messages, tools, knows)
@@ -121,7 +122,7 @@ def render_conversation(tokenizer: Any, messages: list[dict[str, Any]],
             continue
         before, through = render(i, True), render(i + 1, False)
         if not (full.startswith(through) and through.startswith(before)):
-            raise ValueError("this chat template renders an assistant turn differently once later messages follow it "
+            raise InvalidArgument("this chat template renders an assistant turn differently once later messages follow it "
                              "(it may drop earlier turns' reasoning): give each assistant turn a row of its own")
         spans.append((len(before), len(through)))
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)  # the template wrote any BOS

@@ -47,15 +47,18 @@ def parse(text: str | None, where: str) -> tuple[int, dict[str, Any] | None] | N
     """(step, state) from a state.json's text; None (with a warning) for one that is not such a file."""
     if text is None:
         return None
-    try:
-        if len(text) > MAX_STATE_BYTES + 100:
-            raise ValueError(f"larger than {MAX_STATE_BYTES} bytes")
-        data = json.loads(text)
-        step, state = data["step"], data["state"]
+    problem = f"larger than {MAX_STATE_BYTES} bytes" if len(text) > MAX_STATE_BYTES + 100 else None
+    if problem is None:
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            data, problem = None, f"not JSON ({e})"
+    if problem is None:
+        step, state = (data.get("step"), data.get("state")) if isinstance(data, dict) else (None, None)
         if type(step) is not int or step < 0 or not (state is None or isinstance(state, dict)):
-            raise ValueError("not {\"step\": N, \"state\": {...}}")
-    except (ValueError, KeyError, TypeError) as e:
-        log.warning("ignoring the model state at %s: %s", where, e)
+            problem = "not {\"step\": N, \"state\": {...}}"
+    if problem is not None:
+        log.warning("ignoring the model state at %s: %s", where, problem)
         return None
     return step, state
 

@@ -393,17 +393,22 @@ class ModelTrainer:
         def on_step(metrics: dict[str, Any]) -> None:  # called on the engine thread
             loop.call_soon_threadsafe(partial(job.emit, "step", step=next_step, **metrics))
 
+        try:
+            chunk = await feed.next()  # before the lock: a job whose client never sends a batch holds nothing up
+        except BaseException:
+            feed.close("it failed: nothing of it was committed")
+            raise
         async with model.lock.write():  # inference waits from here until NAME@next_step is served
             t0, record, steps = time.time(), None, []
             try:
                 while True:
-                    chunk = await feed.next()
                     for samples, learning_rate in chunk.batches:
                         done += 1
                         step = SFTStep(learning_rate, max_grad_norm=feed.max_grad_norm, batch=done, batches=feed.total)
                         steps += await model.host.call(model.engine.train_step, model.slot, samples, step, on_step)
                     if chunk.last:
                         break
+                    chunk = await feed.next()
                 stats = {"kind": "sft", "batches": done, "trajectories": sum(s["samples"] for s in steps),
                          "trajectories_dropped": feed.dropped}
                 record = history.training_record(next_step, job.id, stats, steps, time.time() - t0)
