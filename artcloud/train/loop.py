@@ -95,6 +95,9 @@ class TrainablePolicy:
     # The KL reference is another adapter (TrainConfig.kl_penalty_reference_step / kl_ref_adapter_path): its
     # weights, laid out as `params` (sharded alike); its logprobs are the policy's with these swapped in.
     reference_weights: list[torch.Tensor] | None = None
+    # The most tokens one forward pass may hold (the activations the backward pass keeps grow with them): the
+    # trainer's memory budget; None: only the logits' budget cuts micro-batches.
+    max_micro_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,8 @@ def _passes(minibatch: Sequence[Any], policy: TrainablePolicy, whole_sequences: 
     world = policy.world
 
     def cut(part: Sequence[Any]) -> list[list[Any]]:
-        return packing.micro_batches(part, policy.vocab_size, whole_sequences=whole_sequences)
+        return packing.micro_batches(part, policy.vocab_size, whole_sequences=whole_sequences,
+                                     max_tokens=policy.max_micro_tokens)
 
     if world is None:
         return cut(minibatch)

@@ -125,9 +125,10 @@ def _shared_prefix(model: Any, batch: PackedBatch) -> torch.Tensor:
 
 
 def micro_batches(samples: Sequence[Any], vocab_size: int, max_logit_elems: int = 150_000_000, *,
-                  whole_sequences: bool = False) -> list[list[Any]]:
+                  whole_sequences: bool = False, max_tokens: int | None = None) -> list[list[Any]]:
     """Split samples so each forward's logits (rows x longest completion x vocabulary) stay under
-    `max_logit_elems` floats.
+    `max_logit_elems` floats, and (with `max_tokens`: the trainer's activation budget) its tokens, each prompt
+    counted once, under `max_tokens`.
 
     Samples that share a prompt stay together where they fit, so packing runs the prompt once. A group
     too big on its own (8 x 2048 tokens x a 150 k vocabulary is ~10 GB of logits) is cut into chunks
@@ -140,24 +141,31 @@ def micro_batches(samples: Sequence[Any], vocab_size: int, max_logit_elems: int 
         by_sequence: dict[Any, list[Any]] = {}
         for i, s in enumerate(samples):
             by_sequence.setdefault(("row", i) if s.sequence is None else s.sequence, []).append(s)
-        return _fit(list(by_sequence.values()), vocab_size, max_logit_elems, flatten=True)
+        return _fit(list(by_sequence.values()), vocab_size, max_logit_elems, max_tokens, flatten=True)
     by_prompt: dict[tuple[int, ...], list[Any]] = {}
     for s in samples:
         by_prompt.setdefault(tuple(s.prompt_ids), []).append(s)
-    chunks = [chunk for group in by_prompt.values() for chunk in _fit(group, vocab_size, max_logit_elems)]
-    return _fit(chunks, vocab_size, max_logit_elems, flatten=True)
+    chunks = [chunk for group in by_prompt.values() for chunk in _fit(group, vocab_size, max_logit_elems, max_tokens)]
+    return _fit(chunks, vocab_size, max_logit_elems, max_tokens, flatten=True)
 
 
-def _fit(items: Sequence[Any], vocab_size: int, budget: int, *, flatten: bool = False) -> list[list[Any]]:
-    """Greedily fill batches in order, starting a new one when the next item would cross `budget`.
-    Items are samples, or (flatten=True) lists of samples kept whole. An item over the budget on its own
-    gets a batch of its own."""
+def _tokens(samples: Sequence[Any]) -> int:
+    """What one forward pass over `samples` runs through the model: each distinct prompt once, every completion."""
+    return sum(len(p) for p in {tuple(s.prompt_ids) for s in samples}) + sum(len(s.completion_ids) for s in samples)
+
+
+def _fit(items: Sequence[Any], vocab_size: int, budget: int, max_tokens: int | None = None, *,
+         flatten: bool = False) -> list[list[Any]]:
+    """Greedily fill batches in order, starting a new one when the next item would cross `budget` (logit floats)
+    or `max_tokens`. Items are samples, or (flatten=True) lists of samples kept whole. An item over a budget on
+    its own gets a batch of its own."""
     batches: list[list[Any]] = []
     current: list[Any] = []
     for item in items:
         candidate = current + (list(item) if flatten else [item])
         C = max(len(s.completion_ids) for s in candidate)
-        if current and len(candidate) * C * vocab_size > budget:
+        too_many = max_tokens is not None and _tokens(candidate) > max_tokens
+        if current and (len(candidate) * C * vocab_size > budget or too_many):
             batches.append(current)
             candidate = list(item) if flatten else [item]
         current = candidate
