@@ -42,8 +42,13 @@ class Prepared:
 def conversation_samples(engine: Any, batch: SFTBatch, where: str) -> tuple[list[TrainSample], int]:
     """One batch's rows as samples (the tokens before a row's first assistant token are its prompt, the rest its
     completion, `trained` on the assistant's tokens), and how many rows were too long to keep. ApiError 400 naming
-    the row for one that cannot be learned from."""
-    samples, dropped = [], 0
+    the row for one that cannot be learned from.
+
+    Rows that open alike (a system prompt) share it: their common prefix becomes every row's prompt, which
+    packing then runs once (train/packing.py), where it saves more of the model's work than computing the
+    logits of what follows it up to each row's first trained token costs (`_shared`)."""
+    rows: list[tuple[int, list[int], list[bool], int]] = []  # (row, ids, trained, first trained)
+    dropped = 0
     for r, row in enumerate(batch.rows):
         here = f"{where}.rows[{r}]"
         messages = get_messages([m.model_dump(exclude_none=True) for m in row.messages])
@@ -61,8 +66,26 @@ def conversation_samples(engine: Any, batch: SFTBatch, where: str) -> tuple[list
         if first >= len(ids) or not any(trained[first:]):
             raise ApiError(400, "invalid_row", f"{here}: its assistant messages render to no token to learn",
                            f"{here}.messages")
-        samples.append(TrainSample(ids[:first], ids[first:], [], 0.0, r, trained=trained[first:]))
-    return samples, dropped
+        rows.append((r, ids, trained, first))
+    shared = _shared(rows)
+    return [TrainSample(ids[:cut], ids[cut:], [], 0.0, r, trained=trained[cut:])
+            for r, ids, trained, first in rows for cut in [shared or first]], dropped
+
+
+def _shared(rows: list[tuple[int, list[int], list[bool], int]]) -> int | None:
+    """The length of the prefix the rows share (never a trained token), where running it once saves more than the
+    logits it adds: each of the n - 1 rows after the first skips it through the whole model, and each row then
+    computes logits from it to its first trained token. A row's pass through the model outweighs its logits (the
+    hidden layers have most of the weights), so taking the prefix when it is at least as long as what it adds is
+    on the safe side. None: each row keeps its own prompt."""
+    if len(rows) < 2:
+        return None
+    shortest = min(first for *_, first in rows)
+    common = 0
+    while common < shortest and len({ids[common] for _, ids, _, _ in rows}) == 1:
+        common += 1
+    added = sum(first - common for *_, first in rows)
+    return common if common and (len(rows) - 1) * common >= added else None
 
 
 def prepare(engine: Any, chunk: SFTChunk) -> Prepared:
