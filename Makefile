@@ -46,7 +46,7 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: lock install test test-main test-kernels test-engines test-laptop test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-s3 bench-client bench-load bench-cold-start clean
+.PHONY: lock install test test-main test-kernels test-engines test-laptop test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-sft bench-s3 bench-client bench-load bench-cold-start clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -141,7 +141,7 @@ clean-pythons:
 demo: $(STAMP)
 	$(BIN)/python examples/five_words.py
 
-bench: bench-import bench-rollouts bench-grpo bench-s3 bench-client bench-load bench-cold-start
+bench: bench-import bench-rollouts bench-grpo bench-sft bench-s3 bench-client bench-load bench-cold-start
 
 bench-import: $(STAMP)
 	$(BIN)/python bench/import_time.py
@@ -151,6 +151,10 @@ bench-rollouts: $(STAMP)
 
 bench-grpo: $(STAMP)
 	$(BIN)/python bench/grpo_step.py
+
+# One SFT epoch, train_sft through a server vs TRL's SFTTrainer, SmolLM2 (~4 min).
+bench-sft: $(STAMP)
+	$(BIN)/python bench/sft.py
 
 bench-s3: $(STAMP)
 	# The peer: the AWS CLI (it brings its own botocore; only the benchmark needs it).
