@@ -2,10 +2,13 @@
 
     resume      newest valid local checkpoint (S3's first, when newer), else a fresh adapter at step 0
     submit      a job joins the model's queue (at most --max-queued-jobs wait)
-    _run        one step: inference waits (write lock), the engine trains, the step is committed to disk,
-                NAME@STEP+1 is served; on any failure the adapter and optimizer go back to the last
-                committed step, so a half-applied or non-finite update is never served or trained on (a
-                rollback that fails too leaves the model unserved, 503, until a reload works)
+    _step       one step, RL (_run) or SFT (_run_sft, its batches streamed in: sft.py): inference waits
+                (write lock), the engine trains, the step is committed to disk, NAME@STEP+1 is served; on any
+                failure the adapter and optimizer go back to the last committed step, so a half-applied or
+                non-finite update is never served or trained on (a rollback that fails too leaves the model
+                unserved, 503, until a reload works)
+    fork        a model not trained yet starts from another's committed checkpoint (ART's fork_checkpoint)
+    state       ART's state.json, kept with the step it belongs to (model_state.py)
     _loop       the worker: whatever a step raises, its job ends with an `error` event naming the cause
                 (disk_full, io_error, ...) and the next job runs; a worker that dies is started again
     _commit     checkpoints.commit (manifest last, renamed into place), then a background S3 push
@@ -20,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import statistics
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -28,9 +30,9 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from artcloud.errors import ArtcloudError, first_line
-from artcloud.server import history
+from artcloud.server import history, step_config
 from artcloud.server.api_errors import ApiError
-from artcloud.server.engines.base import TrainSample
+from artcloud.server.engines.base import StepCallback, TrainSample
 from artcloud.server.jobs import CAUSES, Job, JobStore, os_cause
 from artcloud.server.limits import Limits
 from artcloud.server.model_state import STATE_FILE, StateKeeper
@@ -249,12 +251,31 @@ class ModelTrainer:
             job.emit("error", step=step, **event)
 
     async def _run(self, job: Job, samples: list[TrainSample], stats: dict[str, Any], config: TrainConfig) -> None:
+        """An RL step. Every group with equal rewards: nothing to learn, and the step still advances on the same
+        adapter, as OpenPipe ART's does (a script resuming at `await model.get_step()` counts its batches by it)."""
+        job.emit("start", step=self.model.step, **stats)
+        if config.scale_learning_rate_by_reward_std_dev:
+            config = config.model_copy(update={"learning_rate": config.learning_rate * step_config.reward_spread_trend(
+                self.model.history, self.model.step + 1, stats["reward_std_dev"])})
+
+        async def work(on_step: StepCallback) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+            model = self.model
+            steps = await model.host.call(model.engine.train_step, model.slot, samples, config, on_step) if samples else []
+            return steps, stats
+
+        note = {} if samples else {"message": "every group had equal rewards, so there was nothing to learn: the step "
+                                   "advanced with the adapter unchanged"}
+        await self._step(job, work, trained=bool(samples), **note)
+
+    async def _step(self, job: Job, work: Callable[[StepCallback], Awaitable[tuple[list[dict[str, Any]], dict[str, Any]]]],
+                    *, trained: bool, **end: Any) -> None:
+        """One training step, RL or SFT: `work(on_step)` runs it on the engine (inference for the model waits meanwhile)
+        and gives its gradient steps' metrics and its stats; then it is committed, and NAME@STEP+1 is served. On any
+        failure the adapter and optimizer go back to the last committed step: a half-applied update is never served
+        or trained on."""
         model = self.model
-        job.emit("start", step=model.step, **stats)
         loop = asyncio.get_running_loop()
         next_step = model.step + 1
-        if config.scale_learning_rate_by_reward_std_dev:
-            config = config.model_copy(update={"learning_rate": config.learning_rate * self._std_dev_multiplier(stats)})
 
         def on_step(metrics: dict[str, Any]) -> None:  # called on the engine thread
             loop.call_soon_threadsafe(partial(job.emit, "step", step=next_step, **metrics))
@@ -263,10 +284,7 @@ class ModelTrainer:
             t0 = time.time()
             record: dict[str, Any] | None = None
             try:
-                # Every group with equal rewards: nothing to learn, and the step still advances on the same adapter,
-                # as OpenPipe ART's does (a script resuming at `await model.get_step()` counts its batches by it).
-                steps = (await model.host.call(model.engine.train_step, model.slot, samples, config, on_step)
-                         if samples else [])
+                steps, stats = await work(on_step)
                 record = history.training_record(next_step, job.id, stats, steps, time.time() - t0)
                 async with self.commit_lock:
                     if self.frozen:
@@ -274,8 +292,6 @@ class ModelTrainer:
                     model.history.append(record)
                     folder = await self._commit(next_step)
             except BaseException:
-                # Put the adapter and optimizer back to the last committed step: a half-applied update
-                # is never served and never trained on.
                 model.history = [r for r in model.history if r is not record]  # a log may have come after it
                 await self._reload(failed_step=True)
                 raise
@@ -286,49 +302,40 @@ class ModelTrainer:
             await self._retain()
         except Exception as e:  # the step is committed: an old one left on disk is no reason to fail it
             log.warning("%s: retention after step %d failed: %s", self.name, next_step, e)
-        note = {} if samples else {"message": "every group had equal rewards, so there was nothing to learn: the step "
-                                   "advanced with the adapter unchanged"}
-        job.emit("end", step=next_step, served_as=model.served_as, trained=bool(samples), metrics=record,
-                 checkpoint=str(folder), s3=self.s3_status(), **note)
+        job.emit("end", step=next_step, served_as=model.served_as, trained=trained, metrics=record,
+                 checkpoint=str(folder), s3=self.s3_status(), **end)
 
-    def _std_dev_multiplier(self, stats: dict[str, Any]) -> float:
-        """TrainConfig.scale_learning_rate_by_reward_std_dev: a line fitted to the training records' within-group
-        reward std (`reward_std_dev`) by step, this step's included; its value at this step over its value at step 0
-        (the intercept). 1 with fewer than two points or an intercept <= 0 (as OpenPipe ART computed it)."""
-        points = {r["step"]: r["reward_std_dev"] for r in self.model.history
-                  if r.get("source") == "train" and isinstance(r.get("reward_std_dev"), (int, float))}
-        points[self.model.step + 1] = float(stats["reward_std_dev"])
-        if len(points) < 2:
-            return 1.0
-        xs, ys = list(points), list(points.values())
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        intercept = my - slope * mx
-        return (slope * xs[-1] + intercept) / intercept if intercept > 0 else 1.0
+    async def _run_sft(self, job: Job, feed: Feed) -> None:
+        """One train_sft call (sft.py): each batch that comes is an optimizer step; after the last, one commit. The
+        model is held (inference waits) only from its first chunk on: a client that never sends one holds nothing."""
+        from artcloud.train.loop import SFTStep
+
+        job.emit("start", step=self.model.step, kind="sft", batches=feed.total)
+        done, chunk = 0, None
+
+        async def work(on_step: StepCallback) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+            nonlocal done, chunk
+            model, steps = self.model, []
+            while True:
+                for samples, learning_rate in chunk.batches:
+                    done += 1
+                    sft = SFTStep(learning_rate, max_grad_norm=feed.max_grad_norm, batch=done, batches=feed.total)
+                    steps += await model.host.call(model.engine.train_step, model.slot, samples, sft, on_step)
+                if chunk.last:
+                    return steps, {"kind": "sft", "batches": done, "trajectories": sum(s["samples"] for s in steps),
+                                   "trajectories_dropped": feed.dropped}
+                chunk = await feed.next()
+
+        try:
+            chunk = await feed.next()
+            await self._step(job, work, trained=True)
+        except BaseException:
+            feed.close("it failed: nothing of it was committed")
+            raise
 
     def resolve(self, config: TrainConfig) -> TrainConfig:
-        """`config` with its KL reference (kl_penalty_reference_step, kl_ref_adapter_path) as a committed checkpoint
-        folder on this server, in kl_ref_adapter_path; ApiError 400 naming the field for one that is not (a client's
-        path is untrusted: only a committed checkpoint under this server's root is read)."""
-        model = self.model
-        if config.kl_penalty_reference_step is not None:
-            folder = checkpoints.step_folder(model.folder, config.kl_penalty_reference_step)
-            if folder is None:
-                raise ApiError(400, "invalid_request", f"config.kl_penalty_reference_step: {self.name} has no committed "
-                               f"checkpoint at step {config.kl_penalty_reference_step} on this server (it has "
-                               f"{checkpoints.committed_steps(model.folder)})", "config.kl_penalty_reference_step")
-            return config.model_copy(update={"kl_ref_adapter_path": str(folder)})
-        if config.kl_ref_adapter_path is None:
-            return config
-        root = model.folder.parent.parent.resolve()  # ROOT/PROJECT/MODEL/checkpoints/STEP
-        folder = Path(config.kl_ref_adapter_path).resolve()
-        inside = (len(folder.parents) > 3 and folder.parents[3] == root and folder.parent.name == "checkpoints"
-                  and checkpoints.STEP_NAME.fullmatch(folder.name) is not None)
-        if not inside or checkpoints.step_folder(folder.parents[1], int(folder.name)) != folder:
-            raise ApiError(400, "invalid_request", "config.kl_ref_adapter_path: not a committed checkpoint on this "
-                           "server: give a TrainResult.checkpoint_path of a model registered here (or "
-                           "kl_penalty_reference_step for one of this model's own steps)", "config.kl_ref_adapter_path")
-        return config.model_copy(update={"kl_ref_adapter_path": str(folder)})
+        """`config` with its KL reference as a committed checkpoint folder on this server (step_config.py)."""
+        return step_config.resolve_reference(config, self.model.folder, self.name)
 
     # ------------------------------------------------------------------------------------- fork
 
@@ -379,58 +386,6 @@ class ModelTrainer:
         """ART's overwrite_state / merge_state: on this disk (and on its way to S3) when it returns; tagged with
         the step it belongs to (after any commit under way)."""
         return await self.state.write(state, merge_into=merge, step=lambda: self.model.step)
-
-    async def _run_sft(self, job: Job, feed: Feed) -> None:
-        """One train_sft call (sft.py): each batch that comes is an optimizer step; after the last, one commit."""
-        from artcloud.train.loop import SFTStep
-
-        model = self.model
-        loop = asyncio.get_running_loop()
-        next_step = model.step + 1
-        job.emit("start", step=model.step, kind="sft", batches=feed.total)
-        done = 0
-
-        def on_step(metrics: dict[str, Any]) -> None:  # called on the engine thread
-            loop.call_soon_threadsafe(partial(job.emit, "step", step=next_step, **metrics))
-
-        try:
-            chunk = await feed.next()  # before the lock: a job whose client never sends a batch holds nothing up
-        except BaseException:
-            feed.close("it failed: nothing of it was committed")
-            raise
-        async with model.lock.write():  # inference waits from here until NAME@next_step is served
-            t0, record, steps = time.time(), None, []
-            try:
-                while True:
-                    for samples, learning_rate in chunk.batches:
-                        done += 1
-                        step = SFTStep(learning_rate, max_grad_norm=feed.max_grad_norm, batch=done, batches=feed.total)
-                        steps += await model.host.call(model.engine.train_step, model.slot, samples, step, on_step)
-                    if chunk.last:
-                        break
-                    chunk = await feed.next()
-                stats = {"kind": "sft", "batches": done, "trajectories": sum(s["samples"] for s in steps),
-                         "trajectories_dropped": feed.dropped}
-                record = history.training_record(next_step, job.id, stats, steps, time.time() - t0)
-                async with self.commit_lock:
-                    if self.frozen:
-                        raise Abandoned(next_step)
-                    model.history.append(record)
-                    folder = await self._commit(next_step)
-            except BaseException:
-                feed.close("it failed: nothing of it was committed")
-                model.history = [r for r in model.history if r is not record]
-                await self._reload(failed_step=True)
-                raise
-            model.step = next_step
-            self.fault = None
-        await self._save_history()
-        try:
-            await self._retain()
-        except Exception as e:
-            log.warning("%s: retention after step %d failed: %s", self.name, next_step, e)
-        job.emit("end", step=next_step, served_as=model.served_as, trained=done > 0, metrics=record,
-                 checkpoint=str(folder), s3=self.s3_status())
 
     # ------------------------------------------------------------------------------------- history
 
