@@ -316,15 +316,14 @@ async def trajectory_group_batches(
                 bar.total = batch_size
                 bar.show()
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
+            for task in done:  # every exception retrieved, before any is raised
                 if task.exception() is not None:
                     errors.append(task.exception())
-                    if len(errors) > limit:
-                        raise GatherError(f"{len(errors)} groups of a batch failed (max_batch_exceptions="
-                                          f"{max_batch_exceptions}); the first: {type(errors[0]).__name__}: {errors[0]}",
-                                          errors) from errors[0]
                 elif len(task.result().trajectories) >= 2:  # as gather: GRPO needs two to compare
                     batch.append(task.result())
+            if len(errors) > limit:
+                raise GatherError(f"{len(errors)} of a batch's groups failed (max_batch_exceptions={max_batch_exceptions})"
+                                  f"; the first: {type(errors[0]).__name__}: {errors[0]}", errors) from errors[0]
             bar.done = len(batch)
             if len(batch) >= batch_size:
                 out, batch, errors = batch[:batch_size], batch[batch_size:], []

@@ -160,3 +160,68 @@ def test_a_timeout_around_gather_cancels_every_rollout():
         assert watched.finished == []
 
     asyncio.run(main())
+
+
+def test_trajectory_group_batches_runs_ahead_and_yields_whole_batches_as_arts():
+    """ART's trajectory_group_batches: batches of batch_size finished groups while up to batch_size x
+    max_concurrent_batches run; skipped batches never run; a failed group counts against its batch's
+    max_batch_exceptions; leaving early cancels the rest. The order of finishing is driven by events, not sleeps."""
+    started: list[int] = []
+    release = {i: asyncio.Event() for i in range(7)}
+
+    async def make(i: int) -> artcloud.TrajectoryGroup:
+        started.append(i)
+        await release[i].wait()
+        if i == 4:
+            raise RuntimeError("group 4 failed")
+        return artcloud.TrajectoryGroup([await ok(float(i)), await ok(float(i) + 0.5)], metadata={"i": i})
+
+    async def main() -> list[list[int]]:
+        batches = []
+        it = artcloud.trajectory_group_batches((make(i) for i in range(7)), batch_size=2, max_concurrent_batches=2,
+                                               skip_batches=1, max_batch_exceptions=1, progress=False)
+        pending = asyncio.ensure_future(it.__anext__())
+        await asyncio.sleep(0)
+        for i in (6, 3, 2):  # finishing out of order
+            release[i].set()
+        batches.append([g.metadata["i"] for g in await pending])
+        assert not {0, 1} & set(started) and len(started) >= 4  # the skipped batch's groups never ran; 4 ran at once
+        release[4].set()  # fails: one exception is allowed in a batch
+        release[5].set()
+        batches.append([g.metadata["i"] for g in await it.__anext__()])
+        with pytest.raises(StopAsyncIteration):
+            await it.__anext__()
+        return batches
+
+    batches = asyncio.run(main())
+    assert batches[0] in ([3, 2], [2, 3], [6, 3], [3, 6], [6, 2], [2, 6]) and len(batches[1]) >= 1
+    assert sorted(sum(batches, [])) == [2, 3, 5, 6]  # every group that did not fail, once
+
+    async def too_many() -> None:
+        async def bad() -> artcloud.TrajectoryGroup:
+            raise RuntimeError("no")
+
+        async for _ in artcloud.trajectory_group_batches([bad(), bad()], batch_size=2, progress=False):
+            pass
+
+    with pytest.raises(GatherError, match=r"^[12] of a batch's groups failed \(max_batch_exceptions=0\)"):
+        asyncio.run(too_many())  # ART's default: none may fail
+
+    cancelled = []
+
+    async def slow(i: int) -> artcloud.TrajectoryGroup:
+        try:
+            await asyncio.sleep(0 if i == 0 else 60)
+            return artcloud.TrajectoryGroup([await ok(1.0), await ok(0.0)])
+        except asyncio.CancelledError:
+            cancelled.append(i)
+            raise
+
+    async def leave_early() -> None:
+        it = artcloud.trajectory_group_batches([slow(i) for i in range(3)], batch_size=1, progress=False)
+        async for _ in it:
+            break
+        await it.aclose()
+
+    asyncio.run(leave_early())
+    assert sorted(cancelled) == [1, 2]  # nothing goes on running once the caller is done
