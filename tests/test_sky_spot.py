@@ -102,6 +102,7 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
 
             step1 = await model.train(await groups(), config=artcloud.TrainConfig(learning_rate=1e-3), progress=False)
             assert step1.step == 1
+            model.merge_state({"offset": 1})  # ART's state: it must come back with the step on every new machine
 
             # 1. The cloud's notice while the loop gathers rollouts: the server pushes and exits; the next
             #    request finds it gone, the backend brings up a new machine, and the same client goes on.
@@ -140,8 +141,10 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
             assert len(backend.replacements) == 1 and releaser.done()
             preemption.join(timeout=90)
             assert (await backend.model_info("agent")).step == 1  # resumed from S3
+            assert model.read_state() == {"offset": 1}
             step2 = await model.train(batch, progress=False)
             assert step2.step == 2 and step2.trained
+            model.merge_state({"offset": 2, "epoch": 0})  # written after step 2: it must outlive the next loss too
 
             # 2. No notice at all, in the middle of a training step: the machine just goes.
             started = asyncio.Event()
@@ -165,6 +168,7 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
             (hold / "hold").unlink()  # the replacement trains the step again, unheld
             step3 = await training
             assert step3.step == 3 and len(backend.replacements) == 2
+            assert model.read_state() == {"offset": 2, "epoch": 0}
 
             history = (await backend.model_info("agent")).history
             assert [h["step"] for h in history] == [1, 2, 3]  # none lost, none trained twice

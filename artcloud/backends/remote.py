@@ -94,6 +94,7 @@ class RemoteBackend:
         # between takes the step with it, and its replacement trains it again from these (_replay).
         self._unpushed: dict[str, list[tuple[int, dict[str, Any]]]] = {}
         self._temperatures: dict[str, float] = {}
+        self._states: dict[str, dict[str, Any] | None] = {}  # each model's state as last written through this backend
         self.replacements: list[dict[str, Any]] = []  # each lost server that was replaced: when, why, its cost
         self.cold_start_s: dict[str, float] = {}  # seconds per cold-start phase of this server (COLD_START_PHASES)
         self._forwarder: Any = None  # the loopback endpoint for plain OpenAI clients, started when first asked for
@@ -260,6 +261,8 @@ class RemoteBackend:
                     await self._replay(kwargs["name"], info.step)
                 for name, temperature in self._temperatures.items():
                     await RemoteBackend.set_temperature(self, name, temperature)
+                for name, state in self._states.items():  # a write after the last step S3 got must not be lost
+                    await self.client.call("PUT", f"/artcloud/models/{name}/state", json_body={"state": state or {}})
             except ServerGone as gone:
                 cause = gone
                 continue
@@ -338,8 +341,12 @@ class RemoteBackend:
 
     def model_state(self, name: str, body: dict[str, Any] | None = None) -> ModelState:
         """A model's persistent state (OpenPipe ART's state methods, which are synchronous): read, or written with
-        `body` ({"state": ..., "merge": bool}); blocking, on a connection of its own."""
-        return self.client.model_state(name, body)
+        `body` ({"state": ..., "merge": bool}); blocking, on a connection of its own. What is written is kept here
+        too: a replacement server (a preempted spot machine) gets it again once its steps are back."""
+        answer = self.client.model_state(name, body)
+        if body is not None:
+            self._states[name] = answer.state
+        return answer
 
     async def delete_checkpoints(self, name: str, best_metric: str) -> Pruned:
         return await self.client.delete_checkpoints(name, best_metric)
