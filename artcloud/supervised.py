@@ -2,7 +2,8 @@
 
 The trajectories (a list, or a generator reading a file of any size) are cut into batches of `batch_size`, each
 with its learning rate (one for all, or TrainSFTConfig's list: one per batch), and sent in chunks of at most
-CHUNK_BATCHES batches and CHUNK_BYTES bytes (server/sft.py); the server answers a chunk once it has room for it, so
+CHUNK_BATCHES batches, CHUNK_ROWS rows and CHUNK_BYTES bytes (a batch whole, whatever its size: server/sft.py);
+the server answers a chunk once it has room for it, so
 at most a few chunks are ever held on either side. The job's events are followed meanwhile (a progress bar, one
 step per batch). A row the server refuses names its source (`trajectories[17]`, or `data.jsonl line 17`), and
 whatever ends the call early ends the job too: nothing of it is committed, the model stays at its step.
@@ -22,6 +23,7 @@ from artcloud.progress import JobProgress, record_numbers
 from artcloud.types import TrainResult, TrainSFTConfig, Trajectory, get_messages
 
 CHUNK_BATCHES = 16
+CHUNK_ROWS = 2048
 CHUNK_BYTES = 4 << 20
 
 
@@ -119,7 +121,7 @@ async def _train_sft(model: Any, backend: Any, trajectories: Iterable[Any], conf
 async def _send(client: Any, job_id: str, source: Iterator[tuple[list[Row], float]], following: asyncio.Future) -> None:
     """Every batch of `source`, in chunks; a refused row is an InvalidArgument naming it. Anything that ends this
     early (an error here, in the caller's generator, a cancellation) abandons the job on the server."""
-    seq, chunk, labels, size = 0, [], [], 0
+    seq, chunk, labels, size, count = 0, [], [], 0, 0
     try:
         for rows, rate in source:
             if following.done():  # the job ended already (the server failed it): its events say why
@@ -127,11 +129,11 @@ async def _send(client: Any, job_id: str, source: Iterator[tuple[list[Row], floa
             body = {"rows": [r.data for r in rows], "learning_rate": rate}
             chunk.append(body)
             labels.append([r.label for r in rows])
-            size += len(json.dumps(body))
-            if len(chunk) >= CHUNK_BATCHES or size >= CHUNK_BYTES:
+            size, count = size + len(json.dumps(body)), count + len(rows)
+            if len(chunk) >= CHUNK_BATCHES or count >= CHUNK_ROWS or size >= CHUNK_BYTES:
                 if not await _post(client, job_id, seq, chunk, labels, last=False):
                     return
-                seq, chunk, labels, size = seq + 1, [], [], 0
+                seq, chunk, labels, size, count = seq + 1, [], [], 0, 0
         await _post(client, job_id, seq, chunk, labels, last=True)
     except BaseException:
         if not following.done():
