@@ -21,8 +21,11 @@ def backend_for(server) -> RemoteBackend:
     return RemoteBackend(server.url, token=server.token, ca_cert=server.ca, heartbeat_every_s=0)
 
 
-def greedy(c, model: str) -> list[int]:
-    return chat(c, model, "Fork?", temperature=0, max_tokens=10)["choices"][0]["token_ids"]
+def greedy(c, model: str) -> list:
+    """The greedy answer's tokens and their logprobs: an adapter's fingerprint (two steps may pick the same tokens,
+    never with the same logprobs)."""
+    choice = chat(c, model, "Fork?", temperature=0, max_tokens=10)["choices"][0]
+    return list(zip(choice["token_ids"], (x["logprob"] for x in choice["logprobs"]["content"])))
 
 
 def test_a_model_starts_from_anothers_checkpoint_and_trains_on(start_server, tmp_path):
