@@ -261,7 +261,9 @@ def test_a_100000_row_file_trains_with_bounded_memory(start_server, tmp_path):
                                                          "pad_token_id")},
                                  hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                  num_key_value_heads=1, tie_word_embeddings=True)).save_pretrained(micro)
-    server = start_server(tmp_path / "srv")
+    # Tensors of 1 MiB and more mapped and unmapped as they come and go, not kept in the heap's free lists, where
+    # freed activations of all sizes would leave the resident size to drift with the allocator's fragmentation.
+    server = start_server(tmp_path / "srv", env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
 
     script = textwrap.dedent(f"""
         import asyncio, json, resource, sys
@@ -318,9 +320,12 @@ def test_a_100000_row_file_trains_with_bounded_memory(start_server, tmp_path):
     del held
     assert whole_kb > 50_000  # ~100 MB: what holding it whole would cost
     assert result["grew_kb"] < whole_kb / 4, (result["grew_kb"], whole_kb)
+    # What stays resident between batches (each window's least: activations come and go above it), in the second
+    # quarter and the last, both inside training: a server holding the rows would keep half the file more by then,
+    # as tokens (~40% of the size of the rows as JSON objects: a server made to keep its chunks grew by 46 MB here).
     quarter = len(samples_kb) // 4
-    early, late = max(samples_kb[:quarter]), max(samples_kb[2 * quarter:])
-    assert quarter >= 20 and late - early < whole_kb / 4, (early, late, whole_kb, samples_kb[::10])
+    second, last = min(samples_kb[quarter:2 * quarter]), min(samples_kb[3 * quarter:])
+    assert quarter >= 20 and last - second < whole_kb / 8, (second, last, whole_kb, samples_kb[::10])
     with server.client() as c:
         assert c.get("/artcloud/models/big").json()["step"] == 1
 
