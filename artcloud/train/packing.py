@@ -149,26 +149,31 @@ def micro_batches(samples: Sequence[Any], vocab_size: int, max_logit_elems: int 
     return _fit(chunks, vocab_size, max_logit_elems, max_tokens, flatten=True)
 
 
-def _tokens(samples: Sequence[Any]) -> int:
-    """What one forward pass over `samples` runs through the model: each distinct prompt once, every completion."""
-    return sum(len(p) for p in {tuple(s.prompt_ids) for s in samples}) + sum(len(s.completion_ids) for s in samples)
-
-
 def _fit(items: Sequence[Any], vocab_size: int, budget: int, max_tokens: int | None = None, *,
          flatten: bool = False) -> list[list[Any]]:
-    """Greedily fill batches in order, starting a new one when the next item would cross `budget` (logit floats)
-    or `max_tokens`. Items are samples, or (flatten=True) lists of samples kept whole. An item over a budget on
-    its own gets a batch of its own."""
+    """Greedily fill batches in order, starting a new one when the next item would cross `budget` (logit floats:
+    rows x longest completion x vocabulary) or `max_tokens` (what one forward runs through the model: each distinct
+    prompt once, every completion). Items are samples, or (flatten=True) lists of samples kept whole. An item over
+    a budget on its own gets a batch of its own. One pass, each batch's figures kept as it grows (an SFT batch may
+    hold thousands of rows)."""
     batches: list[list[Any]] = []
     current: list[Any] = []
+    prompts: set[tuple[int, ...]] = set()
+    tokens = longest = 0
     for item in items:
-        candidate = current + (list(item) if flatten else [item])
-        C = max(len(s.completion_ids) for s in candidate)
-        too_many = max_tokens is not None and _tokens(candidate) > max_tokens
-        if current and (len(candidate) * C * vocab_size > budget or too_many):
+        group = list(item) if flatten else [item]
+        own = {tuple(s.prompt_ids) for s in group}
+        completions = sum(len(s.completion_ids) for s in group)
+        C = max([len(s.completion_ids) for s in group], default=0)
+        grown = tokens + sum(map(len, own - prompts)) + completions
+        if current and ((len(current) + len(group)) * max(C, longest) * vocab_size > budget
+                        or (max_tokens is not None and grown > max_tokens)):
             batches.append(current)
-            candidate = list(item) if flatten else [item]
-        current = candidate
+            current, prompts, tokens, longest = [], set(), 0, 0
+            grown = sum(map(len, own)) + completions
+        current += group
+        prompts |= own
+        tokens, longest = grown, max(C, longest)
     if current:
         batches.append(current)
     return batches
