@@ -204,6 +204,21 @@ def test_denominator_divides():
         assert out.mean_ratio == pytest.approx(policy_loss(new, old, adv, mask).mean_ratio)
 
 
+def test_a_ratio_cap_beyond_float32_caps_nothing():
+    """max_negative_advantage_importance_sampling_weight and truncated_importance_sampling of 1e300 (valid: they are
+    only > 0) are no cap at all in float32, not a failed step (the fuzzer sent one: clamp refuses a bound float32
+    cannot hold)."""
+    mask, adv, old = _setup()
+    new = (old + torch.tensor([[0.3, -0.4, 0.1], [0.5, 2.0, 9.0]])).requires_grad_(True)
+    largest = float(torch.finfo(torch.float32).max)
+    for field in ("max_ratio", "truncated_is"):
+        huge = policy_loss(new, old, adv, mask, Knobs(**{field: 1e300})).loss.item()
+        assert huge == policy_loss(new, old, adv, mask, Knobs(**{field: largest})).loss.item()
+    # A ratio is at most e^20 (the log-ratio's clamp): the largest cap leaves the loss as no cap does.
+    assert (policy_loss(new, old, adv, mask, Knobs(max_ratio=1e300)).loss.item()
+            == policy_loss(new, old, adv, mask).loss.item())
+
+
 def test_unknown_loss_kind():
     mask, adv, old = _setup()
     with pytest.raises(ValueError):

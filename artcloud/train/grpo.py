@@ -138,8 +138,10 @@ def policy_loss(
             raise InvalidArgument(f"unknown importance_sampling_level {knobs.importance_sampling_level!r}: use token, "
                                   "sequence, average or geometric_average")
     low, high = 1.0 - knobs.eps_low, 1.0 + knobs.eps_high
+    # A cap beyond the dtype's range caps nothing (and clamp refuses a bound it cannot represent).
+    largest = torch.finfo(ratio.dtype).max
     if knobs.max_ratio:
-        ratio = ratio.clamp(max=knobs.max_ratio)
+        ratio = ratio.clamp(max=min(knobs.max_ratio, largest))
     if knobs.mask_ratio:
         ratio = torch.where((ratio > low) & (ratio < high), ratio, 0.0)
     adv = advantages.unsqueeze(1).expand_as(new_lp)  # (B, C): a token's own from here on
@@ -162,7 +164,7 @@ def policy_loss(
     else:
         raise InvalidArgument(f"unknown loss {knobs.kind!r}: use 'ppo' or 'cispo'")
     if knobs.truncated_is:
-        per_token = per_token * ratio.clamp(max=knobs.truncated_is).detach()
+        per_token = per_token * ratio.clamp(max=min(knobs.truncated_is, largest)).detach()
 
     kl_value = None
     if knobs.kl_coef > 0.0:
