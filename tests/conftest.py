@@ -52,19 +52,21 @@ collect_ignore = [] if _cuda() else ["conformance/test_cuda.py"]
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-# The files that take longest, longest first (185 s down to 35 s each in a make test run on 2 cores, 2026-12-05;
-# test_sharded.py ~155 s and test_smollm2.py ~45 s placed 2026-12-06: they ran last, alphabetically, before).
+# The files that take longest, longest first (241 s down to 30 s each in a 3-worker run on 2 cores, 2026-12-06;
+# test_vllm_server.py, unmeasured there, where earlier runs had it).
 # make test runs with `--dist loadfile --no-loadscope-reorder`: xdist then hands whole files to its workers
 # in collection order, so a long file left to the end would keep one worker busy while the other idles (the
 # two workers' shares came within 21 s of each other, against about a minute with xdist's own order). Order
 # only: a file missing here runs after these, in its usual place.
 LONGEST_FIRST = (
-    "tests/test_fuzz.py", "tests/conformance/test_engines.py", "tests/test_sdk.py", "tests/test_sharded.py",
-    "tests/test_server_faults.py", "tests/test_sky.py", "tests/test_run.py", "tests/test_vllm_server.py",
-    "tests/test_sky_spot.py", "tests/test_run_cloud.py", "tests/test_s3.py", "tests/test_art_examples.py",
-    "tests/test_modal.py", "tests/test_startup.py", "tests/test_client_faults.py", "tests/test_smollm2.py",
-    "tests/test_sky_nodes.py", "tests/test_replicas.py", "tests/test_s3_server.py", "tests/test_lease.py",
-    "tests/test_final_push.py",
+    "tests/test_sharded.py", "tests/test_sky_spot.py", "tests/test_fuzz.py", "tests/conformance/test_engines.py",
+    "tests/test_vllm_server.py", "tests/test_sky.py", "tests/test_run.py", "tests/test_run_cloud.py",
+    "tests/test_sft.py", "tests/test_server_faults.py", "tests/test_sdk.py", "tests/test_modal.py",
+    "tests/test_s3_server.py", "tests/test_art_examples.py", "tests/test_s3.py", "tests/test_sky_nodes.py",
+    "tests/test_replicas.py", "tests/test_sky_standin.py", "tests/test_final_push.py", "tests/test_cli.py",
+    "tests/test_lease.py", "tests/test_history.py", "tests/test_limits.py", "tests/test_fork.py",
+    "tests/test_weights.py", "tests/test_resume.py", "tests/test_client_faults.py", "tests/test_sky_edges.py",
+    "tests/test_model_state.py", "tests/test_startup.py", "tests/test_smollm2.py",
 )
 
 
