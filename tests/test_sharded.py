@@ -1,7 +1,7 @@
-"""The sharded trainer (FSDP2 over 2 processes under torchrun, gloo, SmolLM2) against the single-process
-peft trainer on the same samples: the same metrics, and the same LoRA weights after a step but for AdamW's
-sign noise (below); its checkpoints are the peft trainer's files exactly, both ways, and a step resumed
-across world sizes (1 -> 2, 2 -> 1) matches too.
+"""The sharded trainer (FSDP2 over 2 processes under torchrun, gloo; SmolLM2, and tiny-random where the model's
+size does not matter) against the single-process peft trainer on the same samples: the same metrics, and the
+same LoRA weights after a step but for AdamW's sign noise (below); its checkpoints are the peft trainer's files
+exactly, both ways, and a step resumed across world sizes (1 -> 2, 2 -> 1) matches too.
 
 AdamW's first updates are lr x sign(gradient): an element whose gradient is at the level of float32
 summation noise (two ranks add in another order than one process) can move either way. So weights must
@@ -56,8 +56,8 @@ def _samples(trainer: PeftTrainer, seed: int) -> list[TrainSample]:
     return samples
 
 
-def _single(samples: list[TrainSample], out: Path, resume: Path | None = None) -> list[dict]:
-    trainer = PeftTrainer(SMOLLM2)
+def _single(samples: list[TrainSample], out: Path, resume: Path | None = None, base_model: str = SMOLLM2) -> list[dict]:
+    trainer = PeftTrainer(base_model)
     if resume is None:
         trainer.create_adapter("agent", LORA)
     else:
@@ -99,45 +99,61 @@ def _assert_same_files(a: Path, b: Path) -> None:
 
 
 def _assert_same_step(a: Path, b: Path, metrics_a: list[dict], metrics_b: list[dict],
-                      samples: list[TrainSample]) -> None:
+                      samples: list[TrainSample], layers: int = 30, hidden: int = SMOLLM2_HIDDEN) -> None:
     (wa, oa), (wb, ob) = _tensors(a), _tensors(b)
-    assert sorted(wa) == sorted(wb) and len(wa) == 2 * len(LORA.target_modules) * 30  # A and B, 30 layers
+    assert sorted(wa) == sorted(wb) and len(wa) == 2 * len(LORA.target_modules) * layers  # A and B in every layer
     assert_same_adam_steps(wa, wb, CONFIG.learning_rate, CONFIG.gradient_steps)
     assert oa["param_groups"] == ob["param_groups"] and sorted(oa["state"]) == sorted(ob["state"])
     assert all(torch.equal(oa["state"][i]["step"], ob["state"][i]["step"]) for i in oa["state"])
     assert [m["gradient_step"] for m in metrics_a] == [m["gradient_step"] for m in metrics_b] == [1, 2]
-    assert_same_step_metrics(metrics_a, metrics_b, samples, SMOLLM2_HIDDEN)
+    assert_same_step_metrics(metrics_a, metrics_b, samples, hidden)
 
 
 @pytest.mark.numeric
-def test_two_ranks_train_as_one_process_and_resume_across_world_sizes(tmp_path):
+def test_two_ranks_train_as_one_process(tmp_path):
+    """On SmolLM2 (30 layers, a hidden size of 576: the sums two ranks split are a real model's)."""
     reference = PeftTrainer(SMOLLM2)
-    first, second = _samples(reference, 1), _samples(reference, 2)
+    first = _samples(reference, 1)
     del reference
-
     single1 = _single(first, tmp_path / "single-1")
-    # The sharded side's runs in one group of ranks (each with a trainer of its own): a step from a fresh
-    # adapter; single-1 loaded and saved again; the next step from single-1 (1 -> 2 ranks) and from its own
-    # first step (2 -> 2).
-    sharded1, _, sharded2_from_single, sharded2_from_sharded = _sharded(
-        tmp_path, run(first, tmp_path / "sharded-1"), run([], tmp_path / "sharded-again", tmp_path / "single-1"),
-        run(second, tmp_path / "sharded-2-from-single-1", tmp_path / "single-1"),
-        run(second, tmp_path / "sharded-2-from-sharded-1", tmp_path / "sharded-1"))
+    (sharded1,) = _sharded(tmp_path, run(first, tmp_path / "sharded-1"))
     _assert_same_step(tmp_path / "single-1", tmp_path / "sharded-1", single1, sharded1, first)
     # The old logprobs are the policy's own (one process, other batch shapes): the ratio is 1 to their noise.
     old = [x for s in first for x in s.old_logprobs]
     assert abs(sharded1[0]["mean_ratio"] - 1.0) <= ratio_bound(old, SMOLLM2_HIDDEN)
 
+
+@pytest.mark.numeric
+def test_a_step_resumes_across_world_sizes(tmp_path):
+    """A checkpoint of either side is the other's files exactly, and the next step from it (1 -> 2 ranks, 1 -> 1,
+    2 -> 1, 2 -> 2) matches; on tiny-random (the checkpoint's layout, not the model's size, is what is checked; the
+    sums of a real model's size are test_two_ranks_train_as_one_process's)."""
+    reference = PeftTrainer(TINY)
+    first, second = _samples(reference, 1), _samples(reference, 2)
+    del reference
+    layers = {"layers": 4, "hidden": TINY_HIDDEN}
+
+    single1 = _single(first, tmp_path / "single-1", base_model=TINY)
+    # The sharded side's runs in one group of ranks (each with a trainer of its own): a step from a fresh
+    # adapter; single-1 loaded and saved again; the next step from single-1 (1 -> 2 ranks) and from its own
+    # first step (2 -> 2).
+    sharded1, _, sharded2_from_single, sharded2_from_sharded = _sharded(
+        tmp_path, run(first, tmp_path / "sharded-1", base_model=TINY),
+        run([], tmp_path / "sharded-again", tmp_path / "single-1", base_model=TINY),
+        run(second, tmp_path / "sharded-2-from-single-1", tmp_path / "single-1", base_model=TINY),
+        run(second, tmp_path / "sharded-2-from-sharded-1", tmp_path / "sharded-1", base_model=TINY))
+    _assert_same_step(tmp_path / "single-1", tmp_path / "sharded-1", single1, sharded1, first, **layers)
+
     # A checkpoint loaded and saved again is the same files, on either side.
     _assert_same_files(tmp_path / "single-1", tmp_path / "sharded-again")
-    _single([], tmp_path / "single-again", resume=tmp_path / "sharded-1")
+    _single([], tmp_path / "single-again", resume=tmp_path / "sharded-1", base_model=TINY)
     _assert_same_files(tmp_path / "sharded-1", tmp_path / "single-again")
 
     # The next step from either checkpoint, on either side: 1 -> 2 ranks and 1 -> 1, 2 -> 1 and 2 -> 2.
     for start, sharded2 in (("single-1", sharded2_from_single), ("sharded-1", sharded2_from_sharded)):
-        single2 = _single(second, tmp_path / f"single-2-from-{start}", resume=tmp_path / start)
+        single2 = _single(second, tmp_path / f"single-2-from-{start}", resume=tmp_path / start, base_model=TINY)
         _assert_same_step(tmp_path / f"single-2-from-{start}", tmp_path / f"sharded-2-from-{start}", single2, sharded2,
-                          second)
+                          second, **layers)
 
 
 @pytest.mark.numeric
