@@ -32,8 +32,8 @@ SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PAIRS = [p.strip() for p in os.environ.get("ARTCLOUD_CONFORMANCE_ENGINES", "cpu").split(",") if p.strip()]
 CUDA = torch.cuda.is_available()
 LORA = LoraConfig(rank=8, alpha=16.0)
-# Every test compares what two computations give (sampler and trainer, streamed and not, two engines).
-pytestmark = pytest.mark.numeric
+# `numeric`: the tests that hold two float computations to a bound (sampler and trainer, streamed and not, a save
+# and a load, two engines); make test-kernels runs them again on other ATen kernels. The others check behaviour.
 QUESTION = "What is the capital of France?"
 
 
@@ -158,6 +158,7 @@ def test_sampling_shapes_stops_and_eos(engine, tmp_path):
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_equal_the_trainers_recomputation(engine, tmp_path, temperature):
     publish(engine, "lp", tmp_path / "0", new=True)
@@ -193,6 +194,7 @@ class Recorder(TokenSink):
                 [x for c in calls for x in (c[3] or [])], [c[4] for c in calls])
 
 
+@pytest.mark.numeric
 def test_streamed_tokens_come_as_they_are_generated_and_make_the_completion(engine, tmp_path):
     publish(engine, "st", tmp_path / "0", new=True)
     ids = prompt(engine, "Tell me about the sea.")
@@ -238,6 +240,7 @@ def test_a_published_step_changes_outputs_while_an_older_step_still_serves(engin
     engine.delete_adapter("pub@0")
 
 
+@pytest.mark.numeric
 def test_save_then_load_is_exact(engine, tmp_path):
     from safetensors.torch import load_file
 
@@ -266,9 +269,12 @@ def test_a_few_steps_on_a_fixed_batch_lower_the_loss(engine, tmp_path):
     for _ in range(4):
         losses += [m["loss"] for m in engine.train_step("fit", samples, TrainConfig(learning_rate=2e-3, loss="ppo"),
                                                         lambda m: None)]
-    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    # Every step after the first is below it. Not each below the one before: Adam promises no monotone descent, and
+    # with ART's gradient clip (0.1) the fourth step came back up by 0.5% on the vLLM pairs.
+    assert max(losses[1:]) < losses[0], losses
 
 
+@pytest.mark.numeric
 def test_a_checkpoint_resumes_across_engines(engine, tmp_path):
     """Written by this pair's trainer, read by the CPU engine, and back: same adapter, same optimizer."""
     from artcloud.server.engines.cpu import CPUEngine
