@@ -112,6 +112,28 @@ class _Tally:
             self._progress.stop()
 
 
+class _BatchFailures:
+    """The types.Tally that the rollouts of trajectory_group_batches' groups report to: only their failures count,
+    with the groups' own, against the batch's limit."""
+
+    def __init__(self, limit: int | float):
+        self.limit = limit
+        self.errors: list[BaseException] = []
+
+    def expect(self, n: int) -> None:
+        pass
+
+    def record(self, traj: Trajectory) -> None:
+        pass
+
+    def failed(self, e: BaseException) -> bool:
+        self.errors.append(e)
+        return self.over_limit()
+
+    def over_limit(self) -> bool:
+        return len(self.errors) > self.limit
+
+
 async def gather_trajectory_groups(
     groups: Iterable[TrajectoryGroup | Awaitable[TrajectoryGroup]],
     *,
@@ -277,9 +299,11 @@ async def trajectory_group_batches(
     """OpenPipe ART's `trajectory_group_batches`: batches of `batch_size` finished groups, in the order they
     finish, while up to `batch_size * max_concurrent_batches` groups run at once (the next batch's rollouts run
     while the caller trains on this one). The first `skip_batches * batch_size` groups are never run (resuming).
-    A group that raises (or whose rollout does) is left out and counts against `max_batch_exceptions` of its
-    batch (a count, or a fraction of `batch_size` when < 1); one too many raises GatherError. The last batch may
-    be smaller. Leaving the loop early, or an error, cancels every group still running and waits for it to end.
+    A rollout that raises is left out of its group (kept in its `exceptions`), and a group that raises is left
+    out of the batch; each counts against `max_batch_exceptions` of the batch (a count, or a fraction of
+    `batch_size` when < 1), as in ART; one too many raises GatherError. A group left with fewer than 2
+    trajectories is left out with a warning (GRPO compares 2 or more; train() refuses it). The last batch may be
+    smaller. Leaving the loop early, or an error, cancels every group still running and waits for it to end.
 
         async for batch in art.trajectory_group_batches(make_group(s) for s in scenarios), batch_size=4):
             await backend.train(model, batch)
@@ -306,27 +330,38 @@ async def trajectory_group_batches(
 
     pending: set[asyncio.Future] = set()
     batch: list[TrajectoryGroup] = []
-    errors: list[BaseException] = []
+    failures = _BatchFailures(limit)  # the rollouts' (resolve_group reports to it) and the groups'
     bar = _Tally(pbar_desc or "batches", progress, None, max_batch_exceptions)
     try:
         while unstarted or pending:
-            while unstarted and len(pending) < batch_size * max_concurrent_batches:
-                pending.add(asyncio.ensure_future(one(unstarted.pop(0))))
+            token = current_tally.set(failures)  # each task copies the context it starts in
+            try:
+                while unstarted and len(pending) < batch_size * max_concurrent_batches:
+                    pending.add(asyncio.ensure_future(one(unstarted.pop(0))))
+            finally:
+                current_tally.reset(token)
             with bar:
                 bar.total = batch_size
                 bar.show()
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:  # every exception retrieved, before any is raised
-                if task.exception() is not None:
-                    errors.append(task.exception())
+                error = task.exception()
+                if error is not None:
+                    if not any(error is e for e in failures.errors):  # a rollout's, counted already
+                        failures.errors.append(error)
                 elif len(task.result().trajectories) >= 2:  # as gather: GRPO needs two to compare
                     batch.append(task.result())
-            if len(errors) > limit:
-                raise GatherError(f"{len(errors)} of a batch's groups failed (max_batch_exceptions={max_batch_exceptions})"
-                                  f"; the first: {type(errors[0]).__name__}: {errors[0]}", errors) from errors[0]
+                else:
+                    warnings.warn(f"trajectory_group_batches left out a group of {len(task.result().trajectories)} "
+                                  "trajectories: GRPO compares 2 or more of the same prompt", stacklevel=2)
+            errors = failures.errors
+            if failures.over_limit():
+                raise GatherError(f"{len(errors)} of a batch's groups and rollouts failed (max_batch_exceptions="
+                                  f"{max_batch_exceptions}); the first: {type(errors[0]).__name__}: {errors[0]}",
+                                  errors) from errors[0]
             bar.done = len(batch)
             if len(batch) >= batch_size:
-                out, batch, errors = batch[:batch_size], batch[batch_size:], []
+                out, batch, failures.errors = batch[:batch_size], batch[batch_size:], []
                 yield out
         if batch:
             yield batch

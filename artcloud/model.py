@@ -189,7 +189,9 @@ class Model(BaseModel, Generic[ModelConfig]):
         `_openai_client_config` (ART's art.dev.OpenAIServerConfig: its vLLM server's settings) is accepted empty:
         artcloud's server is its own."""
         if _openai_client_config:
-            raise NotSupported(f"register(_openai_client_config={dict(_openai_client_config)!r}) configures OpenPipe "
+            # Its keys only: its server_args may hold an api_key.
+            raise NotSupported(f"register(_openai_client_config with {', '.join(map(str, _openai_client_config))}) "
+                               "configures OpenPipe "
                                "ART's vLLM server; artcloud serves through its own: give vLLM's settings as "
                                "engine_args= on the model", field="_openai_client_config")
         lora = self._lora().model_dump() if self.base_model is not None else {}

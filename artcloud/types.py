@@ -14,6 +14,7 @@ import inspect
 import math
 import time
 import traceback
+import typing
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -97,7 +98,7 @@ class TrainConfig(BaseModel):
     every knob are in artcloud/train/grpo.py, the learning-rate scalings in artcloud/train/loop.py.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN or inf anywhere: a 4xx naming the field
 
     # ART's default: larger rates quickly wreck a LoRA on an instruct model under RL.
     learning_rate: float = Field(5e-6, gt=0.0, le=1.0)
@@ -134,9 +135,11 @@ class TrainConfig(BaseModel):
     scale_learning_rate_by_reward_std_dev: bool = False
     # The learning rate times (trajectories in the gradient step) ** this power.
     num_trajectories_learning_rate_multiplier_power: float = Field(0.0, ge=-4.0, le=4.0)
-    max_grad_norm: float | None = Field(1.0, gt=0.0)
+    # ART's LocalBackend RL step: gradients clipped at 0.1 (art/dev/get_model_config.py's trainer_args) and AdamW's
+    # weight decay 0.1 (art/unsloth/train.py sets it on every RL step). None: no clipping.
+    max_grad_norm: float | None = Field(0.1, gt=0.0)
     gradient_steps: int = Field(1, ge=1, le=64)
-    weight_decay: float = Field(0.0, ge=0.0)
+    weight_decay: float = Field(0.1, ge=0.0)
     # AdamW's betas and epsilon (ART's adam_params, Tinker's AdamParams, set them too).
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
     adam_beta2: float = Field(0.99, ge=0.0, lt=1.0)
@@ -184,12 +187,18 @@ def _adam_params(value: Any) -> dict[str, Any]:
     return {ours: get(theirs) for theirs, ours in names.items() if get(theirs) is not None}
 
 
+def _admits_none(field: Any) -> bool:
+    return type(None) in typing.get_args(field.annotation)
+
+
 def _from_art_names(data: dict[str, Any]) -> dict[str, Any]:
     """`data` with ART's names turned into artcloud's; one line naming the fix for any other name."""
     out: dict[str, Any] = {}
     for key, value in data.items():
         if key in TrainConfig.model_fields:
-            if value is not None or TrainConfig.model_fields[key].default is None:  # ART's None: the default
+            # ART's None is "the default" for a field that has no None of its own; where None is a value
+            # (max_grad_norm=None: no clipping) it is kept.
+            if value is not None or _admits_none(TrainConfig.model_fields[key]):
                 out[key] = value
         elif key in _ART_ALIASES:
             if value is not None:  # ART passes None for "the default"
@@ -221,14 +230,15 @@ class TrainResult:
     """What one training step did (`model.train`, `backend.train`). Unpacks like ART's result: `step, metrics,
     checkpoint_path = result`. It is ART's LocalTrainResult too (its checkpoint_path)."""
 
+    # ART's fields first, in its order: LocalTrainResult(step, metrics, checkpoint_path) builds the same result.
     step: int  # the model's step after this call (NAME@step is served now)
-    trained: bool  # False when every group had equal rewards (nothing to learn)
     metrics: dict[str, Any] = field(default_factory=dict)
-    events: list[dict[str, Any]] = field(default_factory=list, repr=False)
     # The step's checkpoint folder on the SERVER's disk (for LocalBackend a folder on this machine; for
     # SkyBackend and ModalBackend one on the sandbox). With S3 the same step is pushed under the model's
     # prefix: `artcloud.pull_checkpoint` fetches it. None when the server did not say (a resumed step).
     checkpoint_path: str | None = None
+    trained: bool = True  # False when every group had equal rewards (nothing to learn)
+    events: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.step, self.metrics, self.checkpoint_path))
@@ -236,6 +246,9 @@ class TrainResult:
 
 # OpenPipe ART's name for what LocalBackend.train returns: artcloud's every backend returns a TrainResult.
 LocalTrainResult = TrainResult
+
+
+_Rate = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
 class TrainSFTConfig(BaseModel):
@@ -246,8 +259,8 @@ class TrainSFTConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    learning_rate: float | list[float] = 5e-5
-    batch_size: int | Literal["auto"] = "auto"
+    learning_rate: _Rate | Annotated[list[_Rate], Field(min_length=1)] = 5e-5
+    batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
 
     def __init__(self, **data: Any):
         _check_fields(type(self), data)

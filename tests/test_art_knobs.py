@@ -220,3 +220,43 @@ def test_the_learning_rate_follows_the_trend_of_the_groups_reward_spread(tiny_se
     assert [points[s] for s, _ in spreads] == pytest.approx([v for _, v in spreads])
     assert last["learning_rate"] == pytest.approx(1e-3 * (slope * last["step"] + intercept) / intercept, rel=1e-9)
     assert last["learning_rate"] < 1e-3  # the spread fell: so did the rate
+
+
+def test_the_reward_spread_factor_stays_within_0_and_1():
+    """A fitted line that crosses 0 by this step would give a negative rate (gradient ascent), one that rises a rate
+    past the client's: the factor is held to [0, 1], and taken at this step even when the records have it."""
+    from artcloud.server.step_config import reward_spread_trend
+
+    def records(spreads: dict[int, float]) -> list[dict]:
+        return [{"source": "train", "step": s, "reward_std_dev": v} for s, v in spreads.items()]
+
+    # (1, .5) (2, .5) (3, .02) (4, .02): slope -0.192, intercept 0.74, the line at 4 is -0.028
+    assert reward_spread_trend(records({1: 0.5, 2: 0.5, 3: 0.02}), 4, 0.02) == 0.0
+    assert reward_spread_trend(records({s: 0.01 + 0.02 * s for s in range(1, 20)}), 20, 0.41) == 1.0
+    falling = reward_spread_trend(records({1: 0.5, 2: 0.4}), 3, 0.3)  # y = 0.6 - 0.1 x: 0.3 / 0.6
+    assert falling == pytest.approx(0.5, rel=1e-12)
+    # (1, .9) (2, .5) (3, .4): y = 1.1 - 0.25 x, at step 2 0.6 / 1.1, whether the records hold step 2 or not
+    assert reward_spread_trend(records({1: 0.9, 2: 0.5, 3: 0.4}), 2, 0.5) == pytest.approx(0.6 / 1.1, rel=1e-12)
+    assert reward_spread_trend(records({1: 0.9, 3: 0.4}), 2, 0.5) == pytest.approx(0.6 / 1.1, rel=1e-12)
+
+
+def test_a_kl_reference_deleted_while_its_job_waits_fails_that_job_naming_why(tiny_server):
+    """The reference is resolved when the job is posted and read when it runs: a prune in between (ART's template
+    calls delete_checkpoints every step) fails the job with checkpoint_not_found, not an I/O error. The job waits
+    behind an SFT job that holds the model's queue until its chunks come (the barrier)."""
+    from helpers import events, rollout_groups, train
+
+    with tiny_server.client() as c:
+        r = c.post("/artcloud/models", json={"name": "kldel", "project": "tests", "base_model": "artcloud/tiny-random"})
+        assert r.status_code == 200, r.text
+        train(c, "kldel", rollout_groups(c, "kldel", ["a"], n=3), learning_rate=1e-3)  # checkpoints 0 and 1
+        holder = c.post("/artcloud/models/kldel/sft", json={"idempotency_key": "hold"}).json()["job_id"]
+        r = c.post("/artcloud/models/kldel/train", json={"groups": rollout_groups(c, "kldel", ["b"], n=3),
+                                                         "config": {"kl_penalty_coef": 0.1, "kl_penalty_reference_step": 0}})
+        assert r.status_code == 202, r.text
+        pruned = c.post("/artcloud/models/kldel/checkpoints/prune", json={"best_metric": "val/reward"}).json()
+        assert pruned["deleted"] == [0], pruned
+        assert c.post(f"/artcloud/jobs/{holder}/sft", json={"seq": 0, "abort": True}).status_code == 200
+        end = events(c, r.json()["job_id"])[-1]
+        assert end["type"] == "error" and end["data"]["code"] == "checkpoint_not_found", end
+        assert "delete" in end["data"]["message"] and c.get("/artcloud/models/kldel").json()["step"] == 1

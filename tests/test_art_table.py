@@ -27,7 +27,7 @@ import pytest
 
 import artcloud
 from artcloud.art_options import apply_art_options
-from artcloud.errors import ArtcloudError
+from artcloud.errors import ArtcloudError, NotSupported
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 NAME = re.compile(r"(?P<path>artcloud(?:\.\w+)+)(?:\((?P<kw>\w+)=\))?")
@@ -404,8 +404,37 @@ def test_the_loss_defaults_are_arts():
     assert (config.adam_beta1, config.adam_epsilon) == (0.8, 1e-6)
 
 
+def test_the_rl_optimizer_defaults_are_arts_and_none_is_no_clipping():
+    # ART's LocalBackend: trainer_args max_grad_norm=0.1 (art/dev/get_model_config.py), weight decay 0.1 on every RL
+    # step (art/unsloth/train.py).
+    config = artcloud.TrainConfig()
+    assert (config.max_grad_norm, config.weight_decay, config.adam_beta1, config.adam_beta2) == (0.1, 0.1, 0.9, 0.99)
+    assert artcloud.TrainConfig(max_grad_norm=None).max_grad_norm is None  # a value, not "the default"
+    assert artcloud.TrainConfig(epsilon=None).clip_bounds() == (1.0, 4.0)  # ART's None: the default
+
+
+def test_a_train_result_built_as_arts_has_its_fields_in_arts_order():
+    result = artcloud.LocalTrainResult(5, {"loss": 1.0}, "/ckpt/5")
+    assert (result.step, result.metrics, result.checkpoint_path) == (5, {"loss": 1.0}, "/ckpt/5")
+    assert tuple(result) == (5, {"loss": 1.0}, "/ckpt/5")
+
+
 def test_sft_auto_batch_is_arts_local_default():
     assert artcloud.TrainSFTConfig().batch == 2 and artcloud.TrainSFTConfig().learning_rate == 5e-5
+
+
+@pytest.mark.parametrize("bad", [{"batch_size": 0}, {"learning_rate": -1e-5}, {"learning_rate": []},
+                                 {"learning_rate": [1e-5, float("nan")]}, {"learning_rate": float("inf")}])
+def test_a_bad_sft_config_is_refused_naming_its_field(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        artcloud.TrainSFTConfig(**bad)
+
+
+def test_an_openai_client_config_refused_names_its_keys_not_its_values():
+    model = artcloud.TrainableModel(name="t", project="p", base_model="artcloud/tiny-random")
+    with pytest.raises(NotSupported, match="server_args") as refused:
+        asyncio.run(model.register(None, _openai_client_config={"server_args": {"api_key": "sk-secret-1234"}}))
+    assert "sk-secret" not in str(refused.value)
 
 
 def test_internal_config_maps_onto_artclouds_settings():
@@ -421,3 +450,10 @@ def test_local_backend_takes_a_gpu_price(monkeypatch, tmp_path):
     assert artcloud.LocalBackend(path=tmp_path).price_per_hour is None
     with pytest.raises(artcloud.InvalidArgument, match="gpu_cost_per_hour_usd must be dollars per hour"):
         artcloud.LocalBackend(path=tmp_path, gpu_cost_per_hour_usd=-1)
+
+
+@pytest.mark.parametrize("field", ["kimi_k2_tau", "kl_coef", "kl_penalty_coef", "truncated_importance_sampling"])
+def test_a_knob_that_is_nan_or_infinite_is_refused_naming_it(field):
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=field):
+            artcloud.TrainConfig(**{field: value})

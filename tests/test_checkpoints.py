@@ -120,6 +120,22 @@ def test_commit_existing_step_raises(tmp_path):
     assert _leftovers(tmp_path) == ["4"]
 
 
+def test_a_step_set_aside_comes_back_whole_over_a_failed_replacement(tmp_path):
+    """A fork at step 0 sets the model's own step 0 aside, commits the forked one, and on a failure restores it."""
+    _commit(tmp_path, 0)
+    original = {p.name: p.read_bytes() for p in (ck.checkpoints_dir(tmp_path) / "0").iterdir()}
+    aside = ck.set_aside(tmp_path, 0)
+    assert ck.committed_steps(tmp_path) == [] and ck.step_folder(tmp_path, 0) is None
+    _commit(tmp_path, 0, {"adapter_model.safetensors": b"forked", "adapter_config.json": b"{}"})  # then it fails
+    ck.restore_aside(tmp_path, 0, aside)
+    assert ck.committed_steps(tmp_path) == [0] and ck.verify(ck.checkpoints_dir(tmp_path) / "0")
+    assert {p.name: p.read_bytes() for p in (ck.checkpoints_dir(tmp_path) / "0").iterdir()} == original
+    assert _leftovers(tmp_path) == ["0"]
+    aside = ck.set_aside(tmp_path, 0)  # nothing was committed over it this time
+    ck.restore_aside(tmp_path, 0, aside)
+    assert {p.name: p.read_bytes() for p in (ck.checkpoints_dir(tmp_path) / "0").iterdir()} == original
+
+
 def _flip_byte(path: Path, at: int = 10) -> None:
     data = bytearray(path.read_bytes())
     data[at] ^= 0xFF

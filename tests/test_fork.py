@@ -28,7 +28,7 @@ def greedy(c, model: str) -> list:
     return list(zip(choice["token_ids"], (x["logprob"] for x in choice["logprobs"]["content"])))
 
 
-def test_a_model_starts_from_anothers_checkpoint_and_trains_on(start_server, tmp_path):
+def test_a_model_starts_from_anothers_checkpoint_and_trains_on(start_server, tmp_path, caplog):
     server = start_server(tmp_path / "srv")
     with server.client() as c:
         assert c.post("/artcloud/models", json={"name": "sft", "project": "p", "base_model": TINY}).status_code == 200
@@ -66,6 +66,20 @@ def test_a_model_starts_from_anothers_checkpoint_and_trains_on(start_server, tmp
         assert end["data"]["step"] == 2 and end["data"]["trained"]
         assert c.get("/artcloud/models/sft").json()["step"] == 2  # the source is untouched
         assert greedy(c, "sft@2") == at_two
+        trained = greedy(c, "rl")
+
+    async def run_again() -> None:  # the script once more: as ART's, the model stays at its latest step
+        backend = backend_for(server)
+        rl = artcloud.TrainableModel(name="rl", project="p", base_model=TINY)
+        await backend._experimental_fork_checkpoint(rl, from_model="sft", not_after_step=1)
+        assert rl.step == 2 and (await backend.model_info("rl")).checkpoints == [0, 1, 2]
+        await backend.close()
+
+    with caplog.at_level("WARNING"):
+        asyncio.run(run_again())
+    assert "rl is at step 2 already" in caplog.text
+    with server.client() as c:
+        assert greedy(c, "rl") == trained
 
 
 @pytest.mark.slow

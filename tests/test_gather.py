@@ -204,7 +204,7 @@ def test_trajectory_group_batches_runs_ahead_and_yields_whole_batches_as_arts():
         async for _ in artcloud.trajectory_group_batches([bad(), bad()], batch_size=2, progress=False):
             pass
 
-    with pytest.raises(GatherError, match=r"^[12] of a batch's groups failed \(max_batch_exceptions=0\)"):
+    with pytest.raises(GatherError, match=r"^[12] of a batch's groups and rollouts failed \(max_batch_exceptions=0\)"):
         asyncio.run(too_many())  # ART's default: none may fail
 
     cancelled = []
@@ -225,3 +225,35 @@ def test_trajectory_group_batches_runs_ahead_and_yields_whole_batches_as_arts():
 
     asyncio.run(leave_early())
     assert sorted(cancelled) == [1, 2]  # nothing goes on running once the caller is done
+
+
+def test_a_failed_rollout_in_a_batch_leaves_its_group_the_others_and_counts_against_the_batch():
+    """As ART's GatherContext in trajectory_group_batches: a rollout that raises inside a group (ART's
+    `TrajectoryGroup(rollouts)` style, awaited in the group's coroutine) leaves the group its other trajectories
+    and counts against max_batch_exceptions; past it, GatherError. A group left with one trajectory is left out
+    with a warning."""
+    async def rollout(i: int, fail: bool) -> artcloud.Trajectory:
+        if fail:
+            raise RuntimeError(f"rollout {i} failed")
+        return await ok(float(i))
+
+    async def group(g: int, failing: int) -> artcloud.TrajectoryGroup:
+        return await artcloud.TrajectoryGroup(rollout(10 * g + i, i < failing) for i in range(3))
+
+    async def batches(failing: list[int], allowed: int) -> list[list[int]]:
+        out = []
+        async for batch in artcloud.trajectory_group_batches([group(g, f) for g, f in enumerate(failing)],
+                                                             batch_size=len(failing), max_batch_exceptions=allowed,
+                                                             progress=False):
+            out.append([len(g.trajectories) for g in batch])
+            assert all(len(g.exceptions) == 3 - len(g.trajectories) for g in batch)
+        return out
+
+    (sizes,) = asyncio.run(batches([1, 0], allowed=1))
+    assert sorted(sizes) == [2, 3]
+    with pytest.raises(GatherError, match=r"^2 of a batch's groups and rollouts failed \(max_batch_exceptions=1\)"):
+        asyncio.run(batches([1, 1], allowed=1))
+    with pytest.raises(GatherError, match="rollout 0 failed"):
+        asyncio.run(batches([1, 0], allowed=0))  # ART's default
+    with pytest.warns(UserWarning, match="left out a group of 1 trajectories"):
+        assert asyncio.run(batches([2, 0], allowed=2)) == [[3]]

@@ -44,6 +44,13 @@ def test_state_is_read_merged_and_overwritten_as_in_art(tiny_server):
         with pytest.raises(BadRequest, match="state_too_large") as e:
             model.overwrite_state({"blob": "x" * (2 << 20)})
         assert e.value.field == "state" and model.read_state() == {"offset": 4}  # nothing of it was kept
+        with pytest.raises(WrongType, match="JSON"):
+            model.merge_state({"loss": float("nan")})
+        with tiny_server.client() as c:  # past the client's check: the server's parser takes NaN, JSON has none
+            r = c.put("/artcloud/models/stateful/state", content='{"state": {"loss": NaN}}',
+                      headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["field"] == "state", r.text
+        assert model.read_state() == {"offset": 4}
         # A prompted model (ART's art.Model) keeps a state too.
         baseline = artcloud.Model(name="baseline-state", project="state", inference_base_url="http://127.0.0.1:9/v1")
         await baseline.register(backend)

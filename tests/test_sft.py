@@ -236,6 +236,32 @@ def test_a_chunk_sent_twice_trains_once_and_an_abandoned_job_commits_nothing(tin
         assert r.status_code == 404
 
 
+def test_an_abort_is_honoured_until_the_last_batch_has_trained_and_refused_once_the_step_commits():
+    """The job checks for an abort before each batch and before its commit; once it commits, an abort is a 409 (the
+    client then follows the job to its end) rather than a 200 followed by a commit nobody expects."""
+    from artcloud.errors import ArtcloudError
+    from artcloud.server.api_errors import ApiError
+    from artcloud.server.sft import Feed
+    from artcloud.wire import SFTChunk
+
+    async def main() -> None:
+        feed = Feed(total=2, max_grad_norm=None)
+        feed.check_wanted()  # open: nothing raised
+        assert (await feed.put(SFTChunk(seq=0, abort=True), "", None))["seq"] == 0
+        with pytest.raises(ArtcloudError) as gone:
+            feed.check_wanted()
+        assert gone.value.code == "client_gone" and "abandoned" in str(gone.value)
+
+        committing = Feed(total=2, max_grad_norm=None)
+        committing.committing = True
+        with pytest.raises(ApiError) as late:
+            await committing.put(SFTChunk(seq=1, abort=True), "", None)
+        assert late.value.status == 409 and committing.closed is None
+        committing.check_wanted()
+
+    asyncio.run(main())
+
+
 @pytest.mark.slow
 def test_a_100000_row_file_trains_with_bounded_memory(start_server, tmp_path):
     """Streamed end to end: neither the client nor the server ever holds the file. Its rows would take hundreds of

@@ -363,9 +363,13 @@ class RemoteBackend:
             await model.register(self)
         body = {"from_model": from_model, "from_project": from_project, "from_s3_bucket": from_s3_bucket,
                 "prefix": prefix, "not_after_step": not_after_step}
+        before = (await self.client.model_info(model.name)).step
         info = await self.client.fork(model.name, {k: v for k, v in body.items() if v is not None})
         model.step = info.step
-        if verbose:
+        if before > 0 and info.step == before:
+            log.warning("%s is at step %d already (this script ran before): it stays there, not forked from %s again",
+                        model.name, before, from_model)
+        elif verbose:
             log.warning("%s: forked from %s at step %d", model.name, from_model, info.step)
 
     async def _experimental_push_to_s3(self, *args: Any, **kwargs: Any) -> None:

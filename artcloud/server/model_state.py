@@ -109,7 +109,11 @@ class StateKeeper:
         async with self._write_lock, lock:  # a commit under way ends first: then the step is the new one
             value = merge(self.value or {}, state) if merge_into else state
             at = step() if callable(step) else step
-            text = dump(at, value)
+            try:
+                text = dump(at, value)
+            except ValueError:  # the request's JSON parser takes NaN and Infinity; JSON itself has neither
+                raise ApiError(400, "invalid_request", "state: NaN and Infinity are not JSON: store them as strings "
+                               "or null", "state") from None
             if len(text) > MAX_STATE_BYTES:
                 raise ApiError(400, "state_too_large", f"state: {len(text)} bytes as JSON; a model's state holds at "
                                f"most {MAX_STATE_BYTES}: keep a position or a pointer there, not the data", "state")

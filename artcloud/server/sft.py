@@ -114,6 +114,7 @@ class Feed:
     dropped: int = 0
     complete: bool = False  # its last chunk was taken
     closed: str | None = None  # why the job takes no more chunks: it ended, failed or was abandoned
+    committing: bool = False  # its last batch trained: the step commits, an abort comes too late
     _taking: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def put(self, chunk: SFTChunk, digest: str, prepare_it: Any) -> dict[str, int]:
@@ -121,6 +122,9 @@ class Feed:
         answered again, not taken twice. ApiError 409 for one out of order, or for a job that takes no more. A
         chunk that says `abort`, or whose rows are refused (400), ends the job: nothing of it is committed."""
         if chunk.abort:
+            if self.committing:
+                raise ApiError(409, "job_ended", "this SFT job trained its last batch and is committing its step: "
+                               "follow the job for its end", "abort")
             self.close("the client abandoned the call")
             return self._answer(chunk.seq)
         async with self._taking:
@@ -166,6 +170,12 @@ class Feed:
         if chunk is None:
             raise ArtcloudError(f"the job was ended before its last chunk: {self.closed}", code="client_gone")
         return chunk
+
+    def check_wanted(self) -> None:
+        """ArtcloudError when the job was abandoned (or a chunk refused) while it trained: between its batches and
+        before its commit, so that an abort is never followed by a commit."""
+        if self.closed is not None:
+            raise ArtcloudError(f"the job was ended before its last chunk: {self.closed}", code="client_gone")
 
     def close(self, why: str) -> None:
         """Take no more chunks (the job ended, failed or was abandoned): a post waiting for room is freed (and

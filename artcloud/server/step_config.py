@@ -40,7 +40,9 @@ def resolve_reference(config: TrainConfig, model_folder: Path, name: str) -> Tra
 def reward_spread_trend(records: list[dict[str, Any]], step: int, reward_std_dev: float) -> float:
     """The learning rate's factor for scale_learning_rate_by_reward_std_dev: a line fitted to the training records'
     within-group reward std (`reward_std_dev`) by step, `step`'s own included; its value at `step` over its value at
-    step 0 (the intercept). 1 with fewer than two points or an intercept <= 0 (as OpenPipe ART computed it)."""
+    step 0 (the intercept). 1 with fewer than two points or an intercept <= 0 (as OpenPipe ART computed it). Held to
+    [0, 1]: the rate only falls as the rewards converge; a line that crosses 0 would make it negative (gradient
+    ascent), and one that rises would take it past the rate the client set."""
     points = {r["step"]: r["reward_std_dev"] for r in records
               if r.get("source") == "train" and isinstance(r.get("reward_std_dev"), (int, float))}
     points[step] = float(reward_std_dev)
@@ -50,4 +52,6 @@ def reward_spread_trend(records: list[dict[str, Any]], step: int, reward_std_dev
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     intercept = my - slope * mx
-    return (slope * xs[-1] + intercept) / intercept if intercept > 0 else 1.0
+    if intercept <= 0:
+        return 1.0
+    return min(max((slope * step + intercept) / intercept, 0.0), 1.0)

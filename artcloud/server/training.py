@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -235,7 +236,9 @@ class ModelTrainer:
             log.error("%s: %s", name, e)
             event = dict(code="non_finite", cause=e.cause, gradient_step=e.gradient_step,
                          message=f"{e}; {name} stays at step {step}")
-        elif type(e) is ArtcloudError and e.code == "client_gone":  # an SFT job whose batches stopped coming
+        elif type(e) is ArtcloudError and e.code in ("client_gone", "checkpoint_not_found"):
+            # The job's own circumstances, no fault of the server: an SFT job whose batches stopped coming, a KL
+            # reference deleted while the job waited.
             log.warning("%s: %s", name, e)
             event = dict(code=e.code, message=f"{e}; nothing of this job was committed, {name} stays at step {step}")
         else:
@@ -260,6 +263,12 @@ class ModelTrainer:
 
         async def work(on_step: StepCallback) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             model = self.model
+            reference = config.kl_ref_adapter_path if config.kl_reference else None
+            if samples and reference is not None and not (Path(reference) / checkpoints.MANIFEST).is_file():
+                # Resolved when the job was posted; retention or a prune may have deleted it while the job waited.
+                raise ArtcloudError(f"the KL reference checkpoint {Path(reference).name} of this job was deleted "
+                                    "while it waited (retention or delete_checkpoints): keep that step, or name "
+                                    "another", code="checkpoint_not_found")
             steps = await model.host.call(model.engine.train_step, model.slot, samples, config, on_step) if samples else []
             return steps, stats
 
@@ -318,10 +327,13 @@ class ModelTrainer:
             model, steps = self.model, []
             while True:
                 for samples, learning_rate in chunk.batches:
+                    feed.check_wanted()
                     done += 1
                     sft = SFTStep(learning_rate, max_grad_norm=feed.max_grad_norm, batch=done, batches=feed.total)
                     steps += await model.host.call(model.engine.train_step, model.slot, samples, sft, on_step)
                 if chunk.last:
+                    feed.check_wanted()
+                    feed.committing = True  # from here an abort is refused (409): the step commits
                     return steps, {"kind": "sft", "batches": done, "trajectories": sum(s["samples"] for s in steps),
                                    "trajectories_dropped": feed.dropped}
                 chunk = await feed.next()
@@ -343,7 +355,8 @@ class ModelTrainer:
         """Start this model from a committed checkpoint of another model (`source`, its folder at `step`), as
         OpenPipe ART's _experimental_fork_checkpoint: its adapter and optimizer become this model's step `step`
         (committed, served, pushed). Its history and state stay this model's own (ART copies checkpoint files
-        only). A model that has trained already is refused (fork onto a new name)."""
+        only). A model that has trained past `step` already is left as it is (a script run again); one that has
+        trained less far is refused (fork onto a new name)."""
         model = self.model
         try:
             saved = await asyncio.to_thread(checkpoints.verify, source)  # what another model's folder holds is checked
@@ -353,7 +366,16 @@ class ModelTrainer:
         if adapter.get("base_model_name_or_path") != model.spec.base_model:
             raise ApiError(400, "invalid_request", f"from_model: {label} is an adapter of "
                            f"{adapter.get('base_model_name_or_path')!r}, not of {model.spec.base_model!r}", "from_model")
+        self.check_can_train()  # not on a model another server now trains (S3's claim was lost)
         async with self.submit_lock, model.lock.write(), self.commit_lock:
+            if self.frozen:  # shutdown froze it and pushed its last step: a fork now would never reach S3
+                raise ApiError(409, "shutting_down", f"{self.name} is frozen: the server is shutting down")
+            if model.step >= step and model.step > 0 and not self.busy_with_jobs:
+                # A script run again (it resumes): ART's fork copies the checkpoint in under its step, older than the
+                # model's latest, which the model stays at. So does this one, with nothing copied.
+                log.warning("%s is at step %d already, past %s's step %d: not forked again", self.name, model.step,
+                            label, step)
+                return self.info()
             if self.busy_with_jobs or model.step != 0 or checkpoints.committed_steps(model.folder) != [0]:
                 raise ApiError(409, "model_trained", f"{self.name} is at step {model.step} with checkpoints "
                                f"{checkpoints.committed_steps(model.folder)}: a fork starts a model that has not trained "
@@ -365,13 +387,17 @@ class ModelTrainer:
                 await self._reload(failed_step=True)
                 raise ApiError(400, "invalid_request", f"from_model: {label} does not fit this model's LoRA "
                                f"({model.spec.lora.model_dump()}): {first_line(e)}", "from_model") from e
-            if step == 0:
-                await model.host.call(checkpoints.delete, model.folder, 0)
+            # A fork at step 0 replaces this model's own step 0, which stays aside until the new one is committed.
+            aside = await model.host.call(checkpoints.set_aside, model.folder, 0) if step == 0 else None
             try:
                 await self._commit(step)
             except BaseException:
+                if aside is not None:
+                    await model.host.call(checkpoints.restore_aside, model.folder, 0, aside)
                 await self._reload(failed_step=True)
                 raise
+            if aside is not None:
+                await model.host.call(shutil.rmtree, aside, True)
             model.step = step
         log.info("%s starts at step %d, forked from %s", self.name, step, label)
         return self.info()
@@ -385,7 +411,13 @@ class ModelTrainer:
     async def write_state(self, state: dict[str, Any], merge: bool) -> dict[str, Any]:
         """ART's overwrite_state / merge_state: on this disk (and on its way to S3) when it returns; tagged with
         the step it belongs to (after any commit under way)."""
-        return await self.state.write(state, merge_into=merge, step=lambda: self.model.step)
+        def step() -> int:  # under the commit lock: no commit under way, and the model not frozen since
+            if self.frozen:
+                raise ApiError(409, "shutting_down", f"{self.name} is frozen: the server is shutting down and pushed "
+                               "its last state")
+            return self.model.step
+
+        return await self.state.write(state, merge_into=merge, step=step)
 
     # ------------------------------------------------------------------------------------- history
 

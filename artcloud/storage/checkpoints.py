@@ -330,6 +330,21 @@ def plan_retention(steps: list[int], *, keep_last: int, metric: dict[int, float]
     return [s for s in steps if s not in keep]
 
 
+def set_aside(model_dir: Path, step: int) -> Path:
+    """A committed checkpoint moved out of the committed namespace (one rename), to be restored or removed."""
+    aside = checkpoints_dir(model_dir) / f".tmp-aside-{step}-{uuid.uuid4().hex[:8]}"
+    os.rename(checkpoints_dir(model_dir) / str(step), aside)
+    return aside
+
+
+def restore_aside(model_dir: Path, step: int, aside: Path) -> None:
+    """Undo set_aside: whatever a failed commit left at `step` goes, the checkpoint set aside comes back."""
+    folder = checkpoints_dir(model_dir) / str(step)
+    if folder.exists():
+        delete(model_dir, step)
+    os.rename(aside, folder)
+
+
 def delete(model_dir: Path, step: int) -> None:
     """Remove a checkpoint: renamed out of the committed namespace first, so no reader sees half of it."""
     folder = checkpoints_dir(model_dir) / str(step)

@@ -132,7 +132,8 @@ class PeftTrainer(Trainer):
             with torch.no_grad(), peft.disable_adapter():
                 return packing.completion_logprobs(peft, batch, shared=shared)
 
-        reference = getattr(config, "kl_ref_adapter_path", None)  # the server resolved it to a checkpoint folder
+        # The server resolved it to a checkpoint folder; read only when a KL knob is on (else nothing uses it).
+        reference = getattr(config, "kl_ref_adapter_path", None) if getattr(config, "kl_reference", False) else None
         return loop.TrainablePolicy(
             params=[p for _, p in self._params(slot)],
             optimizer=self._optimizer(slot, config),
