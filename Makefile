@@ -43,9 +43,12 @@ ONE_THREAD := OMP_NUM_THREADS=1
 EDITABLE := flock pyproject.toml
 export EDITABLE
 # No byte-compiling at install: pip would compile every module of every package (54,000 files in .venv, .venv-vllm
-# and .venv-laptop, ~340 a second on one core here: ~2.5 min of CPU); Python compiles what is imported, once.
+# and .venv-laptop, ~340 a second on one core here: ~2.5 min of CPU); Python compiles what is imported, once, and
+# caches it, which it does only where PYTHONDONTWRITEBYTECODE is unset (this machine's environment sets it: then
+# each of the suite's hundreds of processes compiled torch, transformers and the rest again, from source).
 # (PIP_NO_COMPILE is not used: pip reads it inverted, PIP_NO_COMPILE=0 is --no-compile.)
 PIP_FLAGS := --quiet --no-compile
+unexport PYTHONDONTWRITEBYTECODE
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
