@@ -36,7 +36,8 @@ PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # One torch (OpenMP) thread per process while processes run side by side: the workers, their servers and ranks
 # are the parallelism. With torch's default (a thread per core) every process's threads spun on cores the others
 # held: the .venv suite took 16:34 of both cores, and 12:32 with one thread each (the CPU conformance tests went
-# from 42-149 s to under 18 s). test-engines, the vLLM pairs, keeps vLLM's own thread settings.
+# from 42-149 s to under 18 s). test-engines too: beside stage 3's other parts it took 9:38 on a clean clone; alone,
+# with one thread, 4:16 on 2.4 min of CPU (one pair alone with torch's threads: 2:15 on 1.6 min).
 ONE_THREAD := OMP_NUM_THREADS=1
 # One editable install of this checkout at a time, whoever runs it (the lock is pyproject.toml itself: flock is
 # advisory, so reading it is unaffected).
@@ -104,7 +105,7 @@ test-main: $(STAMP)
 # ATEN_CPU_CAPABILITY unset: AVX512, AVX2, SVE256, ... or DEFAULT); the rerun sets ATEN_CPU_CAPABILITY=default, the
 # plain kernels every torch build has, or KERNELS (e.g. KERNELS=avx2). Where torch picks DEFAULT itself there is no
 # other path to run (unless KERNELS names one). It fails if torch does not run what it was asked for. CPU engine only
-# (the conformance suite's vLLM pairs are test-engines'). 45 tests, 2 min 51 s alone on 2 cores.
+# (the conformance suite's vLLM pairs are test-engines'). 86 tests, 2 min alone on 2 cores (2026-12-07).
 KERNELS ?= default
 CPU_CAPABILITY := $(BIN)/python -c "import torch; print(torch.backends.cpu.get_cpu_capability())"
 test-kernels: $(STAMP)
@@ -125,7 +126,7 @@ test-laptop: $(LAPTOP_STAMP)
 # bench/gpu_check.sh runs it: the contract it checks is artcloud's engine, not vLLM's compiled graphs (which
 # tests/test_vllm_server.py's server runs); each pair starts in 31 s instead of 36 and samples ~25% faster here.
 test-engines: $(VLLM_STAMP)
-	ARTCLOUD_ENGINE_ARGS='{"enforce_eager": true}' ARTCLOUD_CONFORMANCE_ENGINES=$(VLLM_PAIRS) \
+	$(ONE_THREAD) ARTCLOUD_ENGINE_ARGS='{"enforce_eager": true}' ARTCLOUD_CONFORMANCE_ENGINES=$(VLLM_PAIRS) \
 		$(VLLM_VENV)/bin/python -m pytest -q -ra tests/conformance
 
 test-fast: $(STAMP) $(LAPTOP_STAMP)
