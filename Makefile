@@ -36,8 +36,9 @@ PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # One torch (OpenMP) thread per process while processes run side by side: the workers, their servers and ranks
 # are the parallelism. With torch's default (a thread per core) every process's threads spun on cores the others
 # held: the .venv suite took 16:34 of both cores, and 12:32 with one thread each (the CPU conformance tests went
-# from 42-149 s to under 18 s). test-engines too: beside stage 3's other parts it took 9:38 on a clean clone; alone,
-# with one thread, 4:16 on 2.4 min of CPU (one pair alone with torch's threads: 2:15 on 1.6 min).
+# from 42-149 s to under 18 s). test-engines too: alone, with one thread, 4:16 on 2.4 min of CPU (one pair alone
+# with torch's threads: 2:15 on 1.6 min); beside stage 3's other parts it took 9:38 with torch's threads and 9:49
+# with one (two clean clones): the cores are busy either way there.
 ONE_THREAD := OMP_NUM_THREADS=1
 # One editable install of this checkout at a time, whoever runs it (the lock is pyproject.toml itself: flock is
 # advisory, so reading it is unaffected).
