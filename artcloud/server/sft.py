@@ -168,7 +168,7 @@ class Feed:
         except asyncio.TimeoutError:
             raise ArtcloudError(f"no batches came for {IDLE_S:.0f} s: the client is gone", code="client_gone") from None
         if chunk is None:
-            raise ArtcloudError(f"the job was ended before its last chunk: {self.closed}", code="client_gone")
+            self.check_wanted()  # closed: that is what the None says
         return chunk
 
     def check_wanted(self) -> None:
