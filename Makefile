@@ -87,15 +87,14 @@ install: $(STAMP) $(LAPTOP_STAMP) $(VLLM_STAMP)
 # 1. the two venvs the .venv suite needs (.venv, and .venv-vllm for tests/test_vllm_server.py); unpacking wheels
 #    mostly waits on the disk; their editable installs of this checkout take turns (EDITABLE: each writes
 #    artcloud.egg-info here);
-# 2. the .venv suite (test-main) and the vLLM conformance suite (test-engines), with the other venvs' builds beside
-#    them in one slot (the laptop's, then the extra Pythons': mostly downloads and unpacking). test-engines is one
-#    process, its 18 tests in turn: in stage 3 it was that stage's longest part (9:49 of 10 min on a clean clone)
-#    while the rest of the stage waited on it; beside the 3 workers of test-main it fills their waits;
-# 3. the extra Pythons' tests, tests/laptop and test-kernels (~3 min of CPU in 3 workers).
+# 2. the .venv suite (test-main), with only the laptop venv's build beside it: beside the vLLM conformance suite
+#    it took 24.5 min instead of 17 on a clean clone;
+# 3. the vLLM conformance suite, the extra Pythons (their venvs' build is mostly downloads and unpacking),
+#    tests/laptop and test-kernels (~3 min of CPU: it fills the cores while the extra Pythons download).
 test:
 	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
-	$(MAKE) --no-print-directory -j3 --output-sync=target test-main test-engines $(LAPTOP_STAMP) $(PYTHON_STAMPS)
-	$(MAKE) --no-print-directory -j3 --output-sync=target test-pythons test-laptop test-kernels
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-main $(LAPTOP_STAMP)
+	$(MAKE) --no-print-directory -j4 --output-sync=target test-engines test-pythons test-laptop test-kernels
 
 test-main: $(STAMP)
 	$(ONE_THREAD) $(BIN)/python -m pytest -q -ra $(PYTEST_PAR) --ignore=tests/laptop
