@@ -35,6 +35,53 @@ def wait_for(what: str, check, timeout: float = 60.0, every: float = 0.1):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process descended from it (Linux: /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # gone meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def listening_sockets(pid: int) -> list[tuple[str, int, int]]:
+    """Every TCP socket that `pid`'s process tree listens on: (address, port, pid), from /proc/net/tcp{,6} and the
+    processes' file descriptors."""
+    import ipaddress
+
+    listening: dict[str, tuple[str, int]] = {}
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A":  # TCP_LISTEN
+                continue
+            hex_address, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_address)  # 32-bit words in the host's (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+            listening[fields[9]] = (str(ipaddress.ip_address(raw)), int(hex_port, 16))
+    found = []
+    for each in process_tree(pid):
+        try:
+            fds = list(Path(f"/proc/{each}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = fd.readlink().name
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in listening:
+                found.append((*listening[target[8:-1]], each))
+    return found
+
+
 def one_line_error(result: subprocess.CompletedProcess, *words: str) -> str:
     """A CLI that failed as it should: exit 2 and one `artcloud: error:` line holding every one of `words`."""
     assert result.returncode == 2, result.stderr

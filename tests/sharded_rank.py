@@ -1,5 +1,5 @@
-"""The ranks of tests/test_sharded.py's runs: `python -m torch.distributed.run --standalone --nproc-per-node N
-tests/sharded_rank.py SPEC` does each run in SPEC (a pickle the test wrote: a list of runs) in turn, in one group
+"""The ranks of tests/test_sharded.py's runs: `python -m artcloud.server.engines.local_group N FOLDER -- python
+tests/sharded_rank.py SPEC` (as the server starts its ranks) does each run in SPEC (a pickle the test wrote: a list of runs) in turn, in one group
 of ranks (torch, gloo and the model start once): one step with artcloud's sharded trainer (FSDP2, gloo) on the
 run's samples (none: no step), from a fresh adapter or from the run's checkpoint, saved to the run's `out` (rank 0
 writes it, with the step's metrics in metrics.json). A run may set the trainer's dtype and checkpointing."""

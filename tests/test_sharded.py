@@ -1,4 +1,4 @@
-"""The sharded trainer (FSDP2 over 2 processes under torchrun, gloo; SmolLM2, and tiny-random where the model's
+"""The sharded trainer (FSDP2 over 2 processes, gloo; SmolLM2, and tiny-random where the model's
 size does not matter) against the single-process peft trainer on the same samples: the same metrics, and the
 same LoRA weights after a step but for AdamW's sign noise (below); its checkpoints are the peft trainer's files
 exactly, both ways, and a step resumed across world sizes (1 -> 2, 2 -> 1) matches too.
@@ -12,12 +12,16 @@ agree to float32's rounding of sums over the hidden size (tolerances.assert_same
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import pickle
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,7 @@ from safetensors.torch import load_file
 from tolerances import SMOLLM2_HIDDEN, TINY_HIDDEN, assert_same_adam_steps, assert_same_step_metrics, ratio_bound
 
 from artcloud.server import chat
+from artcloud.server.models import OLD_STEPS_KEPT
 from artcloud.server.engines.base import TrainSample
 from artcloud.server.engines.peft_trainer import OPTIMIZER_FILE, PeftTrainer
 from artcloud.train import packing
@@ -80,8 +85,9 @@ def _sharded(tmp_path: Path, *runs: dict[str, Any]) -> list[list[dict]]:
     spec = tmp_path / f"{Path(runs[0]['out']).name}.spec"
     spec.write_bytes(pickle.dumps(list(runs)))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(RANK), str(spec)], capture_output=True, text=True, env=env, timeout=900)
+    folder = Path(tempfile.mkdtemp(prefix="ranks-", dir=tmp_path))  # mode 0700, as the server's
+    r = subprocess.run([sys.executable, "-m", "artcloud.server.engines.local_group", "2", str(folder), "--",
+                        sys.executable, str(RANK), str(spec)], capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return [json.loads((Path(each["out"]) / "metrics.json").read_text()) for each in runs]
 
@@ -240,11 +246,67 @@ if os.environ.get("RANK") is not None:
 """
 
 
+LOCAL_RANK_SCRIPT = """
+import os, pathlib, sys, time
+folder, rank = pathlib.Path(sys.argv[1]), os.environ["RANK"]
+(folder / f"rank{rank}.env").write_text(repr({k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                          "ARTCLOUD_RANK_STORE", "GLOO_SOCKET_IFNAME")}))
+(folder / f"rank{rank}").write_text(str(os.getpid()))
+if rank == "1" and (folder / "fail").exists():
+    while not (folder / "rank0").exists():
+        time.sleep(0.01)
+    sys.exit(3)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("how", ["a rank fails", "the group is stopped"])
+def test_a_local_group_of_ranks_stops_them_all(tmp_path, how):
+    """artcloud.server.engines.local_group, which runs the server's ranks on one node without torchrun's network
+    rendezvous: each rank gets its RANK and the FileStore in the 0700 folder; the first rank to fail (rank 1 exits 3
+    once rank 0 runs) stops rank 0 and the group exits 3; a group sent SIGTERM (the server stopping it, or dying)
+    stops both. A folder others can open is refused."""
+    from helpers import wait_for
+
+    folder = Path(tempfile.mkdtemp(dir=tmp_path))
+    script = tmp_path / "rank.py"
+    script.write_text(LOCAL_RANK_SCRIPT)
+    if how == "a rank fails":
+        (folder / "fail").touch()
+    group = subprocess.Popen([sys.executable, "-m", "artcloud.server.engines.local_group", "2", str(folder), "--",
+                              sys.executable, str(script), str(folder)])
+    try:
+        pids = wait_for("both ranks", lambda: all((folder / f"rank{r}").exists() for r in "01") and
+                        [int((folder / f"rank{r}").read_text() or 0) for r in "01"], 60)
+        if how == "the group is stopped":
+            group.send_signal(signal.SIGTERM)
+        assert group.wait(timeout=60) == (3 if how == "a rank fails" else 128 + signal.SIGTERM)
+        assert not any(_alive(pid) for pid in pids if pid)
+    finally:
+        group.kill()
+    for r in "01":
+        env = eval((folder / f"rank{r}.env").read_text())
+        assert env == {"RANK": r, "WORLD_SIZE": "2", "LOCAL_RANK": r, "ARTCLOUD_RANK_STORE": str(folder / "store"),
+                       "GLOO_SOCKET_IFNAME": "lo"}
+
+    folder.chmod(0o755)
+    r = subprocess.run([sys.executable, "-m", "artcloud.server.engines.local_group", "2", str(folder), "--", "true"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "mode 0700" in r.stderr, r.stderr
+
+
 def test_a_server_trains_through_two_ranks_and_a_rank_that_dies_fails_only_its_step(start_server, tmp_path):
     """`--engine-args '{"trainer_procs": 2}'`: the CPU engine's sampler serves what two FSDP ranks train. A rank
     killed in the middle of a step fails that job with an error event; the model stays at its step and is
     served; the server starts a new group, reloads the model into it, and the next job trains."""
-    from helpers import chat, events, rollout_groups, wait_for
+    from helpers import chat, events, listening_sockets, rollout_groups, train, wait_for
 
     hook, barrier = tmp_path / "hook", tmp_path / "barrier"
     hook.mkdir(), barrier.mkdir()
@@ -262,6 +324,12 @@ def test_a_server_trains_through_two_ranks_and_a_rank_that_dies_fails_only_its_s
 
         first = c.post("/artcloud/models/agent/train", json={"groups": groups}).json()["job_id"]
         wait_for("both ranks in the step", lambda: all((barrier / f"rank{r}").exists() for r in (0, 1)), 120)
+        # Nothing of the server's processes listens beyond loopback (security review 3, N1: torchrun's rendezvous
+        # store listened on every interface, and its agent unpickled what it read there); the ranks listen (gloo).
+        ranks = {int((barrier / f"rank{r}").read_text()) for r in (0, 1)}
+        sockets = listening_sockets(s.proc.pid)
+        assert {pid for *_, pid in sockets} >= {s.proc.pid, *ranks}, sockets
+        assert all(ipaddress.ip_address(address).is_loopback for address, *_ in sockets), sockets
         os.kill(int((barrier / "rank1").read_text()), signal.SIGKILL)
         failed = events(c, first)
         assert failed[-1]["type"] == "error" and "ranks stopped during train_step" in failed[-1]["data"]["message"], failed[-1]
@@ -276,6 +344,13 @@ def test_a_server_trains_through_two_ranks_and_a_rank_that_dies_fails_only_its_s
         trainer = c.get("/artcloud/status").json()["engines"][0]["trainer"]
         assert trainer["restarts"] == 1 and trainer["pid"] != engine["trainer"]["pid"]
         assert not Path(f"/proc/{int((barrier / 'rank0').read_text())}").exists()  # the first group is gone
+
+        # Older steps are served from the sampler's copies, OLD_STEPS_KEPT at most: the fifth evicts the first, which
+        # the sharded trainer never held (code review 3, F7: that was a 500, and the evicted copy stayed loaded).
+        for _ in range(4):
+            assert train(c, "agent", groups)[-1]["type"] == "end"
+        assert [chat(c, f"agent@{step}")["model"] for step in range(5)] == [f"agent@{step}" for step in range(5)]
+        assert c.get("/artcloud/status").json()["engines"][0]["sampler"]["adapters"] == 1 + OLD_STEPS_KEPT
 
 
 def test_local_backend_trains_with_the_sharded_trainer(tmp_path):
@@ -321,9 +396,15 @@ def test_the_trainer_sharded_over_two_nodes_trains_and_a_lost_node_rejoins(start
         s.bind(("127.0.0.1", 0))
         master = f"127.0.0.1:{s.getsockname()[1]}"
     server = start_server(tmp_path / "srv", "--trainer-nodes", "2", "--trainer-master", master, env=env)
-    node = subprocess.Popen([sys.executable, "-m", "artcloud", "trainer-node", "--master", master, "--nodes", "2",
-                             "--node-rank", "1", "--procs", "1", "--device", "cpu", "--head", server.url,
-                             "--ca", str(server.ca)], env={**os.environ, **env}, start_new_session=True)
+    # The other node does not see the head's disk (code review 3, F1: every rank read the checkpoints there, so the
+    # rollback after the lost rank failed on a real cluster): it runs in a mount namespace of its own (a user
+    # namespace makes that unprivileged) where an empty tmpfs covers the server's folder, as code review 3's E2 did.
+    ca = shutil.copy(server.ca, tmp_path / "ca.pem")
+    node_argv = [sys.executable, "-m", "artcloud", "trainer-node", "--master", master, "--nodes", "2", "--node-rank",
+                 "1", "--procs", "1", "--device", "cpu", "--head", server.url, "--ca", str(ca)]
+    hidden = f"mount -t tmpfs tmpfs {shlex.quote(str(server.path))} && exec {shlex.join(node_argv)}"
+    node = subprocess.Popen(["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private",
+                             "sh", "-c", hidden], env={**os.environ, **env}, start_new_session=True)
     try:
         with server.client() as c:
             r = c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY})
@@ -347,6 +428,7 @@ def test_the_trainer_sharded_over_two_nodes_trains_and_a_lost_node_rejoins(start
             assert chat(c, "agent")["model"] == "agent@1"
             trainer = c.get("/artcloud/status").json()["engines"][0]["trainer"]
             assert (trainer["ranks"], trainer["restarts"]) == (2, 1), trainer
+            assert not (Path(f"/proc/{node.pid}/root") / str(server.path).lstrip("/") / "p").exists()  # hidden there
         assert node.poll() is None  # the node waits for the next group while the head lives
     finally:
         os.killpg(node.pid, signal.SIGKILL)

@@ -32,16 +32,17 @@ class Rendezvous:
                 "--master-port", port, "--nproc-per-node", str(procs)]
 
 
-def die_with_parent() -> None:
-    """Run in the child before exec (Linux): SIGTERM when the server dies, and a process group of its own, so
-    that its workers are stopped with it."""
+def die_with_parent(own_group: bool = True) -> None:
+    """Run in the child before exec (Linux): SIGTERM when its parent dies, and (`own_group`) a process group of its
+    own, so that its workers are stopped with it."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:
         pass
-    os.setsid()
+    if own_group:
+        os.setsid()
 
 
 def kill_group(pgid: int, sig: int) -> None:

@@ -1,4 +1,4 @@
-"""The peft trainer sharded over several processes: FSDP2 (`torch.distributed.fsdp.fully_shard`) under torchrun.
+"""The peft trainer sharded over several processes: FSDP2 (`torch.distributed.fsdp.fully_shard`).
 
 One `ShardedPeftTrainer` runs on each rank, with every sample; the shared GRPO loop (artcloud.train.loop,
 given a `World`) has each rank train a slice of every minibatch's groups, and the update equals the
@@ -8,11 +8,12 @@ fits in several); the LoRA weights and AdamW's state are sharded with them.
 Checkpoints are the peft trainer's layout exactly: rank 0 writes the gathered adapter (PEFT) and AdamW's
 state indexed by the LoRA parameters sorted by name, so a checkpoint resumes on any world size and with
 any trainer (1 -> 2 -> 1 ranks, CPU or GPU). Every method is collective: each rank calls it, in the same
-order: `ShardedTrainer`, the server's side, starts the ranks (`python -m torch.distributed.run --standalone
---nproc-per-node K -m artcloud.server.engines.sharded`) and sends rank 0 each call over a Unix socket in a
-folder of mode 0700; rank 0 passes it to the others (`broadcast_object_list`) and answers. A rank that dies
-takes its group down (torchrun stops the others): the call fails, the server rolls the model back with
-load_adapter, and that call starts a new group.
+order: `ShardedTrainer`, the server's side, starts the ranks (`python -m artcloud.server.engines.local_group K
+FOLDER -- python -m artcloud.server.engines.sharded ...`: they meet in a FileStore and talk over loopback, with
+nothing listening on the network) and sends rank 0 each call over a Unix socket in that folder of mode 0700; rank 0
+passes it to the others (`broadcast_object_list`) and answers. A rank that dies takes its group down (local_group
+stops the others): the call fails, the server rolls the model back with load_adapter, and that call starts a new
+group.
 
 gloo on a CPU, NCCL on GPUs. gloo has no pre-multiplied sum, so FSDP's default average over ranks stays,
 and the loop scales each rank's loss by the world's size instead.
@@ -25,6 +26,7 @@ with it (gloo and NCCL see the peer's connection close), and the server's next c
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import pickle
@@ -45,7 +47,7 @@ from typing import Any, Callable
 import torch
 
 from artcloud.errors import ArtcloudError, NotSupported
-from artcloud.server.engines import loading
+from artcloud.server.engines import loading, local_group
 from artcloud.server.engines.base import EngineError, StepCallback, Trainer, TrainSample
 from artcloud.server.engines.children import Rendezvous, child_env, die_with_parent, kill_group
 from artcloud.server.engines.peft_trainer import OPTIMIZER_FILE, PeftTrainer
@@ -58,13 +60,18 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a rank that died leaves the others
 
 
 def join_world(backend: str | None = None) -> loop.World:
-    """This process's rank in the group torchrun started (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the
-    environment), and a sum across it."""
+    """This process's rank in the group local_group or torchrun started (RANK and WORLD_SIZE in the environment, with
+    local_group's store or torchrun's MASTER_ADDR/PORT), and a sum across it."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+        store = os.environ.get(local_group.STORE_ENV)
+        if store:  # one node (local_group): a FileStore in the server's 0700 folder, nothing on the network
+            dist.init_process_group(backend, init_method=f"file://{store}", rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=COLLECTIVE_TIMEOUT)
+        else:  # several nodes: torchrun's rendezvous (MASTER_ADDR/PORT)
+            dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
 
     def total(values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=_collective_device())
@@ -110,7 +117,10 @@ class ShardedPeftTrainer(PeftTrainer):
         fully_shard(self.peft)
 
     def delete_adapter(self, slot: str) -> None:
-        raise NotSupported("the sharded trainer cannot delete its adapter: stop its server instead")
+        """A slot this trainer does not hold (an older step the sampler served) is nothing to delete, as in the peft
+        trainer; its one adapter cannot go (FSDP sharded the model around it)."""
+        if slot in self.names:
+            raise NotSupported("the sharded trainer cannot delete its adapter: stop its server instead")
 
     def _policy(self, slot: str, config: TrainConfig) -> loop.TrainablePolicy:
         policy = super()._policy(slot, config)
@@ -144,13 +154,16 @@ class ShardedPeftTrainer(PeftTrainer):
         return files
 
     def load_adapter(self, slot: str, lora: LoraConfig, folder: Path, *, optimizer: bool) -> None:
-        """Every rank reads the same files (a checkpoint of any trainer, any world size) and keeps its shard."""
-        from safetensors.torch import load_file
+        """Rank 0 reads the files (a checkpoint of any trainer, any world size: `folder` is on the head's disk, which
+        ranks on other nodes do not see) and sends their bytes to every rank; each keeps its shard."""
+        from safetensors.torch import load as load_bytes
         from torch.distributed.tensor import distribute_tensor
 
         if slot not in self.names:
             self.create_adapter(slot, lora)
-        saved = load_file(folder / "adapter_model.safetensors")
+        adapter, optimizer_bytes = self._read_on_rank_0(folder, optimizer)
+        saved = load_bytes(adapter)
+        del adapter
         marker = f".{self.names[slot]}."
         params = self._params(slot)
         with torch.no_grad():
@@ -160,14 +173,31 @@ class ShardedPeftTrainer(PeftTrainer):
                     raise NotSupported(f"adapter in {folder} does not match this model at {plain}: another LoRA shape")
                 p.copy_(distribute_tensor(saved[plain].to(p.dtype), p.device_mesh, p.placements))
         self.optimizers.pop(slot, None)
-        if optimizer:
-            state = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        if optimizer_bytes is not None:
+            state = torch.load(io.BytesIO(optimizer_bytes), map_location="cpu", weights_only=True)
             for i, st in state["state"].items():
                 _, p = params[i]
                 for k, v in st.items():
                     if isinstance(v, torch.Tensor) and v.shape == p.shape:  # exp_avg, exp_avg_sq: sharded like p
                         st[k] = distribute_tensor(v.to(p.dtype), p.device_mesh, p.placements)
             self._optimizer(slot).load_state_dict(state)
+
+    def _read_on_rank_0(self, folder: Path, optimizer: bool) -> tuple[bytes, bytes | None]:
+        """The adapter's bytes and (`optimizer`) AdamW's, read by rank 0 and broadcast (a collective). A file rank 0
+        cannot read fails the call alike on every rank, and the group goes on."""
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        if self.world.rank == 0:
+            try:
+                box = [((folder / "adapter_model.safetensors").read_bytes(),
+                        (folder / OPTIMIZER_FILE).read_bytes() if optimizer else None)]
+            except OSError as e:
+                box = [f"cannot read the checkpoint in {folder}: {e.strerror or e}"]
+        dist.broadcast_object_list(box, src=0, device=_collective_device())
+        if isinstance(box[0], str):
+            raise EngineError(box[0], code="checkpoint_invalid")
+        return box[0]
 
 
 def _full(t: Any) -> Any:
@@ -179,7 +209,7 @@ def _full(t: Any) -> Any:
 
 # ----------------------------------------------------------------------------------------- the server's side
 
-START_TIMEOUT_S = 600.0  # torchrun, then each rank loading the model
+START_TIMEOUT_S = 600.0  # the ranks starting, then each loading the model
 CALLS = ("create_adapter", "delete_adapter", "train_step", "save_adapter", "load_adapter", "rng_state", "set_rng_state")
 
 
@@ -189,7 +219,7 @@ class ShardedTrainer(Trainer):
 
     def __init__(self, base_model: str, procs: int, *, dtype: str = "float32", device: str = "cpu",
                  env: dict[str, str] | None = None, rendezvous: Rendezvous | None = None):
-        """`device` "cpu" or "cuda" (rank r on the r-th GPU torchrun's environment shows); `env`: more environment for
+        """`device` "cpu" or "cuda" (rank r on the r-th GPU the environment shows); `env`: more environment for
         the ranks (CUDA_VISIBLE_DEVICES: the trainer's GPUs). `rendezvous`: the ranks here are node 0 of that many
         trainer nodes, whose `artcloud trainer-node` joins each group this starts."""
         from transformers import AutoConfig, AutoTokenizer
@@ -219,13 +249,15 @@ class ShardedTrainer(Trainer):
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(path))
         listener.listen(1)
-        where = (self.rendezvous.torchrun(self.procs, 0) if self.rendezvous is not None
-                 else ["--standalone", "--nproc-per-node", str(self.procs)])
-        argv = [sys.executable, "-m", "torch.distributed.run", *where,
-                "-m", "artcloud.server.engines.sharded", str(path), self.base_model, self.dtype, self.device]
+        rank = ["-m", "artcloud.server.engines.sharded", str(path), self.base_model, self.dtype, self.device]
+        if self.rendezvous is not None:
+            argv = [sys.executable, "-m", "torch.distributed.run", *self.rendezvous.torchrun(self.procs, 0), *rank]
+        else:
+            argv = [sys.executable, "-m", "artcloud.server.engines.local_group", str(self.procs), str(self._folder),
+                    "--", sys.executable, *rank]
         log.info("starting the sharded trainer: %d ranks of %s (%s, %s)", self.procs, self.base_model, self.device, self.dtype)
         env = {**child_env(os.environ), **self.env}
-        if self.device == "cpu":  # torchrun's default is 1 thread a rank: the cores are shared out instead
+        if self.device == "cpu":  # 1 thread a rank would leave cores idle: they are shared out
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.procs)))
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, env=env)
         self.restarts += 1
@@ -233,7 +265,7 @@ class ShardedTrainer(Trainer):
         try:
             while not select.select([listener], [], [], 0.5)[0]:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise EngineError(f"the sharded trainer's ranks did not start (torchrun exit code {self.proc.poll()}; "
+                    raise EngineError(f"the sharded trainer's ranks did not start (exit code {self.proc.poll()}; "
                                       "their errors are in the server's log above)", code="trainer_failed")
             self.conn, _ = listener.accept()
             _, ready = _recv(self.conn)
@@ -264,7 +296,7 @@ class ShardedTrainer(Trainer):
                 self._stop()
                 self._start()  # a group that died: a fresh one, which holds no adapter yet
                 if name not in ("create_adapter", "load_adapter"):
-                    raise EngineError(f"the sharded trainer's ranks had stopped (torchrun exit code {code}; their errors "
+                    raise EngineError(f"the sharded trainer's ranks had stopped (exit code {code}; their errors "
                                       "are in the server's log) and were started again: the model is reloaded from its "
                                       "last committed step", code="trainer_failed")
             assert self.conn is not None
@@ -279,12 +311,12 @@ class ShardedTrainer(Trainer):
                     elif kind == "error":
                         raise _rebuilt(value)
             except (OSError, EOFError) as e:
-                try:  # torchrun stops the other ranks, then exits
+                try:  # the group stops the other ranks, then exits
                     code = self.proc.wait(timeout=30) if self.proc is not None else None
                 except subprocess.TimeoutExpired:
                     code = None
                 self._stop()
-                raise EngineError(f"the sharded trainer's ranks stopped during {name} (torchrun exit code {code}; their "
+                raise EngineError(f"the sharded trainer's ranks stopped during {name} (exit code {code}; their "
                                   "errors are in the server's log): the step is not committed, and the next call starts "
                                   "them again", code="trainer_failed") from e
 
@@ -427,7 +459,7 @@ def follow(rendezvous: Rendezvous, node_rank: int, procs: int, device: str, stop
                 kill_group(proc.pid, signal.SIGKILL)
                 proc.wait()
                 return
-        log.info("trainer node %d: the group ended (torchrun exit code %s): joining the next one", node_rank,
+        log.info("trainer node %d: the group ended (exit code %s): joining the next one", node_rank,
                  proc.returncode)
         stop.wait(again_s)
         _until_closed(rendezvous.master, stop)
