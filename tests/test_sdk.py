@@ -74,6 +74,45 @@ def test_register_rollouts_train_through_local_backend(tmp_path):
         os.kill(pid, 0)
 
 
+def test_a_backend_goes_on_in_a_second_event_loop(tmp_path):
+    """A script that calls asyncio.run() twice (register, then train), or a notebook without top-level await: the
+    second loop's calls work, and the heartbeats, whose task ended with the first loop, beat again in the second (code
+    review 3, F10: `Event loop is closed`, and a lease that could expire under a live client)."""
+    backend = artcloud.LocalBackend(path=tmp_path / "local", lease="2m", heartbeat_every_s=0.1)
+    beats: list[asyncio.AbstractEventLoop] = []
+    heartbeat = backend.client.heartbeat
+
+    async def counted() -> None:
+        beats.append(asyncio.get_running_loop())
+        await heartbeat()
+
+    backend.client.heartbeat = counted
+
+    async def until_a_beat() -> None:
+        loop, deadline = asyncio.get_running_loop(), time.monotonic() + 60
+        while loop not in beats:
+            assert time.monotonic() < deadline, "no heartbeat from this event loop in 60 s"
+            await asyncio.sleep(0.05)
+
+    async def first():
+        model, _, groups = await model_with_groups(backend, "agent", 1)
+        await until_a_beat()
+        return model, groups
+
+    async def second(model, groups) -> int:
+        assert await model.get_step() == 0  # the first call from this loop
+        await until_a_beat()
+        await model.train(groups, progress=False)
+        return await model.get_step()
+
+    try:
+        model, groups = asyncio.run(first())
+        assert asyncio.run(second(model, groups)) == 1
+        assert len(set(map(id, beats))) == 2
+    finally:
+        asyncio.run(backend.down())
+
+
 def test_annealer_sets_the_default_temperature_and_explicit_wins(tmp_path):
     async def main():
         async with artcloud.LocalBackend(path=tmp_path / "local") as backend:

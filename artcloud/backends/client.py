@@ -214,7 +214,8 @@ class Client:
     def __init__(self, endpoint: Endpoint, *, timeout: float = 120.0, retries: int = 6,
                  event_read_timeout_s: float = EVENT_READ_TIMEOUT_S,
                  health_probe_timeout_s: float = HEALTH_PROBE_TIMEOUT_S,
-                 check_alive: Callable[[], Awaitable[None]] | None = None):
+                 check_alive: Callable[[], Awaitable[None]] | None = None,
+                 on_new_loop: Callable[[], None] | None = None):
         self.endpoint = endpoint
         self.timeout = timeout
         self.retries = retries
@@ -223,15 +224,25 @@ class Client:
         self.event_read_timeout_s = event_read_timeout_s
         self.health_probe_timeout_s = health_probe_timeout_s
         self.check_alive = check_alive  # the backend's: raise ServerGone when the server is known dead
+        self.on_new_loop = on_new_loop  # the backend's: called when a call comes from another event loop than before
         self.version_checked = False  # the server answered /health with this client's version
         self.shut_down = False  # the server was asked to push its last checkpoint and exit
         self._http: httpx.AsyncClient | None = None
+        self._http_loop: asyncio.AbstractEventLoop | None = None  # the loop _http's connections are bound to
 
     def __repr__(self) -> str:  # never the token
         return f"Client({self.endpoint.url!r})"
 
     def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._http is not None and self._http_loop is not loop:
+            # A second asyncio.run() (register in one, train in the next; a notebook): the first loop's connections
+            # cannot be used, nor closed, from this one (code review 3, F10). Dropped, and a client made here.
+            self._http = None
+            if self.on_new_loop is not None:
+                self.on_new_loop()
         if self._http is None:
+            self._http_loop = loop
             ep = self.endpoint
             self._http = httpx.AsyncClient(
                 base_url=ep.url,
@@ -245,7 +256,8 @@ class Client:
         """Close the HTTP connection (bound to one endpoint); the next call opens one to the endpoint then."""
         if self._http is not None:
             http, self._http = self._http, None
-            await http.aclose()
+            if self._http_loop is asyncio.get_running_loop():  # another loop's cannot be closed from this one
+                await http.aclose()
 
     def forget_connection(self) -> None:
         """Drop the connection without closing it: the event loop it was bound to is gone."""

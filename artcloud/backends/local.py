@@ -1,7 +1,7 @@
 """LocalBackend: `artcloud serve` as a child process of this one, on this machine.
 
-A fresh CA, certificate and token per start, handed to the child through its environment (never a file
-the client leaves behind, never a log line). The server goes away with `await backend.down()`, on leaving
+A fresh CA, certificate and token per backend (made when it is constructed, and kept by a server it starts
+again), handed to the child through its environment (never a file the client leaves behind, never a log line). The server goes away with `await backend.down()`, on leaving
 `async with`, at interpreter exit, and, because the child watches its parent (and on Linux also asks the
 kernel for PR_SET_PDEATHSIG), even when this process is killed outright: no orphan server, ever.
 """
@@ -10,21 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
 
-from artcloud.backends.client import ServerGone
+from artcloud.backends.client import FINAL_PUSH_WAIT_S, ServerGone
 from artcloud.backends.providers import Credentials, Provisioner
 from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
 from artcloud.backends.spec import SandboxSpec
+from artcloud.durations import format_duration
 from artcloud.errors import ArtcloudError, InvalidArgument
 from artcloud.tls import LaunchSecrets, make_launch_secrets
+
+log = logging.getLogger("artcloud.client")
 
 DEFAULT_PATH = Path(".artcloud") / "local"
 
@@ -92,7 +97,7 @@ class LocalProvisioner(Provisioner):
                "ARTCLOUD_TOKEN": self.secrets.token, **self.env}
         args = [*self.serve_args, *(["--preload", preload] if preload else [])]
         self.proc, self._offset = spawn_serve(self.path, args, env=env, log=self.log_file)
-        atexit.register(self.stop_now)
+        atexit.register(self._at_exit)
         claim(None, None, self.secrets.token)
         return Credentials(self.secrets.token)
 
@@ -129,13 +134,13 @@ class LocalProvisioner(Provisioner):
     async def gone(self, *, ours: bool) -> bool:
         return not self.running
 
-    def stop_now(self, timeout: float = 30.0, exiting_for: float = 0.0) -> None:
+    def stop_now(self, timeout: float = 30.0, exiting_for: float = 0.0) -> bool:
         """End the child: SIGTERM (its graceful exit: final push, S3 claims released), SIGKILL `timeout` later.
-        `exiting_for`: it was asked to exit already; wait that long for it first."""
+        `exiting_for`: it was asked to exit already; wait that long for it first. False if it had to be killed."""
         proc, self.proc = self.proc, None
         if proc is None:
-            return
-        atexit.unregister(self.stop_now)
+            return True
+        atexit.unregister(self._at_exit)
         if exiting_for:
             try:
                 proc.wait(exiting_for)
@@ -148,6 +153,25 @@ class LocalProvisioner(Provisioner):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+                return False
+        return True
+
+    def _at_exit(self) -> None:
+        """The interpreter exits with the server up (neither `down()` nor `with`). SIGTERM makes it push its last
+        checkpoints to S3 before it exits, within FINAL_PUSH_DEADLINE_S: it gets that long, not the 30 s of a plain
+        stop that cut a slow push short without a word (code review 3, F8). (No event loop here: at exit, asyncio
+        cannot start the threads its connections need.)"""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pushing = "--s3" in self.serve_args
+        if pushing:
+            log.warning("exiting with the local server up: it pushes its last checkpoints to S3 first (at most %s; "
+                        "`await backend.down()` or `with LocalBackend(...)` does this before the end of a script)",
+                        format_duration(FINAL_PUSH_WAIT_S))
+        if not self.stop_now(FINAL_PUSH_WAIT_S if pushing else 30.0) and pushing:
+            log.error("the local server did not finish its final push in %s and was killed: S3 may lack its newest "
+                      "steps, which are under %s (a LocalBackend on that path with the same s3 pushes them)",
+                      format_duration(FINAL_PUSH_WAIT_S), self.path)
 
 
 class LocalBackend(SandboxBackend):
@@ -241,11 +265,30 @@ class LocalBackend(SandboxBackend):
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            self._heartbeat = None
-        if self._forwarder is not None:
-            forwarder, self._forwarder = self._forwarder, None
-            forwarder.close()
-        self.client.forget_connection()  # bound to the loop that ran it; the server it talks to goes now
-        self.provisioner.stop_now()
+        """What `await backend.down()` does (code review 3, F8: this sent SIGTERM and SIGKILL 30 s later, which cut a
+        slow final push short, and said nothing of what S3 holds): in an event loop of its own, here, or in a thread
+        when this thread runs one."""
+        if self._heartbeat is not None and not self._heartbeat.done():
+            try:
+                self._heartbeat.cancel()
+            except RuntimeError:  # its loop is closed: the task went with it
+                pass
+        self._heartbeat = None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            asyncio.run(self.down())
+            return
+        failed: list[BaseException] = []
+
+        def down() -> None:
+            try:
+                asyncio.run(self.down())
+            except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+                failed.append(e)
+
+        thread = threading.Thread(target=down, name="artcloud-local-down")
+        thread.start()
+        thread.join()
+        if failed:
+            raise failed[0]

@@ -81,13 +81,14 @@ class RemoteBackend:
             raise InvalidArgument(f"artcloud servers speak HTTPS only: use https://..., not {base_url!r}")
         self.client = Client(Endpoint(base_url.rstrip("/"), token, ca_cert, check_hostname), timeout=timeout,
                              retries=retries, event_read_timeout_s=event_read_timeout_s,
-                             health_probe_timeout_s=health_probe_timeout_s, check_alive=lambda: self._check_alive())
+                             health_probe_timeout_s=health_probe_timeout_s, check_alive=lambda: self._check_alive(),
+                             on_new_loop=self._resume_heartbeats)
         self._staged: dict[str, Any] = {}  # a launch's token and CA, published with its URL once the server is ready
         self.heartbeat_every_s = heartbeat_every_s
         self._heartbeat: asyncio.Task | None = None
         # Replacing a lost server (a preempted spot machine): each replacement bumps the generation, so
         # requests that failed on the old server know to go again; what was registered is registered again.
-        self._replacing: asyncio.Lock | None = None
+        self._replacing: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._registrations: dict[str, dict[str, Any]] = {}
         # Per model: the steps committed on the server that S3 does not hold yet, with the train request that
         # made each. The server pushes a step after it commits it (and model.train returns): a machine lost in
@@ -242,9 +243,10 @@ class RemoteBackend:
             return False
 
     def _replacing_lock(self) -> asyncio.Lock:
-        if self._replacing is None:
-            self._replacing = asyncio.Lock()
-        return self._replacing
+        loop = asyncio.get_running_loop()
+        if self._replacing is None or self._replacing[0] is not loop:  # a lock serves the loop it was made in
+            self._replacing = (loop, asyncio.Lock())
+        return self._replacing[1]
 
     async def _replace_and_register(self, cause: BaseException) -> bool:
         """recover's work, under its lock: a new server, every model registered on it again (each resumes from
@@ -307,8 +309,17 @@ class RemoteBackend:
         return None
 
     def _start_heartbeats(self) -> None:
-        if self._heartbeat is None and self.heartbeat_every_s > 0:
-            self._heartbeat = asyncio.get_running_loop().create_task(self._beat(), name="artcloud-heartbeat")
+        """Beats while the loop that registered runs; a later loop (a second asyncio.run) starts them again, since
+        the first loop's task ended with it."""
+        loop = asyncio.get_running_loop()
+        if self.heartbeat_every_s > 0 and (self._heartbeat is None or self._heartbeat.done()
+                                           or self._heartbeat.get_loop() is not loop):
+            self._heartbeat = loop.create_task(self._beat(), name="artcloud-heartbeat")
+
+    def _resume_heartbeats(self) -> None:
+        """The client is used from another event loop than before: beats that had started go on in this one."""
+        if self._heartbeat is not None:
+            self._start_heartbeats()
 
     async def _beat(self) -> None:
         while True:
