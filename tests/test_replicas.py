@@ -178,14 +178,14 @@ def test_a_sampler_sharing_the_trainers_weights_is_refused():
 class Replica:
     """`artcloud replica` as a child process, with the launch's files."""
 
-    def __init__(self, path: Path, secrets: Path, port: int = 0):
-        self.path, self.secrets, self.port = path, secrets, port
+    def __init__(self, path: Path, secrets: Path, port: int = 0, env: dict[str, str] | None = None):
+        self.path, self.secrets, self.port, self.env = path, secrets, port, env or {}
         self.proc: subprocess.Popen | None = None
         self.url = ""
         self.log = path.parent / f"{path.name}.log"
 
     def start(self) -> "Replica":
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **self.env}
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "artcloud", "replica", "--path", str(self.path), "--port", str(self.port),
@@ -256,8 +256,10 @@ def test_a_head_spreads_rollouts_over_replicas_and_hands_every_step_to_each(star
 
 
 def test_a_replica_refuses_a_hostile_adapter_and_requests_without_the_token(tmp_path):
+    """And it takes engine_args as the head does (security review 3, N3: any vLLM flag a token holder sent), over the
+    operator's, which it reads from its own launch as the head does (code review 3, F4: they never reached it)."""
     secrets = make_launch_secrets(hosts=["127.0.0.1"]).write(tmp_path / "launch")
-    replica = Replica(tmp_path / "replica", tmp_path / "launch").start()
+    replica = Replica(tmp_path / "replica", tmp_path / "launch", env={"ARTCLOUD_ENGINE_ARGS": '{"max_model_len": 48}'}).start()
     token = secrets.token.read_text().strip()
     try:
         with httpx.Client(verify=str(secrets.ca_cert), base_url=replica.url, timeout=120) as c:
@@ -266,7 +268,12 @@ def test_a_replica_refuses_a_hostile_adapter_and_requests_without_the_token(tmp_
             auth = {"Authorization": f"Bearer {token}"}
             garbled = c.post("/replica/models", content=b"{not json", headers=auth)
             assert garbled.status_code == 400 and garbled.json()["error"]["field"] == "body"
+            for flag, value in (("trust_remote_code", True), ("uds", "/tmp/x.sock"), ("api_key", "k"), ("model", "m")):
+                refused = c.post("/replica/models", json={"base_model": TINY, "engine_args": {flag: value}}, headers=auth)
+                assert refused.status_code == 400 and refused.json()["error"]["field"] == f"engine_args.{flag}", refused.text
+            assert replica.status()["base_model"] is None  # nothing was loaded
             assert c.post("/replica/models", json={"base_model": TINY}, headers=auth).status_code == 200
+            assert replica.status()["max_context"] == 48  # the operator's
             other = c.post("/replica/models", json={"base_model": "someone/else"}, headers=auth)
             assert other.status_code == 409 and other.json()["error"]["field"] == "base_model"
 

@@ -72,13 +72,7 @@ def serve(
         claim_timeout_s = parse_duration(s3_claim_timeout, what="--s3-claim-timeout")
     except ValueError as e:
         raise CLIError(str(e)) from e
-    engine_args = engine_args or os.environ.get("ARTCLOUD_ENGINE_ARGS")
-    try:
-        parsed_args = json.loads(engine_args) if engine_args else None
-    except json.JSONDecodeError as e:
-        raise CLIError(f"--engine-args is not JSON ({e}): give an object, e.g. '{{\"max_model_len\": 4096}}'") from e
-    if parsed_args is not None and not isinstance(parsed_args, dict):
-        raise CLIError("--engine-args must be a JSON object, e.g. '{\"max_model_len\": 4096}'")
+    parsed_args = _engine_args(engine_args)
     if vllm_python is not None and not (os.path.isfile(vllm_python) and os.access(vllm_python, os.X_OK)):
         raise CLIError(f"--vllm-python {vllm_python}: no executable there; give the path of a python with vllm installed")
     if vllm_python is not None:
@@ -104,6 +98,18 @@ def serve(
         raise CLIError(str(e)) from e
 
 
+def _engine_args(text: str | None) -> dict | None:
+    """--engine-args (default: $ARTCLOUD_ENGINE_ARGS), a JSON object."""
+    text = text or os.environ.get("ARTCLOUD_ENGINE_ARGS")
+    try:
+        parsed = json.loads(text) if text else None
+    except json.JSONDecodeError as e:
+        raise CLIError(f"--engine-args is not JSON ({e}): give an object, e.g. '{{\"max_model_len\": 4096}}'") from e
+    if parsed is not None and not isinstance(parsed, dict):
+        raise CLIError("--engine-args must be a JSON object, e.g. '{\"max_model_len\": 4096}'")
+    return parsed
+
+
 @app.command()
 def replica(
     path: Path = typer.Option(Path("./artcloud-replica"), "--path", help="Folder for the adapters it serves and its TLS files."),
@@ -116,6 +122,7 @@ def replica(
     head: Optional[str] = typer.Option(None, "--head", help="The head's server, https://HEAD_IP:PORT: once it answered GET /health, the replica stops when it stops answering (3 tries, 10 s apart)."),
     ca: Optional[str] = typer.Option(None, "--ca", help="The launch's CA (PEM) to check --head's certificate with."),
     vllm_python: Optional[str] = typer.Option(None, "--vllm-python", help="The Python that runs vLLM. Default: $ARTCLOUD_VLLM_PYTHON, else this one."),
+    engine_args: Optional[str] = typer.Option(None, "--engine-args", help="The operator's engine settings, as the head's --engine-args (a JSON object; a model's own, sent by the head, go over them). Default: $ARTCLOUD_ENGINE_ARGS, which a launch sets on every node."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
 ) -> None:
     """Serve rollouts for the head node's server (`artcloud serve --replica URL`): an inference replica.
@@ -140,8 +147,8 @@ def replica(
     try:
         serve_replica(host=host, port=port, path=path, tls_cert=tls_cert, tls_key=tls_key, token=None,
                       token_file=token_file, engine=engine, vllm_python=vllm_python, log_level=log_level,
-                      head=head, ca=ca)
-    except (ServeError, UnsafeFolder) as e:
+                      head=head, ca=ca, engine_args=_engine_args(engine_args))
+    except (ServeError, UnsafeFolder, ValueError) as e:
         raise CLIError(str(e)) from e
     except ssl.SSLError as e:
         raise CLIError(f"the TLS certificate or key cannot be used ({e.reason or e}): give a matching PEM pair") from e

@@ -45,6 +45,8 @@ from artcloud.server.engines.base import (
     SamplingParams,
     TokenSink,
 )
+from artcloud.server.engines.choose import check_engine_args
+from artcloud.server.engines.engine import EngineArgsError
 from artcloud.server.engines.replicas import ADAPTER_FILES, LORA_HEADER, Replica, ca_context
 from artcloud.types import LoraConfig
 
@@ -141,6 +143,10 @@ def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: st
         if not isinstance(base, str) or not base or not isinstance(args, dict):
             raise ApiError(400, "invalid_request", "base_model: the head's base model name (engine_args: an object)",
                            "base_model")
+        try:  # a model's engine_args as the head takes them from a client: nothing that names a path, a port or code
+            check_engine_args(args, from_client=True)
+        except EngineArgsError as e:
+            raise ApiError(400, e.code, str(e), e.field or "engine_args") from None
         async with loading:
             if state["base_model"] not in (None, base):
                 raise ApiError(409, "other_model", f"this replica serves {state['base_model']}, not {base}: start "
@@ -306,9 +312,10 @@ def watch_head(url: str, ca: str | None, stop: Callable[[], None], *, every_s: f
 
 def serve(*, host: str, port: int, path: Path, tls_cert: str | None, tls_key: str | None, token: str | None,
           token_file: str | None, engine: str = "cpu", vllm_python: str | None = None, log_level: str = "info",
-          head: str | None = None, ca: str | None = None, announce=print) -> None:
+          head: str | None = None, ca: str | None = None, engine_args: dict[str, Any] | None = None,
+          announce=print) -> None:
     """`artcloud replica`: serve until a signal, or until the head (`head`: its URL) is gone. The sampler is made
-    on the head's first POST /replica/models."""
+    on the head's first POST /replica/models, with `engine_args` (the operator's) under the model's."""
     import uvicorn
 
     from artcloud.server.main import ENV_CERT, ServeError, bind, check_path, tls_setup
@@ -323,8 +330,13 @@ def serve(*, host: str, port: int, path: Path, tls_cert: str | None, tls_key: st
     shutil.rmtree(folder, ignore_errors=True)  # what a replica served before a restart is served again by the head
     folder.mkdir(parents=True)
 
-    def load(base_model: str, engine_args: dict[str, Any]) -> Sampler:
-        return make_sampler(engine, base_model, engine_args, workdir=path / "replica-engine", python=vllm_python)
+    operator = dict(engine_args or {})
+    check_engine_args(operator, from_client=False)
+
+    def load(base_model: str, model_args: dict[str, Any]) -> Sampler:
+        """The operator's engine_args (this node's --engine-args, as the head's: code review 3, F4), then the model's."""
+        return make_sampler(engine, base_model, {**operator, **model_args}, workdir=path / "replica-engine",
+                            python=vllm_python)
 
     sock = bind(host, port)
     announce(f"artcloud replica serving on https://{host}:{sock.getsockname()[1]} (HTTPS only, the launch's token)")

@@ -84,14 +84,17 @@ def check_engine_args(args: dict[str, Any], *, from_client: bool) -> None:
     must be in MODEL_ARGS; the operator's --engine-args may set any vLLM flag but artcloud's own)."""
     for key, value in args.items():
         if not isinstance(key, str) or not key.replace("_", "").isalnum():
-            raise EngineArgsError(f"engine_args key {key!r} is not a flag name (letters, digits and _)")
+            raise EngineArgsError(f"engine_args key {key!r} is not a flag name (letters, digits and _)",
+                                  field="engine_args")
         if key in RESERVED_ARGS:
-            raise EngineArgsError(f"engine_args {key!r} is set by artcloud (vLLM listens on loopback with its own key)")
+            raise EngineArgsError(f"engine_args {key!r} is set by artcloud (vLLM listens on loopback with its own key)",
+                                  field=f"engine_args.{key}")
         if from_client and key not in MODEL_ARGS:
             raise EngineArgsError(f"engine_args {key!r} cannot be set per model; allowed: {', '.join(sorted(MODEL_ARGS))} "
-                             "(the server's operator can set others with artcloud serve --engine-args)")
+                             "(the server's operator can set others with artcloud serve --engine-args)", field=f"engine_args.{key}")
         if from_client and (not isinstance(value, (str, int, float, bool)) or (isinstance(value, str) and len(value) > 64)):
-            raise EngineArgsError(f"engine_args {key!r} must be a number, a boolean or a short string")
+            raise EngineArgsError(f"engine_args {key!r} must be a number, a boolean or a short string",
+                                  field=f"engine_args.{key}")
 
 
 @dataclass(frozen=True)
