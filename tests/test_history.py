@@ -218,6 +218,31 @@ def test_a_history_from_disk_or_s3_is_untrusted(tmp_path):
     assert history.metric_by_step([*good, later], "reward_mean") == {1: 0.5}
 
 
+
+def test_a_hostile_history_is_skipped_with_one_warning_and_bounded_work(caplog):
+    """Security review 3, N6, on the parser S3's and the disk's history.jsonl go through: an integer too large for a
+    float (it raised OverflowError: every register of that model was a 500), junk lines (each logged a warning: 8 MiB
+    of them, 4 million lines of log), and far more records than are kept (all parsed first: 2 GB for 63 MiB)."""
+    from artcloud.server import history
+
+    huge = '{"step": 1, "loss": 1' + "0" * 400 + "}"
+    good = [{"step": i, "split": "train", "source": "train", "loss": 0.5} for i in range(3)]
+    assert history.parse_jsonl("\n".join([huge, '{"step": 2, "loss": 9007199254740993}', '{"step": 2, "ok": true}',
+                                          json.dumps(good[0]), "x" * 100, json.dumps(good[1])]), "s3") == good[:2]
+    assert history.parse_jsonl(json.dumps(good[2]) + "\r\n" + huge + "\n\n", "s3") == good[2:]
+
+    caplog.clear()
+    junk = "x\n" * (2 * history.MAX_LINES_READ)
+    with caplog.at_level("WARNING", logger="artcloud.server"):
+        assert history.parse_jsonl(json.dumps(good[0]) + "\n" + junk, "s3") == []  # beyond the lines it reads
+    assert len(caplog.records) == 2, [r.getMessage() for r in caplog.records]
+    assert f"{history.MAX_LINES_READ} line(s) skipped" in caplog.records[0].getMessage()
+
+    many = "".join(json.dumps({"step": i, "loss": 0.5}) + "\n" for i in range(history.MAX_RECORDS + 500))
+    kept = history.parse_jsonl(many + "not json\n", "s3")
+    assert [r["step"] for r in kept] == list(range(500, history.MAX_RECORDS + 500))  # the newest, in order
+
+
 # ---------------------------------------------------------------------------------------------- W&B
 
 

@@ -50,6 +50,7 @@ HISTORY_FILE = "history.jsonl"
 PLOT_FILE = "reward.svg"
 MAX_RECORDS = 20_000  # per model; logging beyond it is refused (409), a training step still records
 MAX_HISTORY_BYTES = 64 << 20  # a history.jsonl read from disk or S3
+MAX_LINES_READ = 4 * MAX_RECORDS  # lines of it looked at, from its end, for the newest MAX_RECORDS good ones
 
 
 def training_record(step: int, job_id: str, stats: dict[str, Any], steps: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
@@ -127,18 +128,33 @@ def read_jsonl(path: Path) -> list[dict[str, Any]] | None:
 
 
 def parse_jsonl(text: str, where: str) -> list[dict[str, Any]]:
-    """The well-formed records of a history.jsonl's text (from `where`, for the log); the rest is skipped."""
-    records = []
-    for n, line in enumerate(text.splitlines(), 1):
+    """The well-formed records of a history.jsonl's text (from `where`, for the log), the newest MAX_RECORDS; the rest
+    is skipped, with one warning. The text may be anyone's (S3): it is read from its end, line by line, and no more
+    than MAX_LINES_READ lines are looked at (security review 3, N6: 8 MiB of junk lines logged 4 million warnings, and
+    63 MiB of records took 2 GB to parse whole)."""
+    records: list[dict[str, Any]] = []
+    skipped, first_problem, end, looked = 0, "", len(text), 0
+    while end > 0 and len(records) < MAX_RECORDS and looked < MAX_LINES_READ:
+        start = text.rfind("\n", 0, end) + 1
+        line, end = text[start:end], start - 1
+        if not line.strip():
+            continue
+        looked += 1
         try:
             record, problem = valid_record(json.loads(line))
-        except ValueError as e:
-            record, problem = None, f"not JSON ({e})"
+        except (ValueError, OverflowError, TypeError, RecursionError) as e:  # ValueError: JSONDecodeError, huge ints
+            record, problem = None, f"not JSON ({type(e).__name__})"
         if problem is not None:
-            log.warning("%s line %d skipped: %s", where, n, problem)
+            skipped += 1
+            first_problem = first_problem or problem  # the last line's, as it is read from the end
             continue
         records.append(record)
-    return records[-MAX_RECORDS:]
+    if skipped:
+        log.warning("%s: %d line(s) skipped (the last: %s)", where, skipped, first_problem)
+    if end > 0 and looked >= MAX_LINES_READ:
+        log.warning("%s: only its last %d lines were read", where, looked)
+    records.reverse()
+    return records
 
 
 def valid_record(record: Any) -> tuple[Any, str | None]:
@@ -231,4 +247,5 @@ def reward_svg(records: list[dict[str, Any]], width: int = 640, height: int = 36
 
 
 def _number(value: Any) -> bool:
-    return type(value) in (int, float) and math.isfinite(value)
+    """A metric: a finite float, or an int a float holds exactly (a larger one overflowed math.isfinite: N6)."""
+    return type(value) is float and math.isfinite(value) or type(value) is int and abs(value) <= 2**53
