@@ -5,6 +5,7 @@ is refused, since it read as minutes before 0.2."""
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import re
 
 from artcloud.errors import InvalidArgument
@@ -29,8 +30,8 @@ def parse_duration(value: str | int | float | _dt.timedelta, *, what: str = "dur
             raise InvalidArgument(f"{what} {value!r} needs a unit: write {number}m for minutes or {number}s for "
                                   "seconds", field=_field(what))
         seconds = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if seconds <= 0:
-        raise InvalidArgument(f"{what} must be positive, not {value!r}", field=_field(what))
+    if not math.isfinite(seconds) or seconds <= 0:  # nan and inf pass `<= 0` (code review 3, R8)
+        raise InvalidArgument(f"{what} must be a positive, finite duration, not {value!r}", field=_field(what))
     return seconds
 
 

@@ -145,7 +145,7 @@ def test_the_lease_pushes_the_last_checkpoint_to_s3_and_exits_0(seaweed, start_s
 
 def test_bad_durations_and_engines_are_one_line_errors(tmp_path):
     base = ("--path", str(tmp_path / "d"), "--port", "0")
-    one_line_error(serve(*base, "--lease", "0s"), "--lease", "must be positive")
+    one_line_error(serve(*base, "--lease", "0s"), "--lease", "must be a positive")
     one_line_error(serve(*base, "--lease", "30"), "--lease '30' needs a unit: write 30m for minutes or 30s for seconds")
     one_line_error(serve(*base, "--lease", "abc"), "--lease", "'abc' is not a duration")
     one_line_error(serve(*base, "--max-duration", "-5m"), "--max-duration", "is not a duration")

@@ -24,9 +24,10 @@ def test_durations(text, seconds):
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("bad", ["soon", "", "-5m", "0s", 0, "5 minutes", "1w"])
+@pytest.mark.parametrize("bad", ["soon", "", "-5m", "0s", 0, "5 minutes", "1w", float("nan"), float("inf"),
+                                 datetime.timedelta(seconds=-1)])
 def test_bad_durations_say_how_to_write_one(bad):
-    with pytest.raises(ValueError, match=r"write e\.g\. 90s, 15m, 8h or 1d|must be positive") as caught:
+    with pytest.raises(ValueError, match=r"write e\.g\. 90s, 15m, 8h or 1d|must be a positive") as caught:
         parse_duration(bad, what="--lease")
     assert caught.value.field == "lease"
 
