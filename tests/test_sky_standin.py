@@ -453,11 +453,15 @@ def test_launch_serves_the_wheel_then_down(sky, root, wheel):
     found = subprocess.run([str(venv / "bin" / "python"), "-c", "import artcloud, sys; print(artcloud.__file__, sys.version_info[:2])"],
                            cwd=home / "sky_workdir", env=node_env, capture_output=True, text=True, check=True).stdout.strip()
     assert found.startswith(str(venv / "lib")) and "site-packages" in found, found
+    # The server runs with its venv active (SDK contract 3, R1: SkyPilot's run activates ~/sky-user-env, and
+    # FlashInfer's JIT runs `ninja` by name, which the venv holds).
+    assert node_env["VIRTUAL_ENV"] == str(venv) and node_env["PATH"].split(os.pathsep)[0] == str(venv / "bin")
     # The image's python3 made the venv (with uv: it has no venv module), and it is the Python the image chose.
-    image_python = subprocess.run(["python3", "-c", "import sys; print(sys.version_info[:2])"], env=node_env,
+    image_env = {**node_env, "PATH": os.pathsep.join(node_env["PATH"].split(os.pathsep)[1:])}
+    image_python = subprocess.run(["python3", "-c", "import sys; print(sys.version_info[:2])"], env=image_env,
                                   capture_output=True, text=True, check=True).stdout.strip()
     assert found.endswith(image_python)
-    no_venv = subprocess.run(["python3", "-m", "venv", str(root / "plain-venv")], env=node_env, capture_output=True, text=True)
+    no_venv = subprocess.run(["python3", "-m", "venv", str(root / "plain-venv")], env=image_env, capture_output=True, text=True)
     assert no_venv.returncode != 0 and "ensurepip" in no_venv.stdout + no_venv.stderr
     # GNU timeout (the run command's belt) moves itself into a process group of its own: killing the
     # supervisor's group would miss it and the server. down() must find them anyway.
