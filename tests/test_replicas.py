@@ -7,6 +7,7 @@ servers over HTTPS with one launch's certificate and token, on tiny-random.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -255,6 +256,23 @@ def test_a_head_spreads_rollouts_over_replicas_and_hands_every_step_to_each(star
     assert all(r.proc.poll() is not None for r in replicas)
 
 
+def test_a_replica_takes_bodies_as_large_as_the_heads_but_adapters(tmp_path):
+    """Security review 3, N7: the replica's app had no body limit (96 MiB held its /health 2.9 s). It has the head's,
+    from the declared length on; an adapter's upload, streamed to disk under its own cap, is not held to it."""
+    from fastapi.testclient import TestClient
+
+    from artcloud.server.replica import LIMITS, create_replica_app
+
+    token = "t" * 43
+    auth = {"Authorization": f"Bearer {token}", "Content-Length": str(LIMITS.max_body_bytes + 1)}
+    with TestClient(create_replica_app(lambda base, args: None, token, tmp_path)) as c:
+        for route in ("/replica/generate", "/replica/models"):
+            refused = c.post(route, content=b"{}", headers=auth)
+            assert refused.status_code == 413 and refused.json()["error"]["code"] == "body_too_large", refused.text
+        upload = c.put("/replica/adapters/s1", content=b"", headers=auth)  # past the limit: the route's own answer
+        assert upload.status_code == 400 and upload.json()["error"]["field"] == "X-Artcloud-Lora", upload.text
+
+
 def test_a_replica_refuses_a_hostile_adapter_and_requests_without_the_token(tmp_path):
     """And it takes engine_args as the head does (security review 3, N3: any vLLM flag a token holder sent), over the
     operator's, which it reads from its own launch as the head does (code review 3, F4: they never reached it)."""
@@ -288,7 +306,32 @@ def test_a_replica_refuses_a_hostile_adapter_and_requests_without_the_token(tmp_
                         t.addfile(info, io.BytesIO(data))
                 return raw.getvalue()
 
+            def gnu_sparse(name: bytes, declared: int) -> bytes:
+                """An old-GNU sparse member (type 'S'): one 512-byte block stored, `declared` bytes once extracted
+                (the holes read as zeros); the real size in base-256, so that it may pass 8 GiB."""
+                h = bytearray(512)
+                h[0:len(name)] = name
+                for at, field in ((100, b"0000644\0"), (108, b"0000000\0"), (116, b"0000000\0")):
+                    h[at:at + 8] = field
+                h[124:136], h[136:148], h[156:157], h[257:265] = b"%011o\0" % 512, b"%011o\0" % 0, b"S", b"ustar  \0"
+                h[386:398], h[398:410] = b"%011o\0" % 0, b"%011o\0" % 512  # the map: (offset 0, 512 bytes)
+                h[483:495] = b"\x80" + declared.to_bytes(11, "big")
+                h[148:156] = b" " * 8
+                h[148:156] = b"%06o\0 " % sum(h)
+                return bytes(h) + b"\0" * 512
+
             lora = {"X-Artcloud-Lora": LoraConfig().model_dump_json(), **auth}
+            # Security review 3, N4: 3 KiB that tarfile extracts as 2 GiB (its isfile() is True for a sparse member).
+            bomb = tar(("adapter_config.json", b"{}"))[:1024] + gnu_sparse(b"adapter_model.safetensors", 2 << 30) + b"\0" * 1024
+            with tarfile.open(fileobj=io.BytesIO(bomb)) as t:
+                assert [(m.name, m.size, m.isfile()) for m in t.getmembers()][1] == ("adapter_model.safetensors", 2 << 30, True)
+            refused = c.put("/replica/adapters/s1", content=bomb, headers=lora)
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_adapter", refused.text
+            assert not any((tmp_path / "replica" / "replica-adapters").iterdir())
+            garbage = c.put("/replica/adapters/s1", content=tar(("adapter_config.json", b"{}"),
+                                                                 ("adapter_model.safetensors", b"not safetensors")),
+                            headers=lora)
+            assert garbage.status_code == 400 and "not a PEFT adapter" in garbage.text, garbage.text
             escape = c.put("/replica/adapters/s1", content=tar(("../../evil", b"x"), ("adapter_config.json", b"{}")),
                            headers=lora)
             assert escape.status_code == 400 and escape.json()["error"]["code"] == "invalid_adapter"
@@ -299,6 +342,10 @@ def test_a_replica_refuses_a_hostile_adapter_and_requests_without_the_token(tmp_
             bad = c.post("/replica/generate", json={"slot": None, "requests": [{"prompt_ids": [1, -2], "n": 1}]},
                          headers=auth)
             assert bad.status_code == 400 and bad.json()["error"]["field"] == "requests[0].prompt_ids"
+            # The head's bound on n x max_tokens (security review 3, N7; the body's size: the test below).
+            greedy = c.post("/replica/generate", json={"slot": None, "requests": [
+                {"prompt_ids": [1], "n": 1024, "params": {"max_tokens": 1 << 20}}]}, headers=auth)
+            assert greedy.status_code == 400 and greedy.json()["error"]["field"] == "requests[0].params.max_tokens"
             unknown = c.post("/replica/generate", json={"slot": "nope", "requests": [{"prompt_ids": [1], "n": 1}]},
                              headers=auth)
             assert unknown.status_code == 404

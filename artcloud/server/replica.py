@@ -48,6 +48,8 @@ from artcloud.server.engines.base import (
 from artcloud.server.engines.choose import check_engine_args
 from artcloud.server.engines.engine import EngineArgsError
 from artcloud.server.engines.replicas import ADAPTER_FILES, LORA_HEADER, Replica, ca_context
+from artcloud.server.limits import Limits
+from artcloud.server.middleware import BodyLimit
 from artcloud.types import LoraConfig
 
 log = logging.getLogger("artcloud.replica")
@@ -55,6 +57,9 @@ log = logging.getLogger("artcloud.replica")
 SLOT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_ADAPTER_BYTES = 8 << 30
 MAX_PROMPT_TOKENS = 1 << 20
+# The head's own limits (artcloud serve's defaults: server/limits.py), here too (security review 3, N7): a request
+# body (an adapter's upload aside, streamed to disk under MAX_ADAPTER_BYTES), and n x max_tokens of one request.
+LIMITS = Limits()
 HEAD_POLL_S, HEAD_MISSES = 10.0, 3  # the head is gone after 3 polls without an answer, 10 s apart
 TICK_S = 1.0  # an empty line this often while a generation runs, so that the head can stop it (RemoteSampler)
 
@@ -106,6 +111,8 @@ def _requests(body: Any) -> tuple[str | None, list[GenerationRequest], list[bool
                 and isinstance(p.stop, list) and all(isinstance(s, str) for s in p.stop)
                 and (p.seed is None or type(p.seed) is int)):
             raise bad(f"{where}.params", "numbers and stop strings as a chat completion takes them")
+        if n * p.max_tokens > LIMITS.max_request_tokens:
+            raise bad(f"{where}.params.max_tokens", f"n x max_tokens at most {LIMITS.max_request_tokens}")
         out.append(GenerationRequest(prompt_ids=ids, n=n, params=p))
         stream.append(bool(r.get("stream")))
     return slot, out, stream
@@ -231,7 +238,7 @@ def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: st
                         raise ApiError(413, "body_too_large", f"an adapter is at most {MAX_ADAPTER_BYTES} bytes", "body")
                     raw.write(chunk)
                 raw.seek(0)
-                await asyncio.to_thread(_untar_adapter, raw, target)
+                await asyncio.to_thread(_untar_adapter, raw, target, size)
             await asyncio.to_thread(s.call, s.sampler.serve_adapter, slot, lora, target)
         except BaseException:
             shutil.rmtree(target, ignore_errors=True)
@@ -251,8 +258,19 @@ def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: st
             shutil.rmtree(old, ignore_errors=True)
         return {"slot": slot, "dropped": old is not None}
 
+    app.add_middleware(_BodyLimitButAdapters, max_bytes=LIMITS.max_body_bytes)
     app.add_middleware(TokenAuth, token=token, lease=Lease(None, None))
     return app
+
+
+class _BodyLimitButAdapters(BodyLimit):
+    """The head's body limit on every route but an adapter's upload (PUT /replica/adapters/SLOT: streamed to disk,
+    under MAX_ADAPTER_BYTES)."""
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("path", "").startswith("/replica/adapters/"):
+            return await self.app(scope, receive, send)
+        return await super().__call__(scope, receive, send)
 
 
 async def _json(request: Request) -> Any:
@@ -263,8 +281,10 @@ async def _json(request: Request) -> Any:
         raise ApiError(400, "invalid_json", "the body is not JSON", "body") from None
 
 
-def _untar_adapter(raw: Any, target: Path) -> None:
-    """Exactly the two adapter files, as regular files, written under `target` by their fixed names only."""
+def _untar_adapter(raw: Any, target: Path, received: int) -> None:
+    """Exactly the two adapter files, as plain regular files (not GNU sparse ones, whose holes a few bytes can declare
+    as terabytes: security review 3, N4), written under `target` by their fixed names only, together no more bytes
+    than the body that carried them (`received`)."""
     def bad(what: str) -> ApiError:
         return ApiError(400, "invalid_adapter", f"the body must be a tar of exactly {' and '.join(ADAPTER_FILES)}: {what}",
                         "body")
@@ -273,8 +293,10 @@ def _untar_adapter(raw: Any, target: Path) -> None:
         with tarfile.open(fileobj=raw, mode="r:") as tar:
             members = tar.getmembers()
             names = sorted(m.name for m in members)
-            if names != sorted(ADAPTER_FILES) or not all(m.isfile() for m in members):
-                raise bad(f"it holds {names[:4]}")
+            if names != sorted(ADAPTER_FILES) or not all(m.type in (tarfile.REGTYPE, tarfile.AREGTYPE) for m in members):
+                raise bad(f"it holds {[(m.name, m.type.decode(errors='replace')) for m in members][:4]}")
+            if sum(m.size for m in members) > received:
+                raise bad(f"its files declare {sum(m.size for m in members)} bytes, more than the {received} received")
             for m in members:
                 source = tar.extractfile(m)
                 assert source is not None  # a regular file
@@ -282,6 +304,15 @@ def _untar_adapter(raw: Any, target: Path) -> None:
                     shutil.copyfileobj(source, out)
     except tarfile.TarError as e:
         raise bad(str(e)) from None
+    try:  # files that are not an adapter: a 400 here, not the sampler's error (a 500) when it loads them
+        from safetensors import safe_open
+
+        if not isinstance(json.loads((target / "adapter_config.json").read_text()), dict):
+            raise ValueError("adapter_config.json is not a JSON object")
+        with safe_open(str(target / "adapter_model.safetensors"), "pt") as weights:
+            weights.keys()
+    except Exception as e:  # noqa: BLE001 - json's, safetensors' (SafetensorError) and decoding errors alike
+        raise bad(f"they are not a PEFT adapter ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def watch_head(url: str, ca: str | None, stop: Callable[[], None], *, every_s: float = HEAD_POLL_S,
