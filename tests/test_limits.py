@@ -16,6 +16,7 @@ from helpers import chat, events, rollout_groups, wait_for
 
 from artcloud import wire
 from artcloud.server import train_body
+from artcloud.server.api_errors import ApiError
 
 # --max-train-bodies 8: the eight posts that fill the job queue at once are all read.
 LIMITED = ("--max-body-mb", "0.2", "--max-request-tokens", "64", "--max-queued-jobs", "1", "--max-kept-jobs", "2",
@@ -346,4 +347,37 @@ def test_a_big_body_goes_to_a_child_process_and_a_small_one_does_not(monkeypatch
     small, big = _body(_choice(3)), _body(_choice(3), "x" * train_body.IN_THREAD_MAX_BYTES)
     for raw in (small, big, _body(_choice(3, "x"), "x" * train_body.IN_THREAD_MAX_BYTES)):
         assert asyncio.run(train_body.parse_off_loop(raw)) == train_body.parse(raw)
-    assert [args[1:] for args in spawned] == [("-m", "artcloud.server.train_body")] * 2
+    root = str(Path(train_body.__file__).resolve().parents[2])
+    assert [args[1:] for args in spawned] == [("-I", "-c", train_body.CHILD_CODE, root)] * 2
+
+
+def test_the_parser_child_is_bounded_in_memory_and_time(monkeypatch):
+    """Security review 3, N9: the child had no memory or time limit, and the kernel's OOM killer could pick the server
+    over it. Its address space is capped (too small a cap: it cannot run, and the request is a 503, the server
+    unharmed), it is the OOM killer's first pick, and a parse that takes too long is stopped."""
+    import resource
+
+    seen = []
+    real = asyncio.create_subprocess_exec
+
+    async def spy(*args, **kw):
+        child = await real(*args, **kw)
+        seen.append((Path(f"/proc/{child.pid}/oom_score_adj").read_text().strip(),
+                     resource.prlimit(child.pid, resource.RLIMIT_AS)[0]))
+        return child
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", spy)
+    big = _body(_choice(3), "x" * train_body.IN_THREAD_MAX_BYTES)
+    assert asyncio.run(train_body.parse_off_loop(big)) == train_body.parse(big)
+    assert seen == [("1000", train_body.CHILD_MEMORY_BASE + train_body.CHILD_MEMORY_PER_BODY_BYTE * len(big))]
+
+    monkeypatch.setattr(train_body, "CHILD_MEMORY_BASE", 32 << 20)
+    monkeypatch.setattr(train_body, "CHILD_MEMORY_PER_BODY_BYTE", 1)
+    with pytest.raises(ApiError) as failed:
+        asyncio.run(train_body.parse_off_loop(big))
+    assert (failed.value.status, failed.value.code) == (503, "parse_failed")
+
+    monkeypatch.setattr(train_body, "CHILD_TIMEOUT_S", 0.001)
+    with pytest.raises(ApiError, match="took over") as slow:
+        asyncio.run(train_body.parse_off_loop(big))
+    assert slow.value.status == 503

@@ -15,6 +15,7 @@ import hashlib
 import os
 import pickle
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,15 @@ from artcloud.server.api_errors import ApiError
 from artcloud.server.engines.children import child_env
 
 IN_THREAD_MAX_BYTES = 4 << 20
+# The child's bounds (security review 3, N9): its address space (a 108.7 MiB body took ~3.6 GB to parse: ~33 x), a
+# wall-clock limit, and first in line for the kernel's OOM killer, so that under memory pressure a parse dies, not
+# the server.
+CHILD_MEMORY_PER_BODY_BYTE = 48
+CHILD_MEMORY_BASE = 1 << 30  # the interpreter, pydantic and artcloud's wire module
+CHILD_TIMEOUT_S = 300.0
+# How the child starts: isolated (-I: no PYTHON* variables, no user site, not the working folder on sys.path), with
+# this artcloud first on its path.
+CHILD_CODE = "import sys; sys.path.insert(0, sys.argv[1]); from artcloud.server.train_body import main; main()"
 
 Parsed = tuple[wire.TrainRequest, str]  # the request and its hash
 Invalid = dict[str, Any]  # its first error: loc (from "body"), msg, type
@@ -52,22 +62,45 @@ async def parse_off_loop(raw: bytes) -> Parsed | Invalid:
     if len(raw) <= IN_THREAD_MAX_BYTES:
         return await asyncio.to_thread(parse, raw)
     package_root = str(Path(__file__).resolve().parents[2])
-    env = {**child_env(os.environ),  # not the server's token or keys: the parser needs none
-           "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    child = await asyncio.create_subprocess_exec(sys.executable, "-m", "artcloud.server.train_body", env=env,
-                                                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                                                 stderr=asyncio.subprocess.DEVNULL)
+    memory = CHILD_MEMORY_BASE + CHILD_MEMORY_PER_BODY_BYTE * len(raw)
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-I", "-c", CHILD_CODE, package_root,
+        env=child_env(os.environ),  # not the server's token or keys: the parser needs none
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        preexec_fn=partial(_bounded, memory))
+    timed_out = False
     try:
-        out, _ = await child.communicate(raw)
+        out, _ = await asyncio.wait_for(child.communicate(raw), CHILD_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        timed_out, out = True, b""
     finally:
-        if child.returncode is None:  # cancelled (the client went away): no parser outlives its request
+        if child.returncode is None:  # cancelled (the client went away), or too slow: no parser outlives its request
             child.kill()
             await child.wait()
+    if timed_out:
+        raise ApiError(503, "parse_failed", f"parsing the request body took over {CHILD_TIMEOUT_S:.0f} s: send fewer "
+                       "groups per request")
     if child.returncode != 0 or not out:  # killed, out of memory
         raise ApiError(503, "parse_failed", f"parsing the request body failed (its parser process exited with code "
-                       f"{child.returncode}): retry, and if it fails again send fewer groups per request")
+                       f"{child.returncode}; it may use {memory >> 20} MiB): retry, and if it fails again send fewer "
+                       "groups per request")
     # The child is this module, run by this server on bytes it validated: its pickle is ours, not the client's.
     return pickle.loads(out)
+
+
+def _bounded(memory: int) -> None:
+    """Run in the parser child before exec: at most `memory` bytes of address space, and the OOM killer's first pick."""
+    import resource
+
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    except (ValueError, OSError):  # a platform without it (macOS refuses RLIMIT_AS)
+        pass
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:  # not Linux
+        pass
 
 
 def main() -> None:
