@@ -57,6 +57,8 @@ RERAISES = {
     ("backends/modal.py", "item"): "an exception of the log-pump thread, raised again in the caller",
     ("backends/sandbox.py", "cause"): "KeyboardInterrupt / CancelledError, passed on untouched",
     ("storage/s3.py", "failed.exception"): "a worker's exception, raised again after the pool shut down",
+    ("backends/local.py", "failed[0]"): "down()'s exception in the thread that ran it for `with LocalBackend()`, "
+                                        "raised again in the caller",
 }
 
 # Two classes may share a code only when they mean the same thing to a caller.

@@ -308,7 +308,7 @@ def _untar_adapter(raw: Any, target: Path, received: int) -> None:
         from safetensors import safe_open
 
         if not isinstance(json.loads((target / "adapter_config.json").read_text()), dict):
-            raise ValueError("adapter_config.json is not a JSON object")
+            raise InvalidArgument("adapter_config.json is not a JSON object")
         with safe_open(str(target / "adapter_model.safetensors"), "pt") as weights:
             weights.keys()
     except Exception as e:  # noqa: BLE001 - json's, safetensors' (SafetensorError) and decoding errors alike

@@ -23,6 +23,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported
 from artcloud.server.engines.children import die_with_parent
 
 STORE_ENV = "ARTCLOUD_RANK_STORE"  # the FileStore's path, in a folder only this user can open
@@ -34,7 +35,7 @@ def loopback_interface() -> str:
     for name in ("lo", "lo0"):
         if name in names:
             return name
-    raise RuntimeError(f"no loopback interface among {names}: the ranks would listen on the network")
+    raise NotSupported(f"no loopback interface among {names}: the ranks would listen on the network")
 
 
 def rank_env(env: dict[str, str], rank: int, size: int, store: Path) -> dict[str, str]:
@@ -48,7 +49,8 @@ def check_folder(folder: Path) -> None:
     """The store's folder: this user's, mode 0700 (tempfile.mkdtemp makes it so), not a link."""
     st = os.lstat(folder)
     if not os.path.isdir(folder) or os.path.islink(folder) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise RuntimeError(f"{folder} must be a folder of this user's, mode 0700: the ranks' store would be open to others")
+        raise InvalidArgument(f"{folder} must be a folder of this user's, mode 0700: the ranks' store would be open to "
+                              "others")
 
 
 def run(procs: int, folder: Path, command: list[str], *, poll_s: float = 0.2) -> int:
@@ -97,7 +99,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         return run(int(argv[0]), Path(argv[1]), argv[3:])
-    except (OSError, RuntimeError) as e:
+    except (OSError, ArtcloudError) as e:
         print(f"local_group: {e}", file=sys.stderr)
         return 2
 
