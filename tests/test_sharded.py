@@ -229,11 +229,13 @@ def test_two_ranks_fine_tune_and_take_a_kl_reference_adapter_as_one_process(tmp_
 # Loaded by the ranks (first on their PYTHONPATH; the server ignores it): each rank's training step waits at a
 # barrier of files, where the test kills one rank. Not named ARTCLOUD_*: the ranks get no such variable.
 RANK_BARRIER = """
-import os, pathlib, time
+import os, pathlib, sys, time
 if os.environ.get("RANK") is not None:
     from artcloud.train import loop
 
     _train, _where = loop.train_step, pathlib.Path(os.environ["SHARDED_TEST_BARRIER"])
+    if (_where / "fail-start").exists():
+        sys.exit(3)
 
     def train_step(*args, **kwargs):
         if not (_where / "go").exists():
@@ -315,6 +317,11 @@ def test_a_server_trains_through_two_ranks_and_a_rank_that_dies_fails_only_its_s
            "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))}
     s = start_server(tmp_path / "srv", "--engine-args", json.dumps({"trainer_procs": 2}), env=env)
     with s.client() as c:
+        # Ranks that cannot start (a trainer node lost): a 503 to retry, not a 500 (security review 3, N10).
+        (barrier / "fail-start").touch()
+        r = c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": "artcloud/tiny-random"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "trainer_failed", r.text
+        (barrier / "fail-start").unlink()
         r = c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": "artcloud/tiny-random"})
         assert r.status_code == 200, r.text
         (engine,) = c.get("/artcloud/status").json()["engines"]
