@@ -70,6 +70,20 @@ def test_a_tls_flood_without_the_token_costs_a_training_client_nothing(start_ser
         groups = rollout_groups(c, "agent", ["x", "y"], n=4)
         log_before = s.log.stat().st_size
 
+        # An answer to a request without the token closes its connection: kept alive, one such request every < 30 s
+        # held it for good (security review 3, finding 1).
+        for path in (b"/artcloud/status", b"/health"):
+            asked = _open(s.url, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert asked is not None
+            asked.settimeout(10)
+            answer = b""
+            while chunk := asked.recv(65536):  # until the server closes it
+                answer += chunk
+            head = answer.split(b"\r\n\r\n")[0].lower()
+            assert head.startswith(b"http/1.1 401" if path != b"/health" else b"http/1.1 200"), head
+            assert b"\r\nconnection: close" in head, head
+            asked.close()
+
         # 300 connections that finish the handshake and send nothing; every third sends half a request head.
         half_head = b"GET /artcloud/status HTTP/1.1\r\nHost: x\r\n"
         flood = [_open(s.url, half_head if i % 3 == 0 else b"") for i in range(300)]

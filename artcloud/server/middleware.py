@@ -13,9 +13,22 @@ from artcloud.server.lease import Lease
 PUBLIC_PATHS = frozenset({"/health"})
 
 
+def _closing(send: Any) -> Any:
+    """`send` with `Connection: close` on the answer: a connection that has not shown the token is not kept alive
+    (security review 3, finding 1: one unauthenticated request every < 30 s held a kept-alive connection for good,
+    and two addresses held every connection the server would admit)."""
+    async def closing(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+        await send(message)
+
+    return closing
+
+
 class TokenAuth:
     """`Authorization: Bearer TOKEN` on every path but /health, compared in constant time, for HTTP and
-    websocket connections alike (only the lifespan scope passes untouched). It sits in front of routing,
+    websocket connections alike (only the lifespan scope passes untouched). Answers without the token (a 401, or
+    /health) close their connection. It sits in front of routing,
     so even a 404 is only answered to someone holding the token. Each authenticated request is shown
     to the lease (see lease.py for what renews and what holds it)."""
 
@@ -25,8 +38,10 @@ class TokenAuth:
         self.lease = lease
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan" or (scope["type"] == "http" and scope["path"] in PUBLIC_PATHS):
+        if scope["type"] == "lifespan":
             return await self.app(scope, receive, send)
+        if scope["type"] == "http" and scope["path"] in PUBLIC_PATHS:
+            return await self.app(scope, receive, _closing(send))
         given = b""
         for name, value in scope.get("headers", []):
             if name == b"authorization":
@@ -39,7 +54,8 @@ class TokenAuth:
                 return await send({"type": "websocket.close", "code": 1008})
             error = (ApiError(401, "missing_token", "this server needs 'Authorization: Bearer TOKEN' (the launch's token)")
                      if not given else ApiError(401, "invalid_token", "the bearer token is wrong: use the token of this launch"))
-            response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer",
+                                                                             "Connection": "close"})
             return await response(scope, receive, send)
         with self.lease.request(scope["path"]):
             return await self.app(scope, receive, send)
