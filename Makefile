@@ -111,8 +111,9 @@ test:
 pythons-built:
 	$(MAKE) --no-print-directory $(LAPTOP_STAMP) $(PYTHON_STAMPS)
 
+# --durations: the slowest tests of each run, for whoever shortens make test next.
 test-main: $(STAMP)
-	$(ONE_THREAD) $(BIN)/python -m pytest -q -ra $(PYTEST_PAR) --ignore=tests/laptop
+	$(ONE_THREAD) $(BIN)/python -m pytest -q -ra $(PYTEST_PAR) --durations=25 --ignore=tests/laptop
 
 # The tests marked `numeric` (two float computations held to a bound derived from the dtype and the magnitudes:
 # tests/tolerances.py) once more on other ATen CPU kernels than the ones torch picks here, so that no bound holds on
