@@ -48,10 +48,11 @@ def serve_rollout_train_shutdown(server: ServerProcess) -> None:
     assert os.path.realpath(f"/proc/{server.proc.pid}/exe") == os.path.realpath(sys.executable)
 
     with httpx.Client(base_url=server.url, verify=server.ssl_context(), timeout=60) as anonymous:
-        r = anonymous.get("/health")
+        with anonymous.stream("GET", "/health") as r:  # its connection closes once the answer is read
+            tls = r.extensions["network_stream"].get_extra_info("ssl_object")
+            assert tls.version() in ("TLSv1.2", "TLSv1.3")
+            r.read()
         assert r.status_code == 200 and r.json()["ready"] is True
-        tls = r.extensions["network_stream"].get_extra_info("ssl_object")
-        assert tls.version() in ("TLSv1.2", "TLSv1.3")
 
     plain = httpx.get(server.url.replace("https://", "http://") + "/v1/chat/completions", timeout=10)
     assert plain.status_code == 400 and plain.json()["error"]["code"] == "https_required"
