@@ -1,8 +1,9 @@
 """The ranks of tests/test_sharded.py's runs: `python -m artcloud.server.engines.local_group N FOLDER -- python
-tests/sharded_rank.py SPEC` (as the server starts its ranks) does each run in SPEC (a pickle the test wrote: a list of runs) in turn, in one group
-of ranks (torch, gloo and the model start once): one step with artcloud's sharded trainer (FSDP2, gloo) on the
-run's samples (none: no step), from a fresh adapter or from the run's checkpoint, saved to the run's `out` (rank 0
-writes it, with the step's metrics in metrics.json). A run may set the trainer's dtype and checkpointing."""
+tests/sharded_rank.py SPEC` (as the server starts its ranks) does each run in SPEC (a pickle the test wrote: a list
+of runs) in turn, in one group of ranks (torch, gloo and the model start once): one step with artcloud's sharded
+trainer (FSDP2, gloo) on the run's samples (none: no step), from a fresh adapter or from the run's checkpoint, saved
+to the run's `out` (rank 0 writes it, with the step's metrics in metrics.json). A run may set the trainer's dtype
+and checkpointing."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """LocalBackend: `artcloud serve` as a child process of this one, on this machine.
 
 A fresh CA, certificate and token per backend (made when it is constructed, and kept by a server it starts
-again), handed to the child through its environment (never a file the client leaves behind, never a log line). The server goes away with `await backend.down()`, on leaving
-`async with`, at interpreter exit, and, because the child watches its parent (and on Linux also asks the
-kernel for PR_SET_PDEATHSIG), even when this process is killed outright: no orphan server, ever.
+again), handed to the child through its environment (never a file the client leaves behind, never a log line).
+The server goes away with `await backend.down()`, on leaving `async with` or `with`, at interpreter exit (after
+its final push), and, because the child watches its parent (and on Linux also asks the kernel for
+PR_SET_PDEATHSIG), even when this process is killed outright: no orphan server, ever.
 """
 
 from __future__ import annotations

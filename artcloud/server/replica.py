@@ -293,7 +293,8 @@ def _untar_adapter(raw: Any, target: Path, received: int) -> None:
         with tarfile.open(fileobj=raw, mode="r:") as tar:
             members = tar.getmembers()
             names = sorted(m.name for m in members)
-            if names != sorted(ADAPTER_FILES) or not all(m.type in (tarfile.REGTYPE, tarfile.AREGTYPE) for m in members):
+            plain = all(m.type in (tarfile.REGTYPE, tarfile.AREGTYPE) for m in members)
+            if names != sorted(ADAPTER_FILES) or not plain:
                 raise bad(f"it holds {[(m.name, m.type.decode(errors='replace')) for m in members][:4]}")
             if sum(m.size for m in members) > received:
                 raise bad(f"its files declare {sum(m.size for m in members)} bytes, more than the {received} received")
@@ -365,7 +366,8 @@ def serve(*, host: str, port: int, path: Path, tls_cert: str | None, tls_key: st
     check_engine_args(operator, from_client=False)
 
     def load(base_model: str, model_args: dict[str, Any]) -> Sampler:
-        """The operator's engine_args (this node's --engine-args, as the head's: code review 3, F4), then the model's."""
+        """The operator's engine_args (this node's --engine-args, as the head's: code review 3, F4), then the
+        model's."""
         return make_sampler(engine, base_model, {**operator, **model_args}, workdir=path / "replica-engine",
                             python=vllm_python)
 

@@ -91,7 +91,8 @@ def check_engine_args(args: dict[str, Any], *, from_client: bool) -> None:
                                   field=f"engine_args.{key}")
         if from_client and key not in MODEL_ARGS:
             raise EngineArgsError(f"engine_args {key!r} cannot be set per model; allowed: {', '.join(sorted(MODEL_ARGS))} "
-                             "(the server's operator can set others with artcloud serve --engine-args)", field=f"engine_args.{key}")
+                                  "(the server's operator can set others with artcloud serve --engine-args)",
+                                  field=f"engine_args.{key}")
         if from_client and (not isinstance(value, (str, int, float, bool)) or (isinstance(value, str) and len(value) > 64)):
             raise EngineArgsError(f"engine_args {key!r} must be a number, a boolean or a short string",
                                   field=f"engine_args.{key}")

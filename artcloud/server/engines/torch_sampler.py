@@ -43,7 +43,8 @@ class TorchSampler(Sampler):
         self.trainer.delete_adapter(slot)
 
     def status(self) -> dict:
-        return {"kind": "torch", "state": "ready", "device": str(self.trainer.device), "adapters": len(self.trainer.names)}
+        return {"kind": "torch", "state": "ready", "device": str(self.trainer.device),
+                "adapters": len(self.trainer.names)}
 
     @torch.inference_mode()
     def generate(self, slot: str | None, requests: list[GenerationRequest]) -> list[list[Completion]]:
