@@ -161,8 +161,28 @@ def test_pick_offer_never_quotes_a_cloud_that_cannot_open_artclouds_port():
             pick_offer(cheap, "H100:1", cloud=pinned, use_spot=False)
         assert raised.value.field == "cloud" and raised.value.code == "cloud_without_ports"
     only_closed = [GPUOffer("Hyperbolic", "h", "H200", 1, 2.0, None), GPUOffer("Verda", "v", "H200", 1, 2.1, None)]
-    with pytest.raises(ValueError, match="H200 is only on Hyperbolic, Verda, where SkyPilot cannot open the port"):
+    with pytest.raises(ValueError, match=r"H200 is only on Hyperbolic, Verda, where SkyPilot cannot give artcloud's "
+                                         r"server what it needs \(an open port and autodown\)"):
         pick_offer(only_closed, "H200:1", cloud=None, use_spot=False)
+
+
+def test_pick_offer_never_quotes_a_cloud_without_autodown_nor_one_node_for_several():
+    """SDK contract 3, N2: every artcloud launch asks SkyPilot for autodown, which PrimeIntellect cannot do
+    (sky/clouds/primeintellect.py:30), and num_nodes > 1 needs MULTI_NODE, which RunPod lacks (runpod.py:30): the
+    optimizer or the provisioner would refuse the launch that the plan and max_cost had quoted."""
+    cheap = [*offers(), GPUOffer("PrimeIntellect", "pi-h100", "H100", 1, 1.0, None),
+             GPUOffer("RunPod", "1x_H100", "H100", 1, 2.0, None)]
+    assert pick_offer(cheap, "H100:1", cloud=None, use_spot=False).cloud == "RunPod"
+    assert pick_offer(cheap, "H100:1", cloud=None, use_spot=False, num_nodes=2).cloud == "lambda"
+    with pytest.raises(ValueError, match=r"autodown\), and SkyPilot cannot on primeintellect: pin a cloud") as raised:
+        pick_offer(cheap, "H100:1", cloud="primeintellect", use_spot=False)
+    assert (raised.value.code, raised.value.field) == ("cloud_without_autodown", "cloud")
+    with pytest.raises(ValueError, match=r"SkyPilot runs one node at most on runpod, and num_nodes is 2: pin a cloud "
+                                         r"that runs several \(e\.g\. cloud='aws', 'gcp', 'azure', 'kubernetes', "
+                                         r"'lambda'\), or use num_nodes=1") as raised:
+        pick_offer(cheap, "H100:1", cloud="runpod", use_spot=False, num_nodes=2)
+    assert raised.value.code == "cloud_single_node"
+    assert pick_offer(cheap, "H100:1", cloud="runpod", use_spot=False).cloud == "RunPod"  # one node: fine
 
 
 def test_no_enabled_cloud_names_the_extra_that_brings_a_clouds_sdk():

@@ -70,36 +70,51 @@ def parse_gpu(gpu: str) -> tuple[str, int]:
     return name, int(count or 1)
 
 
-def closed_port_cloud(cloud: str | None) -> str | None:
-    """Why `cloud` cannot host artcloud's server, or None: SkyPilot cannot open a port there (NO_OPEN_PORTS), and a
-    launch would only fail once SkyPilot's optimizer weighs it."""
-    from artcloud.backends.sky_api import NO_OPEN_PORTS
+def unusable_cloud(cloud: str | None, num_nodes: int = 1) -> tuple[str, str] | None:
+    """Why `cloud` cannot host artcloud's server, as (code, message), or None: SkyPilot cannot open a port there
+    (NO_OPEN_PORTS), cannot autodown there (NO_AUTODOWN: every artcloud launch asks for it, so that no machine bills
+    on with nobody watching), or runs one node at most there and `num_nodes` is more (NO_MULTI_NODE). A launch would
+    only fail once SkyPilot's optimizer or provisioner weighs it (SDK contract 3, N2)."""
+    from artcloud.backends.sky_api import NO_AUTODOWN, NO_MULTI_NODE, NO_OPEN_PORTS
 
-    if not cloud or cloud.lower() not in NO_OPEN_PORTS:
+    if not cloud:
         return None
-    return (f"artcloud needs an open port ({SERVER_PORT}) to reach its server, and SkyPilot cannot open one on "
-            f"{cloud}: pin a cloud that can (e.g. cloud='aws', 'gcp', 'azure', 'kubernetes', 'lambda' or 'runpod') or leave "
-            "cloud unset for the cheapest enabled one")
+    name = cloud.lower()
+    others = "cloud='aws', 'gcp', 'azure', 'kubernetes', 'lambda'" + (" or 'runpod'" if num_nodes == 1 else "")
+    if name in NO_OPEN_PORTS:
+        return "cloud_without_ports", (f"artcloud needs an open port ({SERVER_PORT}) to reach its server, and SkyPilot "
+                                       f"cannot open one on {cloud}: pin a cloud that can (e.g. {others}) or leave "
+                                       "cloud unset for the cheapest enabled one")
+    if name in NO_AUTODOWN:
+        return "cloud_without_autodown", (f"artcloud has SkyPilot take the machine down once its server ends "
+                                          f"(autodown), and SkyPilot cannot on {cloud}: pin a cloud that can (e.g. "
+                                          f"{others}) or leave cloud unset for the cheapest enabled one")
+    if num_nodes > 1 and name in NO_MULTI_NODE:
+        return "cloud_single_node", (f"SkyPilot runs one node at most on {cloud}, and num_nodes is {num_nodes}: pin a "
+                                     f"cloud that runs several (e.g. {others}), or use num_nodes=1")
+    return None
 
 
 def pick_offer(offers: list[GPUOffer], gpu: str, *, cloud: str | None, use_spot: bool,
-               enabled: list[str] | None = None) -> GPUOffer | None:
+               enabled: list[str] | None = None, num_nodes: int = 1) -> GPUOffer | None:
     """The cheapest offer for `gpu` (on `cloud` if given, else among the `enabled` clouds when known), as
-    SkyPilot's optimizer picks it; never one on a cloud that cannot open artcloud's port. Raises ValueError if
-    none can serve it."""
+    SkyPilot's optimizer picks it; never one on a cloud that cannot host artcloud's server (`unusable_cloud`: no open
+    port, no autodown, or one node where `num_nodes` are asked for). Raises ValueError if none can serve it."""
     from artcloud.backends.deps import sky_cloud_install
-    from artcloud.backends.sky_api import NO_OPEN_PORTS
 
     name, count = parse_gpu(gpu)
     if not offers:
         raise InvalidArgument(f"SkyPilot knows no GPU named {name!r}: `sky show-gpus` lists the names (e.g. H100, A100-80GB, L4)")
-    if closed_port_cloud(cloud):
-        raise InvalidArgument(closed_port_cloud(cloud), code="cloud_without_ports", field="cloud")
-    open_ports = [o for o in offers if o.cloud.lower() not in NO_OPEN_PORTS]
-    if not open_ports:
+    unusable = unusable_cloud(cloud, num_nodes)
+    if unusable:
+        raise InvalidArgument(unusable[1], code=unusable[0], field="cloud")
+    usable = [o for o in offers if unusable_cloud(o.cloud, num_nodes) is None]
+    if not usable:
+        needs = "an open port and autodown" + (f", on {num_nodes} nodes" if num_nodes > 1 else "")
         raise InvalidArgument(f"{name} is only on {', '.join(sorted({o.cloud for o in offers}))}, where SkyPilot "
-                              f"cannot open the port artcloud needs: `sky show-gpus` lists the other GPUs")
-    offers = open_ports
+                              f"cannot give artcloud's server what it needs ({needs}): `sky show-gpus` lists the other "
+                              "GPUs")
+    offers = usable
     if cloud:
         offers = [o for o in offers if o.cloud.lower() == cloud.lower()]
         if not offers:
@@ -221,7 +236,8 @@ class SkyProvisioner(Provisioner):
             return "SkyPilot's GPU catalog cannot be read (offline?)"
         enabled = None if cloud else self.api.enabled_clouds()
         try:
-            best = pick_offer(offers, gpu, cloud=cloud, use_spot=self.spec.spot, enabled=enabled)
+            best = pick_offer(offers, gpu, cloud=cloud, use_spot=self.spec.spot, enabled=enabled,
+                              num_nodes=self.spec.num_nodes)
         except ValueError as e:
             raise SkyError(str(e), code="unknown_gpu", field="gpu") from e
         if best is None:
@@ -238,8 +254,9 @@ class SkyProvisioner(Provisioner):
         from artcloud.backends.deps import sky_cloud_install
 
         cloud = self.spec.cloud
-        if closed_port_cloud(cloud):  # before `sky check`: set up or not, it cannot serve
-            raise SkyError(closed_port_cloud(cloud), code="cloud_without_ports", field="cloud")
+        unusable = unusable_cloud(cloud, self.spec.num_nodes)
+        if unusable:  # before `sky check`: set up or not, it cannot serve
+            raise SkyError(unusable[1], code=unusable[0], field="cloud")
         if cloud:
             reason = self.api.check_cloud(cloud)
             install = reason and sky_cloud_install(cloud, reason)

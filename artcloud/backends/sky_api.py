@@ -29,6 +29,13 @@ ENV_SKY_API = "ARTCLOUD_SKY_API"
 # quoted nor picked. Kept here, not asked of `sky` (whose import takes seconds); tests/laptop/test_sky_pins.py
 # pins the set against the installed SkyPilot.
 NO_OPEN_PORTS = frozenset({"hyperbolic", "ibm", "mithril", "slurm", "verda", "vsphere"})
+# The clouds where SkyPilot cannot autodown (AUTODOWN unsupported: sky/clouds/hyperbolic.py, primeintellect.py:30,
+# verda.py, yotta.py:55), which every artcloud launch asks for (sky/execution.py:501-507 requires it), and those where
+# it runs one node at most (MULTI_NODE unsupported, which num_nodes > 1 requires: sky/task.py:2141-2142; runpod.py:30,
+# vast.py:29, primeintellect.py:33, yotta.py:32, ...). Pinned by tests/laptop/test_sky_pins.py likewise.
+NO_AUTODOWN = frozenset({"hyperbolic", "primeintellect", "verda", "yotta"})
+NO_MULTI_NODE = frozenset({"hyperbolic", "primeintellect", "runpod", "seeweb", "shadeform", "vast", "verda", "vsphere",
+                           "yotta"})
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from packaging.requirements import Requirement
 
 from artcloud.backends.deps import _SKY_CLOUD_ALIASES, SKY_CLOUD_EXTRAS
 from artcloud.backends.sky import FAILED_JOB
-from artcloud.backends.sky_api import NO_OPEN_PORTS
+from artcloud.backends.sky_api import NO_AUTODOWN, NO_MULTI_NODE, NO_OPEN_PORTS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 # ----------------------------------------------------------------------------------------- clouds and ports
 
 def test_no_open_ports_is_every_cloud_skypilot_cannot_open_a_port_on(sky, monkeypatch):
-    """NO_OPEN_PORTS holds exactly the clouds whose unsupported features, for any resources, include OPEN_PORTS
+    """NO_OPEN_PORTS holds exactly the clouds whose unsupported features, for any resources, include OPEN_PORTS (and
+    NO_AUTODOWN, NO_MULTI_NODE those lacking AUTODOWN, MULTI_NODE)
     (clouds/hyperbolic.py:44, ibm.py:54, mithril.py:45, slurm.py:49, verda.py:44, vsphere.py:57), which a task with
     `ports` requires (resources.py:2379)."""
     from sky import clouds
@@ -37,6 +38,11 @@ def test_no_open_ports_is_every_cloud_skypilot_cannot_open_a_port_on(sky, monkey
               if clouds.CloudImplementationFeatures.OPEN_PORTS in cloud._unsupported_features_for_resources(
                   sky.Resources(), None)}
     assert closed == NO_OPEN_PORTS
+    for feature, pinned in ((clouds.CloudImplementationFeatures.AUTODOWN, NO_AUTODOWN),
+                            (clouds.CloudImplementationFeatures.MULTI_NODE, NO_MULTI_NODE)):
+        lacking = {name for name, cloud in registry.CLOUD_REGISTRY.items()
+                   if feature in cloud._unsupported_features_for_resources(sky.Resources(), None)}
+        assert lacking == pinned, feature
     assert {"aws", "gcp", "kubernetes", "lambda", "runpod"} <= set(registry.CLOUD_REGISTRY) - closed
 
 
