@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import os
 import pickle
+import resource
 import sys
 from functools import partial
 from pathlib import Path
@@ -89,9 +90,8 @@ async def parse_off_loop(raw: bytes) -> Parsed | Invalid:
 
 
 def _bounded(memory: int) -> None:
-    """Run in the parser child before exec: at most `memory` bytes of address space, and the OOM killer's first pick."""
-    import resource
-
+    """Run in the parser child before exec: at most `memory` bytes of address space, and the OOM killer's first pick.
+    (Nothing is imported here: after a fork of a server with threads, an import could wait on a lock for ever.)"""
     try:
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     except (ValueError, OSError):  # a platform without it (macOS refuses RLIMIT_AS)
