@@ -44,7 +44,7 @@ ONE_THREAD := OMP_NUM_THREADS=1
 # processes more, each spinning on the other's shared-memory queue for a second after every message (sched_yield:
 # vllm/distributed/device_communicators/shm_broadcast.py, SpinCondition busy_loop_s=1) and its worker's OpenMP
 # threads pinned to cores (vllm/utils/ompmultiprocessing.py). Beside the rest of stage 3 those spinners took turns
-# with the processes they waited for: the suite took 7:44 there (4:48 alone). VLLM_ENABLE_V1_MULTIPROCESSING=0 runs
+# with the processes they waited for: the suite took 7:16 to 7:52 there (4:48 alone). VLLM_ENABLE_V1_MULTIPROCESSING=0 runs
 # the worker inside the engine core (vllm/platforms/cpu.py keeps the one-process executor then), nobind leaves its
 # one thread unpinned: 6:15 there, same machine, same neighbours. The served model and what artcloud does with it are
 # the same; tests/test_vllm_server.py runs vLLM as a server starts it.
