@@ -404,14 +404,16 @@ def test_the_trainer_sharded_over_two_nodes_trains_and_a_lost_node_rejoins(start
         master = f"127.0.0.1:{s.getsockname()[1]}"
     server = start_server(tmp_path / "srv", "--trainer-nodes", "2", "--trainer-master", master, env=env)
     # The other node does not see the head's disk (code review 3, F1: every rank read the checkpoints there, so the
-    # rollback after the lost rank failed on a real cluster): it runs in a mount namespace of its own (a user
-    # namespace makes that unprivileged) where an empty tmpfs covers the server's folder, as code review 3's E2 did.
+    # rollback after the lost rank failed on a real cluster): it runs in a mount namespace of its own (for a user
+    # other than root, inside a user namespace) where an empty tmpfs covers the server's folder, as code review 3's E2
+    # did.
     ca = shutil.copy(server.ca, tmp_path / "ca.pem")
     node_argv = [sys.executable, "-m", "artcloud", "trainer-node", "--master", master, "--nodes", "2", "--node-rank",
                  "1", "--procs", "1", "--device", "cpu", "--head", server.url, "--ca", str(ca)]
     hidden = f"mount -t tmpfs tmpfs {shlex.quote(str(server.path))} && exec {shlex.join(node_argv)}"
-    node = subprocess.Popen(["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private",
-                             "sh", "-c", hidden], env={**os.environ, **env}, start_new_session=True)
+    namespaces = ["--mount"] if os.geteuid() == 0 else ["--user", "--map-root-user", "--mount"]  # root needs no userns
+    node = subprocess.Popen(["unshare", *namespaces, "--propagation", "private", "sh", "-c", hidden],
+                            env={**os.environ, **env}, start_new_session=True)
     try:
         with server.client() as c:
             r = c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY})
