@@ -133,7 +133,7 @@ def parse_jsonl(text: str, where: str) -> list[dict[str, Any]]:
     than MAX_LINES_READ lines are looked at (security review 3, N6: 8 MiB of junk lines logged 4 million warnings, and
     63 MiB of records took 2 GB to parse whole)."""
     records: list[dict[str, Any]] = []
-    skipped, first_problem, end, looked = 0, "", len(text), 0
+    skipped, last_problem, end, looked = 0, "", len(text), 0
     while end > 0 and len(records) < MAX_RECORDS and looked < MAX_LINES_READ:
         start = text.rfind("\n", 0, end) + 1
         line, end = text[start:end], start - 1
@@ -146,11 +146,11 @@ def parse_jsonl(text: str, where: str) -> list[dict[str, Any]]:
             record, problem = None, f"not JSON ({type(e).__name__})"
         if problem is not None:
             skipped += 1
-            first_problem = first_problem or problem  # the last line's, as it is read from the end
+            last_problem = last_problem or problem  # the last bad line's: the text is read from its end
             continue
         records.append(record)
     if skipped:
-        log.warning("%s: %d line(s) skipped (the last: %s)", where, skipped, first_problem)
+        log.warning("%s: %d line(s) skipped (the last: %s)", where, skipped, last_problem)
     if end > 0 and looked >= MAX_LINES_READ:
         log.warning("%s: only its last %d lines were read", where, looked)
     records.reverse()

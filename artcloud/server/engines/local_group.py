@@ -38,11 +38,9 @@ def loopback_interface() -> str:
     raise NotSupported(f"no loopback interface among {names}: the ranks would listen on the network")
 
 
-def rank_env(env: dict[str, str], rank: int, size: int, store: Path) -> dict[str, str]:
-    lo = loopback_interface()
+def rank_env(env: dict[str, str], rank: int, size: int, store: Path, lo: str) -> dict[str, str]:
     return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_WORLD_SIZE": str(size),
-            "GROUP_RANK": "0", STORE_ENV: str(store), "MASTER_ADDR": "127.0.0.1",
-            "GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo}
+            STORE_ENV: str(store), "GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo}
 
 
 def check_folder(folder: Path) -> None:
@@ -60,7 +58,8 @@ def run(procs: int, folder: Path, command: list[str], *, poll_s: float = 0.2) ->
     store = folder / "store"
     if store.exists():
         store.unlink()  # a FileStore left by an earlier group would hand this one its keys
-    ranks = [subprocess.Popen(command, env=rank_env(dict(os.environ), r, procs, store), stdin=subprocess.DEVNULL,
+    lo = loopback_interface()
+    ranks = [subprocess.Popen(command, env=rank_env(dict(os.environ), r, procs, store, lo), stdin=subprocess.DEVNULL,
                               preexec_fn=partial(die_with_parent, own_group=False)) for r in range(procs)]
     stopping = False
 
