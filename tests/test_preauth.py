@@ -171,3 +171,24 @@ def test_behind_an_https_proxy_idle_and_stalled_connections_end_by_the_same_dead
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_connections_are_counted_per_network_not_per_address():
+    """Two addresses were enough to fill the cap per address (security review 3, finding 1); a /24 or a /64 is what
+    one party holds as cheaply, so connections are counted per network. Loopback addresses stay apart (the tests'
+    own flood comes from 127.0.0.2), and an IPv4 address mapped into IPv6 is its IPv4 network."""
+    from artcloud.server.tls_only import Connections, peer_network
+
+    assert peer_network("203.0.113.5") == peer_network("203.0.113.250") == "203.0.113.0/24"
+    assert peer_network("::ffff:203.0.113.9") == "203.0.113.0/24"
+    assert peer_network("2001:db8:1:2::1") == peer_network("2001:db8:1:2:ffff::7") == "2001:db8:1:2::/64"
+    assert peer_network("2001:db8:1:3::1") != peer_network("2001:db8:1:2::1")
+    assert peer_network("fe80::1%eth0") == "fe80::/64"
+    assert peer_network("127.0.0.1") != peer_network("127.0.0.2")
+    assert peer_network("?") == "?"
+    connections = Connections(total=10, per_peer=3)
+    admitted = [connections.admit(peer_network(f"198.51.100.{i}")) for i in range(1, 255)]
+    assert admitted.count(True) == 3 and admitted[:3] == [True] * 3  # one /24: 3, however many addresses it uses
+    assert connections.admit(peer_network("192.0.2.1"))  # a client elsewhere still gets in
+    connections.release(peer_network("198.51.100.77"))
+    assert connections.admit(peer_network("198.51.100.200")) and connections.open == 4

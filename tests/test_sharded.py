@@ -16,6 +16,7 @@ import ipaddress
 import json
 import os
 import pickle
+import secrets
 import shlex
 import shutil
 import signal
@@ -34,6 +35,7 @@ from tolerances import SMOLLM2_HIDDEN, TINY_HIDDEN, assert_same_adam_steps, asse
 from artcloud.server import chat
 from artcloud.server.models import OLD_STEPS_KEPT
 from artcloud.server.engines.base import TrainSample
+from artcloud.server.engines.children import KEY_ENV
 from artcloud.server.engines.peft_trainer import OPTIMIZER_FILE, PeftTrainer
 from artcloud.train import packing
 from artcloud.types import LoraConfig, TrainConfig
@@ -304,6 +306,56 @@ def test_a_local_group_of_ranks_stops_them_all(tmp_path, how):
     assert r.returncode == 2 and "mode 0700" in r.stderr, r.stderr
 
 
+SEALED_SCRIPT = """
+import os, pathlib, sys
+from artcloud.server.engines import sharded
+
+class Mkdir:  # unpickling it makes a folder: what a forged message would run
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+folder, case = pathlib.Path(sys.argv[1]), sys.argv[2]
+world = sharded.join_world("gloo")
+key = "x" * 64 if case == "stranger" and world.rank == 1 else os.environ[sharded.KEY_ENV]
+try:
+    sealed = sharded.Sealed(world, key)
+    if world.rank == 0:
+        sealed.broadcast({"call": "sealed"})
+        sealed.key = b"y" * 64  # rank 0 (or what stands in for it) no longer seals with the group's key
+        sealed.broadcast(Mkdir(str(folder / "unpickled")))
+    else:
+        (folder / "got").write_text(repr(sealed.broadcast()))
+        sealed.broadcast()
+except sharded.IntruderError as e:
+    (folder / f"refused{world.rank}").write_text(str(e))
+    sys.exit(5)
+"""
+
+
+@pytest.mark.parametrize("case", ["forged", "stranger"])
+def test_the_ranks_take_only_what_holders_of_the_group_key_send(tmp_path, case):
+    """torch.distributed authenticates nobody (security review 3, N2): sharded.Sealed does. A rank unpickles rank 0's
+    message only when it carries the group key's HMAC: a forged one (whose unpickling would make a folder) stops the
+    group, unpickled by no one; and a rank without the key is named by the others before any message is sent."""
+    folder = Path(tempfile.mkdtemp(dir=tmp_path))
+    script = tmp_path / "sealed.py"
+    script.write_text(SEALED_SCRIPT)
+    r = subprocess.run([sys.executable, "-m", "artcloud.server.engines.local_group", "2", str(folder), "--",
+                        sys.executable, str(script), str(folder), case], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0, r.stderr  # the group stops (a rank that refused exits 5; its peer fails with it)
+    assert not (folder / "unpickled").exists()
+    if case == "forged":
+        assert (folder / "got").read_text() == "{'call': 'sealed'}"  # the sealed one went through
+        assert "not sealed with the group's key" in (folder / "refused1").read_text()
+    else:
+        assert not (folder / "got").exists()
+        assert "rank(s) 1 of the trainer group do not hold its key" in (folder / "refused0").read_text()
+        assert "rank(s) 0 of the trainer group" in (folder / "refused1").read_text()  # each side names the other
+
+
 def test_a_server_trains_through_two_ranks_and_a_rank_that_dies_fails_only_its_step(start_server, tmp_path):
     """`--engine-args '{"trainer_procs": 2}'`: the CPU engine's sampler serves what two FSDP ranks train. A rank
     killed in the middle of a step fails that job with an error event; the model stays at its step and is
@@ -397,7 +449,7 @@ def test_the_trainer_sharded_over_two_nodes_trains_and_a_lost_node_rejoins(start
     hook, barrier = tmp_path / "hook", tmp_path / "barrier"
     hook.mkdir(), barrier.mkdir()
     (hook / "sitecustomize.py").write_text(RANK_BARRIER)
-    env = {"SHARDED_TEST_BARRIER": str(barrier),
+    env = {"SHARDED_TEST_BARRIER": str(barrier), KEY_ENV: secrets.token_hex(32),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -410,6 +462,18 @@ def test_the_trainer_sharded_over_two_nodes_trains_and_a_lost_node_rejoins(start
     ca = shutil.copy(server.ca, tmp_path / "ca.pem")
     node_argv = [sys.executable, "-m", "artcloud", "trainer-node", "--master", master, "--nodes", "2", "--node-rank",
                  "1", "--procs", "1", "--device", "cpu", "--head", server.url, "--ca", str(ca)]
+    # First a node without the trainer key joins the rendezvous (anyone who reaches its port can: security review 3,
+    # N2): the group stops before any sample is sent, and the register is a 503 to retry.
+    stranger = subprocess.Popen(node_argv, env={**os.environ, **env, KEY_ENV: secrets.token_hex(32)},
+                                start_new_session=True)
+    try:
+        with server.client() as c:
+            r = c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "trainer_intruder", r.text
+        assert "rank(s) 1 of the trainer group do not hold its key" in r.json()["error"]["message"]
+    finally:
+        os.killpg(stranger.pid, signal.SIGKILL)
+        stranger.wait(30)
     hidden = f"mount -t tmpfs tmpfs {shlex.quote(str(server.path))} && exec {shlex.join(node_argv)}"
     namespaces = ["--mount"] if os.geteuid() == 0 else ["--user", "--map-root-user", "--mount"]  # root needs no userns
     node = subprocess.Popen(["unshare", *namespaces, "--propagation", "private", "sh", "-c", hidden],

@@ -21,10 +21,14 @@ from tests.sky_standin import ENV_NODE, _cmdline, _marker_of, cluster_pids
 TINY = "artcloud/tiny-random"
 
 
+def role_pids(root, name: str, node: str, role: str) -> set[int]:
+    """The `artcloud ROLE` process of the cluster's node `node` (not the `timeout` or the shell that run it)."""
+    return {pid for pid in cluster_pids(root, name) if _marker_of(pid, ENV_NODE) == node
+            and f" -m artcloud {role} " in _cmdline(pid) and Path(_cmdline(pid).split()[0]).name.startswith("python")}
+
+
 def replica_pids(root, name: str) -> set[int]:
-    """The `artcloud replica` process of the cluster's node 2 (not the `timeout` or the shell that run it)."""
-    return {pid for pid in cluster_pids(root, name) if _marker_of(pid, ENV_NODE) == "2"
-            and " -m artcloud replica " in _cmdline(pid) and Path(_cmdline(pid).split()[0]).name.startswith("python")}
+    return role_pids(root, name, "2", "replica")
 
 
 @pytest.mark.slow
@@ -46,6 +50,16 @@ def test_three_nodes_two_train_two_serve_rollouts_and_a_lost_replica_comes_back(
 
             (engine,) = (await backend.client.status()).model_dump()["engines"]
             assert (engine["trainer"]["ranks"], engine["trainer"]["nodes"]) == (2, 2), engine["trainer"]
+
+            # Each role holds only the secrets it needs (security review 3, N5): the trainer node the trainer key, the
+            # replica the server's token and TLS pair; the head all of them.
+            (trainer_node,) = role_pids(sky_env, "three", "1", "trainer-node")
+            (replica,) = replica_pids(sky_env, "three")
+            (server,) = role_pids(sky_env, "three", "0", "serve")
+            held = {pid: {n for n in ("ARTCLOUD_TOKEN", "ARTCLOUD_TLS_KEY", "ARTCLOUD_TRAINER_KEY")
+                          if _marker_of(pid, n) is not None} for pid in (trainer_node, replica, server)}
+            assert held == {trainer_node: {"ARTCLOUD_TRAINER_KEY"}, replica: {"ARTCLOUD_TOKEN", "ARTCLOUD_TLS_KEY"},
+                            server: {"ARTCLOUD_TOKEN", "ARTCLOUD_TLS_KEY", "ARTCLOUD_TRAINER_KEY"}}, held
 
             head, worker = await replicas()
             assert head["live"] and worker["live"] and worker["url"].endswith(f":{REPLICA_PORT}")

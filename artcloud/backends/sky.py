@@ -39,7 +39,7 @@ from artcloud.backends.launch import check_s3, user_secrets
 from artcloud.backends.providers import Claim, Credentials, Provisioner
 from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
 from artcloud.backends.sky_api import ClusterInfo, GPUOffer, Launched, SkyAPI, sky_api
-from artcloud.backends.sky_task import SECRET_NAMES, SERVER_PORT, ServerTask, build_task, describe
+from artcloud.backends.sky_task import RESERVED, SERVER_PORT, TRAINER_KEY, ServerTask, build_task, describe
 from artcloud.backends.spec import SandboxSpec, renamed
 from artcloud.backends.state import SandboxRecord, StateDir
 from artcloud.errors import ArtcloudError, InvalidArgument
@@ -213,7 +213,7 @@ class SkyProvisioner(Provisioner):
 
     def launch_secrets(self) -> dict[str, str]:
         """The user's secrets (values read here, now) and, for S3, this machine's AWS credentials."""
-        return user_secrets(self.spec.secrets, reserved=SECRET_NAMES, s3=self.spec.s3, error=SkyError,
+        return user_secrets(self.spec.secrets, reserved=RESERVED, s3=self.spec.s3, error=SkyError,
                             valid_for_s=self.spec.max_duration)
 
     def preflight(self) -> Plan:
@@ -325,6 +325,8 @@ class SkyProvisioner(Provisioner):
         tls = make_launch_secrets()
         launch_secrets = {"ARTCLOUD_TOKEN": tls.token, "ARTCLOUD_TLS_CERT": tls.server_cert,
                           "ARTCLOUD_TLS_KEY": tls.server_key, **user_secrets}
+        if self.trainer_nodes > 1:  # what the trainer nodes share instead of the token
+            launch_secrets[TRAINER_KEY] = _secrets.token_hex(32)
         self._reaped = False
         record = SandboxRecord(
             name=name, provider=PROVIDER, gpu=spec.gpu, cloud=spec.cloud, price_per_hour=self.price_per_hour,

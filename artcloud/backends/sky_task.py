@@ -30,6 +30,10 @@ SERVER_PORT = 8080  # the one port every SkyPilot cloud forwards (Vast forwards 
 REPLICA_PORT = 8081
 TRAINER_PORT = 29500  # the sharded trainer's rendezvous on the head (torchrun's master port), inside the cluster too
 SECRET_NAMES = ("ARTCLOUD_TOKEN", "ARTCLOUD_TLS_CERT", "ARTCLOUD_TLS_KEY")
+# The trainer nodes' shared secret (server/engines/children.py KEY_ENV), not the client's token: each rank of the
+# sharded trainer proves it before the group trains, torchrun's rendezvous having no secret of its own.
+TRAINER_KEY = "ARTCLOUD_TRAINER_KEY"
+RESERVED = (*SECRET_NAMES, TRAINER_KEY)  # artcloud's own secrets: a user's may not take these names
 HOOK_CLOUDS = ("kubernetes", "k8s", "ssh")  # where SkyPilot runs the template's preemption hook (a pod's SIGTERM)
 REDACTED = "<redacted>"
 
@@ -108,6 +112,9 @@ def build_task(
                               "train, the head first", field="trainer_nodes")
     if num_nodes > 1 and not ca_cert:
         raise InvalidArgument("several nodes need the launch's CA certificate (ca_cert): the head checks its replicas with it")
+    if trainer_nodes > 1 and len(secrets.get(TRAINER_KEY, "")) < 32:
+        raise InvalidArgument(f"several trainer nodes need the secret {TRAINER_KEY} (32 characters or more), which "
+                              "their ranks prove to each other", field="secrets")
     config = load_template()
     if num_nodes > 1:
         config["num_nodes"] = int(num_nodes)
@@ -154,6 +161,9 @@ def build_task(
         envs["ARTCLOUD_TLS_CA"] = str(ca_cert)
         envs["ARTCLOUD_TRAINER_NODES"] = str(trainer_nodes)
         envs["ARTCLOUD_TRAINER_PORT"] = str(TRAINER_PORT)
+        # Only the names, for the run script: SkyPilot exports every secret on every node, and each role keeps those
+        # it needs (the trainer nodes the trainer key, the replicas the server's token and TLS pair).
+        envs["ARTCLOUD_SECRET_NAMES"] = " ".join(sorted(secrets))
     if run_args is not None:  # same shell (venv, timeout belt), another command: `artcloud run`
         envs["ARTCLOUD_RUN_ARGS"] = shlex.join(run_args)
     for key, value in (env or {}).items():

@@ -37,7 +37,7 @@ def serve(
     watch_preemption: bool = typer.Option(False, "--watch-preemption", envvar="ARTCLOUD_WATCH_PREEMPTION", help="On a spot machine: poll the cloud's preemption notice (AWS, GCP, Azure metadata) and, when it comes, push the last checkpoints and exit (SkyBackend(use_spot=True) sets it; the client relaunches and resumes from S3)."),
     preload: Optional[str] = typer.Option(None, "--preload", envvar="ARTCLOUD_PRELOAD", help="Load this base model (a hub id or a folder) while the server comes up, so that GET /health says ready only once it is loaded and the first register finds it loaded. Default: $ARTCLOUD_PRELOAD (SkyBackend and ModalBackend set it when model.register started the sandbox)."),
     replica: list[str] = typer.Option([], "--replica", help="An inference replica on another node (`artcloud replica` there): https://NODE_IP:PORT, repeatable. Rollouts are spread over this server's sampler and the replicas; each committed step is served on all of them. They take this server's token.", rich_help_panel="Several nodes"),
-    trainer_nodes: int = typer.Option(1, "--trainer-nodes", min=1, help="Shard the trainer over this many nodes: this one (node 0, where the server drives it) and the others' `artcloud trainer-node`. The peft trainer (FSDP2) then trains: trainer_procs ranks here on a CPU, one per trainer GPU on CUDA.", rich_help_panel="Several nodes"),
+    trainer_nodes: int = typer.Option(1, "--trainer-nodes", min=1, help="Shard the trainer over this many nodes: this one (node 0, where the server drives it) and the others' `artcloud trainer-node`. The peft trainer (FSDP2) then trains: trainer_procs ranks here on a CPU, one per trainer GPU on CUDA. Needs $ARTCLOUD_TRAINER_KEY, the secret every trainer node holds.", rich_help_panel="Several nodes"),
     trainer_master: Optional[str] = typer.Option(None, "--trainer-master", help="With --trainer-nodes: HOST:PORT where this node's torchrun meets the others (this node's private IP and a free port).", rich_help_panel="Several nodes"),
     replica_ca: Optional[str] = typer.Option(None, "--replica-ca", help="The CA (PEM) that signed the replicas' certificate. Default: the CA this server made under PATH/.tls.", rich_help_panel="Several nodes"),
     s3_claim_timeout: str = typer.Option("15m", "--s3-claim-timeout", help="A model's S3 claim (one server trains it) is renewed every third of this; another server may take the model over after this long without renewal."),
@@ -169,13 +169,14 @@ def trainer_node(
 
     This node's ranks join every group of the sharded trainer (FSDP2 under torchrun) that the head starts: each
     trains its slice of every step, and a group that ends (a rank died, the server restarted it) is joined
-    again. The rendezvous port and the ranks' traffic stay on the cluster's private network.
+    again. The rendezvous port and the ranks' traffic stay on the cluster's private network. $ARTCLOUD_TRAINER_KEY
+    must hold the head's trainer key (SkyBackend sets it on every trainer node): the ranks prove it to each other.
 
     Example: artcloud trainer-node --master 10.0.0.1:29500 --nodes 2 --node-rank 1 --head https://10.0.0.1:8080
     """
     import threading
 
-    from artcloud.server.engines.children import Rendezvous
+    from artcloud.server.engines.children import KEY_ENV, Rendezvous
 
     if nodes <= node_rank:
         raise CLIError(f"--node-rank {node_rank} is not below --nodes {nodes}: the nodes are 0 (the head) to {nodes - 1}")
@@ -184,8 +185,10 @@ def trainer_node(
     if head is not None and not head.startswith("https://"):
         raise CLIError(f"--head {head}: the head's server is reached over HTTPS only (https://HEAD_IP:PORT)")
     try:
-        rendezvous = Rendezvous(nodes, master)
+        rendezvous = Rendezvous(nodes, master, os.environ.get(KEY_ENV, ""))
     except ValueError as e:
+        if getattr(e, "field", None) == KEY_ENV:
+            raise CLIError(str(e)) from e
         raise CLIError(f"--master {master}: give HOST:PORT, the server's --trainer-master") from e
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch

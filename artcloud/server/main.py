@@ -206,11 +206,13 @@ def _rendezvous(nodes: int, master: str | None):
         if master:
             raise ServeError("--trainer-master is for --trainer-nodes 2 or more")
         return None
-    from artcloud.server.engines.children import Rendezvous
+    from artcloud.server.engines.children import KEY_ENV, Rendezvous
 
     try:
-        return Rendezvous(nodes, master or "")
-    except ValueError:
+        return Rendezvous(nodes, master or "", os.environ.get(KEY_ENV, ""))
+    except ValueError as e:
+        if getattr(e, "field", None) == KEY_ENV:
+            raise ServeError(str(e)) from None
         raise ServeError(f"--trainer-nodes {nodes} needs --trainer-master HOST:PORT: where this node's torchrun waits "
                          "for the other trainer nodes (this node's private IP and a free port, e.g. 10.0.0.1:29500)") from None
 

@@ -77,9 +77,10 @@ class EngineHost:
             if isinstance(e, (ModelNotFound, CorruptWeights)):
                 code = "corrupt_weights" if isinstance(e, CorruptWeights) else "base_model_not_found"
                 raise ApiError(400, code, str(e), "base_model") from e
-            if isinstance(e, ArtcloudError) and e.code == "trainer_failed":  # the sharded trainer's ranks did not
-                # start (a trainer node lost: security review 3, N10): not a bug, and worth a retry
-                raise ApiError(503, "trainer_failed", f"{e}: retry the register", "base_model") from e
+            if isinstance(e, ArtcloudError) and e.code in ("trainer_failed", "trainer_intruder"):  # the sharded
+                # trainer's ranks did not start (a trainer node lost, security review 3 N10; or a rank without the
+                # group's key, N2): not a bug, and worth a retry
+                raise ApiError(503, e.code, f"{e}: retry the register", "base_model") from e
             if isinstance(e, (OSError, ValueError)):  # e.g. a name too long for the filesystem, a broken config.json
                 raise ApiError(400, "base_model_not_found",
                                f"cannot load base model {self.base_model!r} ({type(e).__name__}: {e})", "base_model") from e

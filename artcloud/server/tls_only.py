@@ -10,7 +10,7 @@ Nobody without the token may hold the server's connections (security review 1): 
 authenticated, a connection has FIRST_BYTE_TIMEOUT_S for its first byte and HANDSHAKE_TIMEOUT_S for TLS,
 then HEAD_TIMEOUT_S for its first request head, and a head begun on a kept-alive connection as long (an idle
 kept-alive one is uvicorn's to close, after its keep-alive timeout); a request body that stops coming for
-BODY_IDLE_S ends the connection. `Connections` caps how many are open in all and per peer address, so that
+BODY_IDLE_S ends the connection. `Connections` caps how many are open in all and per peer network, so that
 descriptors stay for the checkpoints, and the accept loop's out-of-descriptors errors are logged once per
 minute, not once per retry (`quiet_accept_errors`).
 
@@ -22,6 +22,7 @@ cap per address, since every connection comes from the proxy.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import resource
@@ -52,10 +53,27 @@ def https_required_response(hint: str) -> bytes:
     return (head + "Connection: close\r\n\r\n").encode() + body
 
 
+def peer_network(address: str) -> str:
+    """What one party is likely to hold, as connections are counted: an IPv4 /24 or an IPv6 /64 (a cloud machine or
+    a home line gets a whole /64; a few addresses of one /24 are cheap), a loopback address as it is, anything
+    else (a Unix socket's "?") as it is. An IPv4 address mapped into IPv6 counts as the IPv4 one."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback:
+        return str(ip)
+    prefix = 24 if ip.version == 4 else 64
+    return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
+
+
 class Connections:
-    """Open connections in all and per peer address, capped before TLS (nothing else of a peer is known then).
-    From the descriptor limit, raised to the hard limit first: what RESERVED_FDS leaves (at most 8,192), half of it
-    per peer; a refused connection is closed at once, and logged once per REFUSALS_LOGGED_EVERY_S."""
+    """Open connections in all and per peer network (`peer_network`: a /24 or a /64, security review 3, finding 1),
+    capped before TLS (nothing else of a peer is known then). From the descriptor limit, raised to the hard limit
+    first: what RESERVED_FDS leaves (at most 8,192), half of it per peer; a refused connection is closed at once, and
+    logged once per REFUSALS_LOGGED_EVERY_S."""
 
     def __init__(self, total: int | None = None, per_peer: int | None = None, *, by_peer: bool = True):
         if total is None:
@@ -67,11 +85,12 @@ class Connections:
         self._logged_at = -REFUSALS_LOGGED_EVERY_S
 
     def admit(self, peer: str) -> bool:
+        """`peer`: what peer_network made of the peer's address."""
         if self.open >= self.total or self.by_peer[peer] >= self.per_peer:
             self.refused += 1
             if time.monotonic() - self._logged_at >= REFUSALS_LOGGED_EVERY_S:
                 self._logged_at = time.monotonic()
-                log.warning("refusing connections (%d so far): %d open of %d, %d from %s of %d per address",
+                log.warning("refusing connections (%d so far): %d open of %d, %d from %s of %d per network",
                             self.refused, self.open, self.total, self.by_peer[peer], peer, self.per_peer)
             return False
         self.by_peer[peer] += 1
@@ -118,10 +137,11 @@ class TLSOnlyProtocol(asyncio.Protocol):
         self.transport = transport
         peer = transport.get_extra_info("peername")
         if self.connections is not None:
-            if not self.connections.admit(peer[0] if peer else "?"):
+            network = peer_network(str(peer[0])) if peer else "?"
+            if not self.connections.admit(network):
                 transport.abort()
                 return
-            self.peer = peer[0] if peer else "?"
+            self.peer = network
         self._timer = asyncio.get_running_loop().call_later(FIRST_BYTE_TIMEOUT_S, transport.abort)
 
     def connection_lost(self, exc: Exception | None) -> None:  # before the TLS hand-off; after it, _TLS calls it

@@ -176,8 +176,13 @@ def test_a_task_of_several_nodes_validates_and_opens_only_the_heads_port(sky, la
     assert task.envs["ARTCLOUD_REPLICA_PORT"] == str(REPLICA_PORT) and task.envs["ARTCLOUD_TLS_CA"].startswith("-----BEGIN")
     assert "ARTCLOUD_TLS_CA" not in task.secrets  # public: a certificate, not its key
     assert task.envs["ARTCLOUD_TRAINER_NODES"] == "1"
-    two = build_task(secrets=launch_secrets, num_nodes=3, trainer_nodes=2, ca_cert="x").config
-    assert load_task(sky, two).envs["ARTCLOUD_TRAINER_NODES"] == "2"
+    keyed = {**launch_secrets, "ARTCLOUD_TRAINER_KEY": "k" * 64}
+    two = load_task(sky, build_task(secrets=keyed, num_nodes=3, trainer_nodes=2, ca_cert="x").config)
+    assert two.envs["ARTCLOUD_TRAINER_NODES"] == "2" and "ARTCLOUD_TRAINER_KEY" in {r.name for r in two.managed_secret_refs}
+    # The run script learns the secrets' names only (each role keeps those it needs), never their values.
+    assert two.envs["ARTCLOUD_SECRET_NAMES"].split() == sorted(keyed) and "k" * 64 not in str(two.envs)
+    with pytest.raises(ValueError, match="several trainer nodes need the secret ARTCLOUD_TRAINER_KEY"):
+        build_task(secrets=launch_secrets, num_nodes=3, trainer_nodes=2, ca_cert="x")
     with pytest.raises(ValueError, match="one node"):
         build_task(secrets=launch_secrets, num_nodes=2, ca_cert="x", run_args=["train.py"])
     with pytest.raises(ValueError, match="trainer_nodes is 1 to num_nodes"):

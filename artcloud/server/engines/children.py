@@ -6,24 +6,34 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from artcloud.errors import InvalidArgument
 
 
+KEY_ENV = "ARTCLOUD_TRAINER_KEY"  # the secret the trainer nodes share (not the client's token): sharded.Sealed
+MIN_KEY_CHARS = 32
+
+
 @dataclass(frozen=True)
 class Rendezvous:
     """The sharded trainer over `nodes` nodes: torchrun's static rendezvous at `master` (HEAD_IP:PORT, the head, node
-    0, where global rank 0 runs under the server's control); `artcloud trainer-node` runs the other nodes' ranks."""
+    0, where global rank 0 runs under the server's control); `artcloud trainer-node` runs the other nodes' ranks. `key`:
+    the trainer nodes' shared secret, which every rank proves before the group trains (torchrun's store has none)."""
 
     nodes: int
     master: str
+    key: str = field(repr=False)
 
     def __post_init__(self) -> None:
         host, _, port = self.master.rpartition(":")
         if self.nodes < 1 or not host or not port.isdigit():
             raise InvalidArgument(f"a rendezvous is N nodes (1 or more) at HOST:PORT, not {self.nodes} at {self.master!r}")
+        if len(self.key) < MIN_KEY_CHARS:
+            raise InvalidArgument(f"{KEY_ENV} must be set to the trainer nodes' shared secret, {MIN_KEY_CHARS} characters "
+                                  "or more, the same on every trainer node (SkyBackend sets it; by hand: "
+                                  "python -c 'import secrets; print(secrets.token_hex(32))')", field=KEY_ENV)
 
     def torchrun(self, procs: int, node_rank: int) -> list[str]:
         """torchrun's arguments for this node's `procs` ranks."""

@@ -15,6 +15,7 @@ stops its ranks first.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -24,7 +25,7 @@ from functools import partial
 from pathlib import Path
 
 from artcloud.errors import ArtcloudError, InvalidArgument, NotSupported
-from artcloud.server.engines.children import die_with_parent
+from artcloud.server.engines.children import KEY_ENV, die_with_parent
 
 STORE_ENV = "ARTCLOUD_RANK_STORE"  # the FileStore's path, in a folder only this user can open
 
@@ -59,7 +60,8 @@ def run(procs: int, folder: Path, command: list[str], *, poll_s: float = 0.2) ->
     if store.exists():
         store.unlink()  # a FileStore left by an earlier group would hand this one its keys
     lo = loopback_interface()
-    ranks = [subprocess.Popen(command, env=rank_env(dict(os.environ), r, procs, store, lo), stdin=subprocess.DEVNULL,
+    env = {KEY_ENV: secrets.token_hex(32), **os.environ}  # the group's key (sharded.Sealed): the caller's, or its own
+    ranks = [subprocess.Popen(command, env=rank_env(env, r, procs, store, lo), stdin=subprocess.DEVNULL,
                               preexec_fn=partial(die_with_parent, own_group=False)) for r in range(procs)]
     stopping = False
 

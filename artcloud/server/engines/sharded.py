@@ -11,7 +11,7 @@ any trainer (1 -> 2 -> 1 ranks, CPU or GPU). Every method is collective: each ra
 order: `ShardedTrainer`, the server's side, starts the ranks (`python -m artcloud.server.engines.local_group K
 FOLDER -- python -m artcloud.server.engines.sharded ...`: they meet in a FileStore and talk over loopback, with
 nothing listening on the network) and sends rank 0 each call over a Unix socket in that folder of mode 0700; rank 0
-passes it to the others (`broadcast_object_list`) and answers. A rank that dies takes its group down (local_group
+passes it to the others, sealed with the group's key (`Sealed`), and answers. A rank that dies takes its group down (local_group
 stops the others): the call fails, the server rolls the model back with load_adapter, and that call starts a new
 group.
 
@@ -20,16 +20,20 @@ and the loop scales each rank's loss by the world's size instead.
 
 Several nodes (`Rendezvous`): the server's torchrun is node 0 of a static rendezvous on the head, and `follow`
 (`artcloud trainer-node`) runs each other node's torchrun, which joins every group the head starts; its ranks learn
-the model from rank 0. No torchrun sees every node: a rank lost on one node fails the others at their next exchange
+the model from rank 0. The ranks of every node prove the trainer nodes' shared key (KEY_ENV) to each other before the
+group trains: torchrun's rendezvous lets anyone in. No torchrun sees every node: a rank lost on one node fails the others at their next exchange
 with it (gloo and NCCL see the peer's connection close), and the server's next call starts a new group.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import io
 import logging
 import os
 import pickle
+import secrets
 import select
 import shutil
 import signal
@@ -42,14 +46,14 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 
 from artcloud.errors import ArtcloudError, NotSupported
 from artcloud.server.engines import loading, local_group
 from artcloud.server.engines.base import EngineError, StepCallback, Trainer, TrainSample
-from artcloud.server.engines.children import Rendezvous, child_env, die_with_parent, kill_group
+from artcloud.server.engines.children import KEY_ENV, Rendezvous, child_env, die_with_parent, kill_group
 from artcloud.server.engines.peft_trainer import OPTIMIZER_FILE, PeftTrainer
 from artcloud.train import loop
 from artcloud.types import LoraConfig, TrainConfig
@@ -87,6 +91,83 @@ def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
+class IntruderError(EngineError):
+    """A rank that does not hold the group's key, or a message to the ranks that is not rank 0's."""
+
+    code = "trainer_intruder"
+
+
+class Sealed:
+    """Rank 0's messages to the other ranks, sealed with the group's key (KEY_ENV: the trainer nodes' shared secret,
+    not the client's token). torch.distributed authenticates nobody: whoever reaches torchrun's store or a rank's
+    port can join a group as a node, or stand in for a peer (security review 3, N2). So each rank first proves it
+    holds the key (an HMAC of rank 0's fresh nonce and its rank, all-gathered and checked by every rank) before any
+    sample is sent, and a rank unpickles a message only once its HMAC checks: raw bytes until then. Collective:
+    every rank makes one, then calls `broadcast` in the same order."""
+
+    def __init__(self, world: loop.World, key: str):
+        import torch.distributed as dist
+
+        if not key:
+            raise IntruderError(f"this rank has no group key ({KEY_ENV} is not set)")
+        self.world, self.key, self.sent = world, key.encode(), 0
+        nonce = self._tensor(os.urandom(32) if world.rank == 0 else bytes(32))
+        dist.broadcast(nonce, src=0)
+        self.nonce = self._bytes(nonce)
+        tags = [self._tensor(bytes(32)) for _ in range(world.size)]
+        dist.all_gather(tags, self._tensor(self._mac(b"member", world.rank)))
+        strangers = [r for r, tag in enumerate(tags) if not hmac.compare_digest(self._bytes(tag), self._mac(b"member", r))]
+        if strangers:
+            self._refuse(f"rank(s) {', '.join(map(str, strangers))} of the trainer group do not hold its key "
+                                f"({KEY_ENV}): the group stops before any sample is sent. Something else reached the "
+                                "rendezvous port, or a trainer node has another key")
+
+    def broadcast(self, obj: Any = None) -> Any:
+        """Rank 0: sends `obj` (and returns it); any other rank: returns rank 0's, checked before it is unpickled."""
+        import torch.distributed as dist
+
+        self.sent += 1
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.world.rank == 0 else b""
+        head = self._tensor(len(data).to_bytes(8, "big") + self._mac(b"size", self.sent, len(data).to_bytes(8, "big"))
+                            + self._mac(b"body", self.sent, data) if self.world.rank == 0 else bytes(72))
+        dist.broadcast(head, src=0)
+        raw = self._bytes(head)
+        size = int.from_bytes(raw[:8], "big")
+        if not hmac.compare_digest(raw[8:40], self._mac(b"size", self.sent, raw[:8])):
+            self._refuse("a message to the trainer's ranks was not sealed with the group's key: the group stops")
+        body = self._tensor(data) if self.world.rank == 0 else torch.empty(size, dtype=torch.uint8,
+                                                                           device=_collective_device())
+        dist.broadcast(body, src=0)
+        if self.world.rank == 0:
+            return obj
+        data = self._bytes(body)
+        if not hmac.compare_digest(raw[40:], self._mac(b"body", self.sent, data)):
+            self._refuse("a message to the trainer's ranks was not sealed with the group's key: the group stops")
+        return pickle.loads(data)
+
+    @staticmethod
+    def _refuse(message: str) -> NoReturn:
+        """This rank leaves the group (gloo's threads end: exiting with them running aborts) and raises."""
+        import torch.distributed as dist
+
+        log.error("%s", message)
+        dist.destroy_process_group()
+        raise IntruderError(message)
+
+    def _mac(self, label: bytes, number: int, data: bytes = b"") -> bytes:
+        nonce = getattr(self, "nonce", b"")
+        return hmac.new(self.key, label + nonce + number.to_bytes(8, "big") + data, hashlib.sha256).digest()
+
+    @staticmethod
+    def _tensor(data: bytes) -> torch.Tensor:
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        return t.to(_collective_device())
+
+    @staticmethod
+    def _bytes(t: torch.Tensor) -> bytes:
+        return t.cpu().numpy().tobytes()
+
+
 class ShardedPeftTrainer(PeftTrainer):
     """The peft trainer on one rank of `world`. It holds one adapter: the model is sharded when it is made.
     In bfloat16 (on GPUs) the base weights stay bfloat16 and the LoRA weights and AdamW's state float32, as in
@@ -95,9 +176,11 @@ class ShardedPeftTrainer(PeftTrainer):
     group's prompt is no longer run once for all its completions (that reuses a KV cache through the layers)."""
 
     def __init__(self, base_model: str, world: loop.World, *, dtype: str = "float32", device: str = "cpu",
-                 checkpointing: bool | None = None):
+                 checkpointing: bool | None = None, sealed: Sealed | None = None):
+        """`sealed`: the group's channel from rank 0 (default: one made here, from KEY_ENV: a collective)."""
         super().__init__(base_model, dtype=dtype, device=device)
         self.world = world
+        self.sealed = sealed or Sealed(world, os.environ.get(KEY_ENV, ""))
         self.checkpointing = self.device.type == "cuda" if checkpointing is None else checkpointing
         if self.checkpointing:
             self.packs_prompts = False
@@ -185,19 +268,17 @@ class ShardedPeftTrainer(PeftTrainer):
     def _read_on_rank_0(self, folder: Path, optimizer: bool) -> tuple[bytes, bytes | None]:
         """The adapter's bytes and (`optimizer`) AdamW's, read by rank 0 and broadcast (a collective). A file rank 0
         cannot read fails the call alike on every rank, and the group goes on."""
-        import torch.distributed as dist
-
-        box: list[Any] = [None]
+        files: Any = None
         if self.world.rank == 0:
             try:
-                box = [((folder / "adapter_model.safetensors").read_bytes(),
-                        (folder / OPTIMIZER_FILE).read_bytes() if optimizer else None)]
+                files = ((folder / "adapter_model.safetensors").read_bytes(),
+                         (folder / OPTIMIZER_FILE).read_bytes() if optimizer else None)
             except OSError as e:
-                box = [f"cannot read the checkpoint in {folder}: {e.strerror or e}"]
-        dist.broadcast_object_list(box, src=0, device=_collective_device())
-        if isinstance(box[0], str):
-            raise EngineError(box[0], code="checkpoint_invalid")
-        return box[0]
+                files = f"cannot read the checkpoint in {folder}: {e.strerror or e}"
+        files = self.sealed.broadcast(files)
+        if isinstance(files, str):
+            raise EngineError(files, code="checkpoint_invalid")
+        return files
 
 
 def _full(t: Any) -> Any:
@@ -256,7 +337,9 @@ class ShardedTrainer(Trainer):
             argv = [sys.executable, "-m", "artcloud.server.engines.local_group", str(self.procs), str(self._folder),
                     "--", sys.executable, *rank]
         log.info("starting the sharded trainer: %d ranks of %s (%s, %s)", self.procs, self.base_model, self.device, self.dtype)
-        env = {**child_env(os.environ), **self.env}
+        # The ranks' shared secret: the trainer nodes' (the same on each), or one of this group's own on one node.
+        key = self.rendezvous.key if self.rendezvous is not None else secrets.token_hex(32)
+        env = {**child_env(os.environ), **self.env, KEY_ENV: key}
         if self.device == "cpu":  # 1 thread a rank would leave cores idle: they are shared out
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.procs)))
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, env=env)
@@ -268,7 +351,9 @@ class ShardedTrainer(Trainer):
                     raise EngineError(f"the sharded trainer's ranks did not start (exit code {self.proc.poll()}; "
                                       "their errors are in the server's log above)", code="trainer_failed")
             self.conn, _ = listener.accept()
-            _, ready = _recv(self.conn)
+            kind, ready = _recv(self.conn)
+            if kind == "error":
+                raise _rebuilt(ready)
         except BaseException:
             self._stop()
             raise
@@ -371,19 +456,22 @@ def serve_rank(control: str, base_model: str, dtype: str, device: str) -> None:
     if device == "cuda":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(device)
-    box: list[Any] = [(base_model, dtype)]
-    dist.broadcast_object_list(box, src=0)
-    base_model, dtype = box[0]
-    trainer = ShardedPeftTrainer(base_model, world, dtype=dtype, device=device)
     conn = None
     if world.rank == 0:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(control)
+    try:
+        sealed = Sealed(world, os.environ.get(KEY_ENV, ""))
+    except IntruderError as e:
+        if conn is not None:  # the server's start fails with this, not a bare "did not start"
+            _send(conn, ("error", _portable(e)))
+        raise
+    base_model, dtype = sealed.broadcast((base_model, dtype))
+    trainer = ShardedPeftTrainer(base_model, world, dtype=dtype, device=device, sealed=sealed)
+    if conn is not None:
         _send(conn, ("ready", {"ranks": world.size, "backend": dist.get_backend()}))
     while True:
-        box = [_recv(conn) if conn is not None else None]
-        dist.broadcast_object_list(box, src=0)
-        name, args, kwargs = box[0]
+        name, args, kwargs = sealed.broadcast(_recv(conn) if conn is not None else None)
         if name == "close":
             break
         if name not in CALLS:
@@ -449,7 +537,7 @@ def follow(rendezvous: Rendezvous, node_rank: int, procs: int, device: str, stop
     while not stop.is_set():
         argv = [sys.executable, "-m", "torch.distributed.run", *rendezvous.torchrun(procs, node_rank),
                 "-m", "artcloud.server.engines.sharded", "", "", "", device]
-        env = child_env(os.environ)
+        env = {**child_env(os.environ), KEY_ENV: rendezvous.key}
         if device == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // procs)))
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, env=env)
