@@ -147,6 +147,8 @@ class Message(_Open):
 
 
 MAX_STOP = 8
+MAX_MESSAGES = 4096  # a chat request's messages (security review 3, finding 3)
+MAX_TOOLS = 128  # and its tools: OpenAI's own limit
 # What `_stop_list` checks, for the schema: as pydantic constraints on the union, a bad list would be
 # told "stop.constrained-str: Input should be a valid string".
 _STOP_SCHEMA = {"anyOf": [
@@ -168,8 +170,8 @@ class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1, max_length=300)  # NAME, NAME@STEP or a base model id (at most 256)
-    messages: list[Message] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Any = None
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0.0, le=5.0)

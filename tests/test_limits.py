@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
+import ssl
 import threading
 from pathlib import Path
 
@@ -218,13 +220,30 @@ def parse(raw):
     return _parse(raw)
 
 train_body.parse = parse
+train_body.BODY_DEADLINE_S = 2.0
+
+from artcloud import wire
+
+_chat_parse = wire.ChatCompletionRequest.model_validate_json
+
+def chat_parse(raw):  # only a big body comes here off the event loop; hold it
+    if len(raw) > 65536:
+        (_where / "chat-parsing").touch()
+        while not (_where / "chat-go").exists():
+            time.sleep(0.05)
+    return _chat_parse(raw)
+
+wire.ChatCompletionRequest.model_validate_json = chat_parse
 """
 
 
-def test_training_bodies_are_parsed_off_the_event_loop_and_beyond_the_limit_get_429(start_server, tmp_path):
+def test_training_and_chat_bodies_are_parsed_off_the_event_loop_and_beyond_the_limit_get_429(start_server, tmp_path):
     """Two training bodies are held in their parse (a barrier in the worker thread, where a big body spends
     seconds): meanwhile /health and a chat request answer, a third training POST gets 429 naming
-    --max-train-bodies, and once the two are parsed every POST is taken again."""
+    --max-train-bodies, and once the two are parsed every POST is taken again. A big chat body is parsed off the
+    loop too (security review 3, finding 3: a 48 MiB one held it for 11 s): held in its parse, /health and a small
+    chat request answer; more messages than a request may hold, or more bytes than the model's context could take,
+    are a 400 before any prompt is rendered."""
     hook, barrier = tmp_path / "hook", tmp_path / "barrier"
     hook.mkdir(), barrier.mkdir()
     (hook / "sitecustomize.py").write_text(PARSE_BARRIER)
@@ -264,6 +283,43 @@ def test_training_bodies_are_parsed_off_the_event_loop_and_beyond_the_limit_get_
         assert third.status_code == 202, third.text
         for r in [*answers, third]:
             assert events(c, r.json()["job_id"])[-1]["type"] == "end"
+
+        big: list[httpx.Response] = []
+        body = {"model": "agent", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "padding": "x" * 100_000}  # an unknown field, ignored: a body past the inline size, within the context
+
+        def post_big() -> None:
+            with s.client() as bc:
+                big.append(bc.post("/v1/chat/completions", json=body))
+
+        waiting = threading.Thread(target=post_big)
+        waiting.start()
+        wait_for("the big chat body in its parse", (barrier / "chat-parsing").exists, 30)
+        assert c.get("/health").json()["status"] == "ok"
+        assert chat(c, "agent")["model"] == "agent@3"
+        (barrier / "chat-go").touch()
+        waiting.join(60)
+        assert big[0].status_code == 200, big[0].text
+        many = [{"role": "user", "content": "x"}] * (wire.MAX_MESSAGES + 1)
+        err = _error(c.post("/v1/chat/completions", json={"model": "agent", "messages": many}), 400, "invalid_request")
+        assert err["field"] == "messages" and f"at most {wire.MAX_MESSAGES}" in err["message"], err
+        long = [{"role": "user", "content": "x" * 64 * 2048}]
+        err = _error(c.post("/v1/chat/completions", json={"model": "agent", "messages": long}), 400, "context_too_long")
+        assert "more than 64 per token of this model's context (2048 tokens)" in err["message"], err
+
+    # A training body that trickles in takes its slot for BODY_DEADLINE_S at most (2 s here; security review 3, N9).
+    host, port = s.url.removeprefix("https://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as raw, \
+            ssl.create_default_context(cafile=str(s.ca)).wrap_socket(raw, server_hostname=host) as conn:
+        conn.sendall(f"POST /artcloud/models/agent/train HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {s.token}"
+                     "\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"groups\": [".encode())
+        answer = ""
+        while "\r\n\r\n" not in answer or len(answer.partition("\r\n\r\n")[2]) < 100:  # the head, and the body
+            chunk = conn.recv(65536).decode()
+            if not chunk:
+                break
+            answer += chunk
+    assert answer.startswith("HTTP/1.1 408") and '"request_timeout"' in answer and "over 2 s" in answer, answer
 
 
 async def _sdk_train(s) -> int:

@@ -59,6 +59,7 @@ _ERRORS = {
     400: "the request is invalid: `field` names the part at fault",
     401: "no bearer token, or the wrong one",
     404: "no such model, step, job or route",
+    408: "the request body took too long to arrive",
     409: "conflicts with the server's state (a model registered differently, a server shutting down, a limit)",
     413: "the request body is over artcloud serve --max-body-mb",
     429: "too much waiting: training jobs for this model (artcloud serve --max-queued-jobs), or samples for its "

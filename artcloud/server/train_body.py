@@ -33,6 +33,7 @@ IN_THREAD_MAX_BYTES = 4 << 20
 CHILD_MEMORY_PER_BODY_BYTE = 48
 CHILD_MEMORY_BASE = 1 << 30  # the interpreter, pydantic and artcloud's wire module
 CHILD_TIMEOUT_S = 300.0
+BODY_DEADLINE_S = 600.0  # a training body arrives whole within this, from its first bytes (128 MiB at ~220 KB/s)
 # How the child starts: isolated (-I: no PYTHON* variables, no user site, not the working folder on sys.path), with
 # this artcloud first on its path.
 CHILD_CODE = "import sys; sys.path.insert(0, sys.argv[1]); from artcloud.server.train_body import main; main()"
