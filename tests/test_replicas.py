@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -359,15 +360,34 @@ def test_a_replica_refuses_a_hostile_adapter_and_requests_without_the_token(tmp_
         replica.kill()
 
 
-def test_a_replica_stops_once_the_head_it_served_is_gone(start_server, tmp_path):
-    """`artcloud replica --head URL`: the head answered, then went; the replica stops (its node's loop then ends, and
-    with it the job, so that SkyPilot's autodown takes the cluster). Polled every 0.1 s here (10 s on a cluster)."""
+def test_a_replica_stops_once_the_head_it_served_is_gone_and_not_while_it_is_busy(start_server, tmp_path):
+    """`artcloud replica --head URL` (and `artcloud trainer-node`): the head answered, then went; the node stops (its
+    loop then ends, and with it the job, so that SkyPilot's autodown takes the cluster). A head that does not answer
+    for a while (frozen here: its connections wait in the kernel's backlog, as a busy head's do) is not gone (security
+    review 3, N8), unless it stays silent past the unreachable limit (a machine gone without a word); one that never
+    answered is given up after its own limit. Polled every 0.1 s here (10 s on a cluster)."""
     from artcloud.server.replica import watch_head
 
     head = start_server(tmp_path / "head")
-    stopped = threading.Event()
-    watcher = watch_head(head.url, str(head.ca), stopped.set, every_s=0.1, misses=3)
-    time.sleep(1.0)
-    assert not stopped.is_set()  # it answers: nothing happens
+    patient, hasty, lost = threading.Event(), threading.Event(), threading.Event()
+    kw = dict(every_s=0.1, misses=3, timeout_s=0.3)
+    watcher = watch_head(head.url, str(head.ca), patient.set, unreachable_s=3600, **kw)
+    short = watch_head(head.url, str(head.ca), hasty.set, unreachable_s=2.0, **kw)
+    wait_for("both watchers to see the head", lambda: watcher.answered and short.answered, 30)
+    os.kill(head.proc.pid, signal.SIGSTOP)
+    try:
+        assert hasty.wait(30) and short.unanswered >= 3  # silent past 2 s: gone
+        wait_for("5 unanswered polls", lambda: watcher.unanswered >= 5, 30)
+        assert not patient.is_set() and watcher.refused == 0  # busy, not gone
+    finally:
+        os.kill(head.proc.pid, signal.SIGCONT)
+    answered = watcher.answered
+    wait_for("the head answering again", lambda: watcher.answered > answered, 30)
     head.stop()
-    assert stopped.wait(30) and not watcher.join(5) and not watcher.is_alive()
+    assert patient.wait(30) and watcher.refused >= 3 and not watcher.join(5) and not watcher.is_alive()
+
+    with socket.socket() as s:  # a port where nothing ever listened
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    never = watch_head(f"https://127.0.0.1:{port}", None, lost.set, never_seen_s=1.0, **kw)
+    assert lost.wait(30) and never.answered == 0 and never.refused >= 3

@@ -69,6 +69,17 @@ def test_three_nodes_two_train_two_serve_rollouts_and_a_lost_replica_comes_back(
             result = await model.train(groups, config=artcloud.TrainConfig(learning_rate=1e-3), progress=False)
             assert result.step == 1
 
+            # The trainer node's process dies (an OOM kill, say): its node's loop starts it again, where a node that
+            # exits non-zero would fail the job and SkyPilot would stop the head (contract review 3, N4).
+            os.kill(trainer_node, signal.SIGKILL)
+            for _ in range(600):
+                again = role_pids(sky_env, "three", "1", "trainer-node")
+                if again - {trainer_node}:
+                    break
+                await asyncio.sleep(0.1)
+            assert again - {trainer_node}, again
+            assert (await backend.client.status()).model_dump()["engines"]  # the head serves on
+
             # The worker's replica dies: rollouts go on on the head; the node's loop starts it again, and the head
             # hands it the adapters before it rejoins.
             pids = replica_pids(sky_env, "three")

@@ -60,7 +60,10 @@ MAX_PROMPT_TOKENS = 1 << 20
 # The head's own limits (artcloud serve's defaults: server/limits.py), here too (security review 3, N7): a request
 # body (an adapter's upload aside, streamed to disk under MAX_ADAPTER_BYTES), and n x max_tokens of one request.
 LIMITS = Limits()
-HEAD_POLL_S, HEAD_MISSES = 10.0, 3  # the head is gone after 3 polls without an answer, 10 s apart
+# The head is gone (watch_head) once nothing listens on its port for 3 polls in a row, 10 s apart; or, where its
+# machine went without a word, once it has not answered for 10 min; or if it never answered in 30 min.
+HEAD_POLL_S, HEAD_MISSES = 10.0, 3
+HEAD_UNREACHABLE_S, HEAD_NEVER_SEEN_S = 600.0, 1800.0
 TICK_S = 1.0  # an empty line this often while a generation runs, so that the head can stop it (RemoteSampler)
 
 
@@ -316,30 +319,69 @@ def _untar_adapter(raw: Any, target: Path, received: int) -> None:
         raise bad(f"they are not a PEFT adapter ({type(e).__name__}: {str(e)[:200]})") from None
 
 
-def watch_head(url: str, ca: str | None, stop: Callable[[], None], *, every_s: float = HEAD_POLL_S,
-               misses: int = HEAD_MISSES) -> threading.Thread:
-    """Call `stop` once the head's server, which answered GET /health before, has not answered `misses` times in a
-    row: it ended (its lease, max_duration, a `down`), and this replica has no one to serve."""
-    import httpx
+class HeadWatch(threading.Thread):
+    """Polls the head's GET /health and calls `stop` once the head is gone; counts what each poll met (`answered`,
+    `refused`: nothing listens, `unanswered`: anything else)."""
 
-    def run() -> None:
-        seen, missed = False, 0
-        with httpx.Client(verify=ca_context(ca) if ca else True, timeout=10) as http:
+    def __init__(self, url: str, ca: str | None, stop: Callable[[], None], *, every_s: float, misses: int,
+                 unreachable_s: float, never_seen_s: float, timeout_s: float):
+        super().__init__(daemon=True, name="watch-head")
+        self.url, self.ca, self.stop = url.rstrip("/"), ca, stop
+        self.every_s, self.misses, self.timeout_s = every_s, misses, timeout_s
+        self.unreachable_s, self.never_seen_s = unreachable_s, never_seen_s
+        self.answered = self.refused = self.unanswered = 0
+
+    def run(self) -> None:
+        import httpx
+
+        started = last_answer = time.monotonic()
+        refused_in_a_row = 0
+        with httpx.Client(verify=ca_context(self.ca) if self.ca else True, timeout=self.timeout_s) as http:
             while True:
                 try:
-                    http.get(f"{url.rstrip('/')}/health").raise_for_status()
-                    seen, missed = True, 0
-                except httpx.HTTPError:
-                    missed += 1
-                    if seen and missed >= misses:
-                        log.warning("the head's server at %s is gone: this replica stops", url)
-                        stop()
+                    http.get(f"{self.url}/health")  # any answer, even a 5xx of a busy head, is a head
+                    self.answered += 1
+                    refused_in_a_row, last_answer = 0, time.monotonic()
+                except httpx.HTTPError as e:
+                    refused = _refused(e)
+                    self.refused += refused
+                    self.unanswered += not refused
+                    refused_in_a_row = refused_in_a_row + 1 if refused else 0
+                    why = None
+                    if not self.answered and time.monotonic() - started >= self.never_seen_s:
+                        why = f"it has not answered in {self.never_seen_s:.0f} s"
+                    elif self.answered and refused_in_a_row >= self.misses:
+                        why = f"nothing listens on its port ({refused_in_a_row} polls in a row)"
+                    elif self.answered and time.monotonic() - last_answer >= self.unreachable_s:
+                        why = f"it has not answered for {self.unreachable_s:.0f} s"
+                    if why:
+                        log.warning("the head's server at %s is gone (%s): this node stops", self.url, why)
+                        self.stop()
                         return
-                time.sleep(every_s)
+                time.sleep(self.every_s)
 
-    thread = threading.Thread(target=run, daemon=True, name="watch-head")
-    thread.start()
-    return thread
+
+def _refused(e: BaseException) -> bool:
+    """Whether the connection was refused: the head's machine is up and nothing listens on the port."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def watch_head(url: str, ca: str | None, stop: Callable[[], None], *, every_s: float = HEAD_POLL_S,
+               misses: int = HEAD_MISSES, unreachable_s: float = HEAD_UNREACHABLE_S,
+               never_seen_s: float = HEAD_NEVER_SEEN_S, timeout_s: float = 10.0) -> HeadWatch:
+    """Call `stop` once the head's server is gone: it ended (its lease, max_duration, a `down`) and nothing listens
+    on its port for `misses` polls in a row; or its machine went (no answer of any kind for `unreachable_s`); or it
+    never answered in `never_seen_s`. A head that answers slowly or with an error is busy, not gone (security review
+    3, N8: a head blocked for 30 s stopped its replicas and trainer nodes for good)."""
+    watch = HeadWatch(url, ca, stop, every_s=every_s, misses=misses, unreachable_s=unreachable_s,
+                      never_seen_s=never_seen_s, timeout_s=timeout_s)
+    watch.start()
+    return watch
 
 
 def serve(*, host: str, port: int, path: Path, tls_cert: str | None, tls_key: str | None, token: str | None,
