@@ -178,11 +178,21 @@ def test_pick_offer_never_quotes_a_cloud_without_autodown_nor_one_node_for_sever
         pick_offer(cheap, "H100:1", cloud="primeintellect", use_spot=False)
     assert (raised.value.code, raised.value.field) == ("cloud_without_autodown", "cloud")
     with pytest.raises(ValueError, match=r"SkyPilot runs one node at most on runpod, and num_nodes is 2: pin a cloud "
-                                         r"that runs several \(e\.g\. cloud='aws', 'gcp', 'azure', 'kubernetes', "
-                                         r"'lambda'\), or use num_nodes=1") as raised:
+                                         r"that runs several \(e\.g\. cloud='aws', 'gcp', 'azure' or 'lambda'\), or use "
+                                         r"num_nodes=1") as raised:
         pick_offer(cheap, "H100:1", cloud="runpod", use_spot=False, num_nodes=2)
     assert raised.value.code == "cloud_single_node"
     assert pick_offer(cheap, "H100:1", cloud="runpod", use_spot=False).cloud == "RunPod"  # one node: fine
+    # Kubernetes (and SSH node pools, which are Kubernetes) runs several pods, but its Service for port 8080 selects
+    # them all (sky/provision/kubernetes/network.py:55-62): SDK contract 3, N1.
+    pods = [*cheap, GPUOffer("Kubernetes", "2CPU--8GB--1H100", "H100", 1, 0.5, None)]
+    assert pick_offer(pods, "H100:1", cloud=None, use_spot=False).cloud == "Kubernetes"
+    assert pick_offer(pods, "H100:1", cloud=None, use_spot=False, num_nodes=2).cloud == "lambda"
+    for pinned in ("kubernetes", "ssh"):
+        with pytest.raises(ValueError, match=rf"SkyPilot's {pinned} sends port 8080 to every pod of a cluster, and "
+                                             r"artcloud's server runs on the first: use num_nodes=1 there") as raised:
+            pick_offer(pods, "H100:1", cloud=pinned, use_spot=False, num_nodes=2)
+        assert raised.value.code == "cloud_single_node"
 
 
 def test_no_enabled_cloud_names_the_extra_that_brings_a_clouds_sdk():

@@ -70,6 +70,9 @@ def parse_gpu(gpu: str) -> tuple[str, int]:
     return name, int(count or 1)
 
 
+POD_CLOUDS = frozenset({"kubernetes", "k8s", "ssh"})  # SkyPilot's Kubernetes and its SSH node pools (sky/clouds/ssh.py:28)
+
+
 def unusable_cloud(cloud: str | None, num_nodes: int = 1) -> tuple[str, str] | None:
     """Why `cloud` cannot host artcloud's server, as (code, message), or None: SkyPilot cannot open a port there
     (NO_OPEN_PORTS), cannot autodown there (NO_AUTODOWN: every artcloud launch asks for it, so that no machine bills
@@ -80,7 +83,8 @@ def unusable_cloud(cloud: str | None, num_nodes: int = 1) -> tuple[str, str] | N
     if not cloud:
         return None
     name = cloud.lower()
-    others = "cloud='aws', 'gcp', 'azure', 'kubernetes', 'lambda'" + (" or 'runpod'" if num_nodes == 1 else "")
+    others = ("cloud='aws', 'gcp', 'azure', 'kubernetes', 'lambda' or 'runpod'" if num_nodes == 1
+              else "cloud='aws', 'gcp', 'azure' or 'lambda'")
     if name in NO_OPEN_PORTS:
         return "cloud_without_ports", (f"artcloud needs an open port ({SERVER_PORT}) to reach its server, and SkyPilot "
                                        f"cannot open one on {cloud}: pin a cloud that can (e.g. {others}) or leave "
@@ -92,6 +96,13 @@ def unusable_cloud(cloud: str | None, num_nodes: int = 1) -> tuple[str, str] | N
     if num_nodes > 1 and name in NO_MULTI_NODE:
         return "cloud_single_node", (f"SkyPilot runs one node at most on {cloud}, and num_nodes is {num_nodes}: pin a "
                                      f"cloud that runs several (e.g. {others}), or use num_nodes=1")
+    if num_nodes > 1 and name in POD_CLOUDS:
+        # Its Service (LoadBalancer or ingress) for `ports` selects every pod of the cluster by its name label
+        # (sky/provision/kubernetes/network.py:55-62, 113-120; instance.py:2211-2212): (N-1)/N of the connections
+        # would land on a worker, where nothing listens (SDK contract 3, N1).
+        return "cloud_single_node", (f"SkyPilot's {cloud} sends port {SERVER_PORT} to every pod of a cluster, and "
+                                     f"artcloud's server runs on the first: use num_nodes=1 there, or pin a VM cloud "
+                                     "for several nodes (e.g. cloud='aws', 'gcp', 'azure' or 'lambda')")
     return None
 
 
