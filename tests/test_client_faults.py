@@ -150,3 +150,97 @@ def test_a_liveness_check_waits_for_a_replacement_in_flight():
 
     backend = asyncio.run(main())
     assert backend.launches == 1 and backend.checked_while_launching == 0 and len(backend.replacements) == 1
+
+
+def test_a_replacement_is_published_only_once_its_models_are_back(tmp_path, monkeypatch):
+    """A lost machine (a preempted spot VM, played by a SIGKILLed LocalBackend server and a fresh, empty disk) is
+    replaced while rollouts go on. The new server must not be reached before the models are registered on it again
+    (code review 3, F2: 23 of ~370 rollouts got 404 model_not_found in that window). The replacement is held in its
+    register (a barrier); a rollout started then waits, and both rollouts answer once it is done."""
+    from artcloud.backends.remote import RemoteBackend
+
+    register, recover_if_lost = RemoteBackend.register, RemoteBackend.recover_if_lost
+    held: dict[str, asyncio.Event] = {}
+    asked: list[int] = []
+
+    async def held_register(self, *args, take_over: bool = False, **kwargs):
+        if take_over:  # the replacement's
+            held["registering"].set()
+            await held["go"].wait()
+        return await register(self, *args, take_over=take_over, **kwargs)
+
+    async def counted(self, error, generation):
+        asked.append(generation)
+        if len(asked) == 2:
+            held["second"].set()
+        return await recover_if_lost(self, error, generation)
+
+    monkeypatch.setattr(RemoteBackend, "register", held_register)
+    monkeypatch.setattr(RemoteBackend, "recover_if_lost", counted)
+
+    async def main() -> None:
+        held.update(registering=asyncio.Event(), go=asyncio.Event(), second=asyncio.Event())
+        backend = artcloud.LocalBackend(tmp_path / "machine", lease="10m")
+        backend.relaunch_on_loss = True  # what SkyBackend(spot=True, s3=...) sets
+
+        async def lost(cause: BaseException) -> bool:  # SkyProvisioner.lost: the machine is gone
+            return True
+
+        backend.provisioner.lost = lost
+        try:
+            model = artcloud.TrainableModel(name="agent", project="p", base_model=TINY)
+            await model.register(backend)
+            client = model.openai_client(max_retries=0)
+
+            async def rollout() -> str:
+                r = await client.chat.completions.create(model="agent", max_tokens=2,
+                                                         messages=[{"role": "user", "content": "hi"}])
+                return r.model
+
+            lost_url = backend.base_url
+            backend.provisioner.path = tmp_path / "new-machine"  # a new machine's disk: nothing on it
+            backend.provisioner.log_file = backend.provisioner.path / "server.log"
+            os.kill(backend.provisioner.proc.pid, signal.SIGKILL)
+            first = asyncio.ensure_future(rollout())  # fails on the lost server, and replaces it
+            await held["registering"].wait()
+            assert (backend.base_url, backend.generation) == (lost_url, 0)  # nothing published yet
+            second = asyncio.ensure_future(rollout())  # a rollout that starts in the window
+            await held["second"].wait()  # it failed on the lost server too, and waits for the replacement
+            assert not second.done()
+            held["go"].set()
+            assert await asyncio.gather(first, second) == ["agent@0", "agent@0"]
+            assert backend.generation == 1 and backend.base_url != lost_url and len(backend.replacements) == 1
+        finally:
+            await backend.down()
+
+    asyncio.run(main())
+
+
+def test_a_request_is_never_retried_on_the_server_that_replaced_its_own():
+    """Client.call retries a request on the server it was sent to; once that server was replaced, the caller's
+    recovery decides (code review 3, R1: a retried training POST landed on the new server between its replayed
+    steps, and trained on the wrong parent). The replacement is made to happen while the first attempt is out."""
+    from dataclasses import replace
+
+    from artcloud.backends.client import Client, Endpoint
+
+    client = Client(Endpoint("https://127.0.0.1:9", "t" * 32, None, False), retries=3)  # port 9: nothing listens
+    sent: list[str] = []
+    made = client._client
+
+    def replaced_meanwhile():
+        sent.append(client.endpoint.url)
+        if len(sent) == 1:
+            client.endpoint = replace(client.endpoint, url="https://127.0.0.1:10", generation=1)
+        return made()
+
+    client._client = replaced_meanwhile
+
+    async def main() -> None:
+        with pytest.raises(ServerGone) as e:
+            await client.call("POST", "/artcloud/models/agent/train", json_body={})
+        assert e.value.code == "server_replaced"
+        await client.drop_connection()
+
+    asyncio.run(main())
+    assert sent == ["https://127.0.0.1:9"]  # one attempt, on the first server only

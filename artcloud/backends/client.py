@@ -274,9 +274,11 @@ class Client:
             retry=retry_if_exception(partial(_retryable, busy=busy)),
             reraise=True,
         )
+        generation = self.endpoint.generation
         try:
             async for attempt in attempts:
                 with attempt:
+                    self._same_server(generation, f"{method} {path}")
                     response = await self._client().request(method, path, json=json_body, params=params,
                                                             **({"timeout": httpx.Timeout(timeout, connect=30.0)} if timeout else {}))
                     _raise_for(response)
@@ -285,6 +287,14 @@ class Client:
             raise ServerGone(f"the artcloud server at {self.endpoint.url} does not answer ({type(e).__name__}: {e})",
                              code="server_unreachable") from e
         raise AssertionError("unreachable")
+
+    def _same_server(self, generation: int, what: str) -> None:
+        """A request is retried on the server it was first sent to, never on the one that replaced it: a training
+        POST the lost server may have committed (and pushed) must go through the caller's recovery, which knows
+        (code review 3, R1)."""
+        if self.endpoint.generation != generation:
+            raise ServerGone(f"the server was replaced while {what} was being retried: the caller's recovery decides "
+                             "whether to send it again", code="server_replaced")
 
     def call_sync(self, method: str, path: str, *, json_body: Any = None, attempts: int = 3) -> dict[str, Any]:
         """`call`, blocking, on a connection of its own: for OpenPipe ART's synchronous model methods
@@ -405,8 +415,10 @@ class Client:
         loop = asyncio.get_running_loop()
         failing_since: float | None = None
         delay = 0.5
+        generation = self.endpoint.generation
         while True:
             try:
+                self._same_server(generation, f"following {job_id}")  # a new server knows nothing of the job
                 async with self._client().stream("GET", f"/artcloud/jobs/{job_id}/events",
                                                  params={"after": len(events), "follow": "true"},
                                                  timeout=httpx.Timeout(self.timeout, connect=30.0,

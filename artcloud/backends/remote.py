@@ -13,6 +13,7 @@ import asyncio
 import logging
 import threading
 import uuid
+from contextvars import ContextVar
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -59,8 +60,18 @@ def cold_start_rows(seconds: Mapping[str, float], price_per_hour: float | None) 
     return rows
 
 
+# Inside a replacement: (the backend, the client the replacement talks to its new server with). A context variable, so
+# that only the replacing task (and what it starts) sees it.
+_REPLACING: ContextVar[tuple["RemoteBackend", Client] | None] = ContextVar("artcloud_replacing", default=None)
+
+
 class RemoteBackend:
     """A running `artcloud serve`, reached at `base_url` over HTTPS with the launch's token and CA."""
+
+    # The connections `openai_client()` opens to the server at most; more rollouts at once wait for one. openai's own
+    # default (1,000) is more than a server with a small descriptor limit admits (code review 3, F9), and an engine
+    # batches what comes over fewer as well.
+    openai_connections = 256
 
     price_per_hour: float | None = None  # dollars, where the provider's catalog says (SkyBackend)
 
@@ -79,10 +90,10 @@ class RemoteBackend:
     ):
         if not base_url.startswith("https://"):
             raise InvalidArgument(f"artcloud servers speak HTTPS only: use https://..., not {base_url!r}")
-        self.client = Client(Endpoint(base_url.rstrip("/"), token, ca_cert, check_hostname), timeout=timeout,
-                             retries=retries, event_read_timeout_s=event_read_timeout_s,
-                             health_probe_timeout_s=health_probe_timeout_s, check_alive=lambda: self._check_alive(),
-                             on_new_loop=self._resume_heartbeats)
+        self._public = Client(Endpoint(base_url.rstrip("/"), token, ca_cert, check_hostname), timeout=timeout,
+                              retries=retries, event_read_timeout_s=event_read_timeout_s,
+                              health_probe_timeout_s=health_probe_timeout_s, check_alive=self._alive_or_replaced,
+                              on_new_loop=self._resume_heartbeats)
         self._staged: dict[str, Any] = {}  # a launch's token and CA, published with its URL once the server is ready
         self.heartbeat_every_s = heartbeat_every_s
         self._heartbeat: asyncio.Task | None = None
@@ -104,6 +115,13 @@ class RemoteBackend:
 
     def __repr__(self) -> str:  # never the token
         return f"{type(self).__name__}({self.base_url!r})"
+
+    @property
+    def client(self) -> Client:
+        """The protocol client: everyone's, or, inside a replacement (_replace_and_register), the replacement's own,
+        whose endpoint is the new server while everyone else's stays the lost one until the models are back."""
+        private = _REPLACING.get()
+        return private[1] if private is not None and private[0] is self else self._public
 
     # The endpoint and its parts, read-only: it changes only whole (_publish).
     endpoint = property(lambda self: self.client.endpoint, doc="The server now: URL, token, CA, generation.")
@@ -211,6 +229,16 @@ class RemoteBackend:
     async def __aexit__(self, *exc: Any) -> None:
         await self.down()
 
+    async def _alive_or_replaced(self) -> None:
+        """The client's liveness check: a replacement in flight is waited out first (asked meanwhile, the provider
+        would call the new machine alive, or the old one dead); then _check_alive."""
+        mine = _REPLACING.get()
+        if not (mine is not None and mine[0] is self) and self._replacing is not None \
+                and self._replacing[0] is asyncio.get_running_loop() and self._replacing[1].locked():
+            async with self._replacing[1]:
+                pass
+        await self._check_alive()
+
     async def _check_alive(self) -> None:
         """Raise ServerGone if the server is known to be dead. A bare URL cannot tell: the event stream
         keeps reconnecting for a while instead. LocalBackend knows its child, SkyBackend its cluster."""
@@ -251,13 +279,23 @@ class RemoteBackend:
     async def _replace_and_register(self, cause: BaseException) -> bool:
         """recover's work, under its lock: a new server, every model registered on it again (each resumes from
         its last step on S3), then the steps S3 did not get trained again, in order. A machine lost meanwhile is
-        replaced in turn (up to the provider's limit)."""
+        replaced in turn (up to the provider's limit).
+
+        All of it on a client of its own (`client` in this task): everyone else's requests keep going to the lost
+        server, fail, and wait for this lock (recover_if_lost), so none reaches the new one before its models are
+        back at their steps (code review 3, F2, R1). The new endpoint is published whole, with the next generation,
+        at the end; a replacement that fails (a replay, say) publishes nothing, and its error stands (R2)."""
         while True:
-            replaced = await self._replace_server(cause)
-            if replaced is None:
-                return False
-            self.replacements.append(replaced)
+            own = Client(self._public.endpoint, timeout=self._public.timeout, retries=self._public.retries,
+                         event_read_timeout_s=self._public.event_read_timeout_s,
+                         health_probe_timeout_s=self._public.health_probe_timeout_s,
+                         check_alive=self._public.check_alive)
+            scope = _REPLACING.set((self, own))
             try:
+                replaced = await self._replace_server(cause)
+                if replaced is None:
+                    return False
+                self.replacements.append(replaced)
                 for kwargs in self._registrations.values():  # the lost server never released its S3 claims
                     info = await RemoteBackend.register(self, **kwargs, take_over=True)
                     await self._replay(kwargs["name"], info.step)
@@ -268,7 +306,12 @@ class RemoteBackend:
             except ServerGone as gone:
                 cause = gone
                 continue
-            self._publish(generation=self.generation + 1)
+            finally:
+                _REPLACING.reset(scope)
+                await own.drop_connection()
+            await self._public.drop_connection()  # bound to the lost server
+            self._public.endpoint = replace(own.endpoint, generation=self._public.endpoint.generation + 1)
+            self._public.version_checked, self._public.shut_down = own.version_checked, own.shut_down
             return True
 
     def note_trained(self, name: str, step: int, body: dict[str, Any], s3: Any) -> None:
@@ -325,7 +368,7 @@ class RemoteBackend:
         while True:
             await asyncio.sleep(self.heartbeat_every_s)
             try:
-                await self.client.heartbeat()
+                await self._public.heartbeat()  # everyone's server (a task started in a replacement would see its own)
             except Exception as e:  # noqa: BLE001 - any failure: the next beat tries again, the lease needs it
                 log.warning("heartbeat to %s failed: %s", self.base_url, e)
 
@@ -427,7 +470,8 @@ class RemoteBackend:
         return openai.AsyncOpenAI(
             base_url=self.base_url + "/v1",
             api_key=self._token,
-            http_client=client_class(transport=following_transport(self, hx, getattr(openai, "DEFAULT_CONNECTION_LIMITS", None))),
+            http_client=client_class(transport=following_transport(self, hx, hx.Limits(
+                max_connections=self.openai_connections, max_keepalive_connections=self.openai_connections))),
             **kwargs,
         )
 
