@@ -192,3 +192,58 @@ def test_connections_are_counted_per_network_not_per_address():
     assert connections.admit(peer_network("192.0.2.1"))  # a client elsewhere still gets in
     connections.release(peer_network("198.51.100.77"))
     assert connections.admit(peer_network("198.51.100.200")) and connections.open == 4
+    # This machine's own client (LocalBackend's SDK, a gather of many rollouts) has only the cap in all (code review
+    # 3, F9: 62 of 160 concurrent rollouts were cut at a 256-descriptor limit); another loopback address has the cap.
+    assert [connections.admit(peer_network("127.0.0.1")) for _ in range(7)] == [True] * 6 + [False]  # 10 in all
+    connections = Connections(total=10, per_peer=3)
+    assert [connections.admit(peer_network("127.0.0.2")) for _ in range(4)] == [True] * 3 + [False]
+
+
+@pytest.mark.slow
+def test_300_rollouts_at_once_from_this_machine_all_answer_under_256_descriptors_beside_a_flood(tmp_path, monkeypatch):
+    """A LocalBackend whose server has 256 descriptors, soft and hard (a macOS laptop's soft limit, with nothing above
+    it to raise it to): 300 rollouts at once through `model.openai_client()` (no retries) all answer, while TLS
+    connections without the token from 127.0.0.2 hold what the cap lets one network have and the rest are refused.
+    Before (code review 3, F9), openai's pool opened a connection per rollout, the cap per address cut those past 96,
+    and 62 of 160 failed. The flood's connections stay open for the whole gather (a 120 s head deadline here)."""
+    import asyncio
+
+    import artcloud
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOOK + "tls_only.HEAD_TIMEOUT_S = 120.0\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+
+    async def main() -> tuple[list, int, int]:
+        backend = artcloud.LocalBackend(tmp_path / "local", lease="10m")
+        flood: list = []
+        try:
+            model = artcloud.TrainableModel(name="agent", project="p", base_model=TINY)
+            await model.register(backend)
+            limits = open(f"/proc/{backend.provisioner.proc.pid}/limits").read()
+            assert any(line.startswith("Max open files") and line.split()[3:5] == [str(NOFILE)] * 2
+                       for line in limits.splitlines())
+            flood = [_open(backend.base_url) for _ in range(150)]
+            held = [conn for conn in flood if conn is not None and not _closed_by_server(conn)]
+            client = model.openai_client(max_retries=0)
+
+            async def rollout(i: int) -> str:
+                r = await client.chat.completions.create(model="agent", max_tokens=2,
+                                                         messages=[{"role": "user", "content": f"say {i}"}])
+                return r.model
+
+            answers = await asyncio.gather(*(rollout(i) for i in range(300)), return_exceptions=True)
+            still_held = sum(not _closed_by_server(conn) for conn in held)
+            return answers, len(held), still_held
+        finally:
+            for conn in flood:
+                if conn is not None:
+                    conn.close()
+            await backend.down()
+
+    answers, held, still_held = asyncio.run(main())
+    errors = [a for a in answers if isinstance(a, BaseException)]
+    assert not errors and answers == ["agent@0"] * 300, (len(errors), errors[:3])
+    total = NOFILE - NOFILE // 4  # what the reserve leaves
+    assert held == total // 2 and still_held == held  # one network's half of the cap, held the whole time

@@ -193,6 +193,10 @@ class LocalBackend(SandboxBackend):
     model samples (the CPU engine's engine_args trainer_procs).
     """
 
+    # This machine's descriptor limit may be small (macOS: 256): the server's connections, the rollouts' and the
+    # checkpoints' share it.
+    openai_connections = 64
+
     def __init__(
         self,
         path: str | Path | None = None,
