@@ -33,10 +33,10 @@ from safetensors.torch import load_file
 from tolerances import SMOLLM2_HIDDEN, TINY_HIDDEN, assert_same_adam_steps, assert_same_step_metrics, ratio_bound
 
 from artcloud.server import chat
-from artcloud.server.models import OLD_STEPS_KEPT
 from artcloud.server.engines.base import TrainSample
 from artcloud.server.engines.children import KEY_ENV
 from artcloud.server.engines.peft_trainer import OPTIMIZER_FILE, PeftTrainer
+from artcloud.server.models import OLD_STEPS_KEPT
 from artcloud.train import packing
 from artcloud.types import LoraConfig, TrainConfig
 

@@ -11,7 +11,6 @@ from typing import Mapping
 
 from artcloud.errors import InvalidArgument
 
-
 KEY_ENV = "ARTCLOUD_TRAINER_KEY"  # the secret the trainer nodes share (not the client's token): sharded.Sealed
 MIN_KEY_CHARS = 32
 
