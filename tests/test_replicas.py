@@ -27,6 +27,7 @@ from artcloud.server.engines.base import (
     Completion,
     EngineError,
     GenerationRequest,
+    RequestRefused,
     Sampler,
     SamplerUnavailable,
     SamplingParams,
@@ -136,7 +137,9 @@ def test_a_prompt_keeps_its_replica_and_moves_only_when_that_one_is_loaded_or_go
         replicas.close()
 
 
-def test_a_streamed_request_that_sent_tokens_fails_with_503_and_none_is_lost_silently():
+def test_a_streamed_request_that_sent_tokens_fails_with_503_alone_and_none_is_lost_silently():
+    """Its replica failed after its first tokens: that request fails (503, to send again); the other requests of
+    the same call are answered, by the other replica (code review 3, F5: every request of the batch failed)."""
     class Sink(TokenSink):
         def __init__(self):
             self.got = []
@@ -148,10 +151,12 @@ def test_a_streamed_request_that_sent_tokens_fails_with_503_and_none_is_lost_sil
     replicas = ReplicaSet([a, b], names=["a", "b"], recheck_s=3600)
     try:
         prompt = next([i] for i in range(100) if served_by(replicas.generate(None, [request([i])])[0]) == "a")
+        other = next([i] for i in range(100, 200) if served_by(replicas.generate(None, [request([i])])[0]) == "b")
         a.fail_after_token = True
         sink = Sink()
-        with pytest.raises(SamplerUnavailable, match="after its first tokens"):
-            replicas.generate(None, [request(prompt, sink=sink)])
+        streamed, plain, moved = replicas.generate(None, [request(prompt, sink=sink), request(other), request(prompt)])
+        assert isinstance(streamed, SamplerUnavailable) and "after its first tokens" in str(streamed)
+        assert served_by(plain) == "b" and served_by(moved) == "b"  # the one not yet streamed went to b
         assert sink.got == [[1]] and replicas.status()["live"] == 1
         # Not yet streamed: moved, and the caller's sink is its own again afterwards.
         quiet = Sink()
@@ -162,6 +167,27 @@ def test_a_streamed_request_that_sent_tokens_fails_with_503_and_none_is_lost_sil
         with pytest.raises(SamplerUnavailable, match="every inference replica is down"):
             replicas.generate(None, [request(prompt)])
         assert [r["in_flight"] for r in replicas.status()["replicas"]] == [0, 0]
+    finally:
+        replicas.close()
+
+
+def test_a_request_a_replica_refuses_fails_alone_and_the_replica_stays():
+    """A 4xx of a replica (or of vLLM) is about the request, not the replica: the request fails with it, nothing leaves
+    the rotation, and the next request is served (code review 3, F6: the request went from replica to replica, each
+    left the rotation, and every request then got "every inference replica is down")."""
+    class Refusing(Scripted):
+        def generate(self, slot, requests):
+            if any(99 in r.prompt_ids for r in requests):
+                raise RequestRefused(f"replica {self.name} refused POST /replica/generate: 400 (this request only)")
+            return super().generate(slot, requests)
+
+    a, b = Refusing("a"), Refusing("b")
+    replicas = ReplicaSet([a, b], names=["a", "b"], recheck_s=3600)
+    try:
+        (refused,) = replicas.generate(None, [request([99, 1])])
+        assert isinstance(refused, RequestRefused) and replicas.moved == 0
+        assert replicas.status()["live"] == 2
+        assert {served_by(replicas.generate(None, [request([i] * 20)])[0]) for i in range(40)} == {"a", "b"}
     finally:
         replicas.close()
 

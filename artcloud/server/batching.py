@@ -204,5 +204,9 @@ class Batcher:
                     p.future.set_exception(e)
             return
         for p, completions in zip(live, results):
-            if not p.future.done():
+            if p.future.done():
+                continue
+            if isinstance(completions, BaseException):  # this request's own failure (ReplicaSet's)
+                p.future.set_exception(completions)
+            else:
                 p.future.set_result((completions, served))

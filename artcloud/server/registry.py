@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from artcloud._version import __version__
+from artcloud.errors import ArtcloudError
 from artcloud.server.api_errors import ApiError
 from artcloud.server.base_weights import BaseWeights
 from artcloud.server.batching import Batcher
-from artcloud.server.engines.base import Completion, GenerationRequest, SamplerUnavailable
+from artcloud.server.engines.base import Completion, GenerationRequest, RequestRefused, SamplerUnavailable
 from artcloud.server.engines.children import Rendezvous
 from artcloud.server.engines.choose import ReplicaLinks, engine_factory
 from artcloud.server.engines.engine import Engine
@@ -339,7 +340,8 @@ class Registry:
         try:
             if name is None:
                 _started(requests, host.base_model)
-                return await host.generate(None, requests), host.base_model
+                results = await host.generate(None, requests)
+                return [_answered(r) if isinstance(r, ArtcloudError) else r for r in results], host.base_model
             model = self.models[name]
             async with model.lock.read():
                 slot, served_step = await model.slot_for(step)
@@ -347,7 +349,9 @@ class Registry:
                 results = await host.generate(slot, requests)
         except SamplerUnavailable as e:
             raise ApiError(503, "sampler_unavailable", str(e)) from e
-        return results, f"{name}@{served_step}"
+        except RequestRefused as e:
+            raise ApiError(400, "request_refused", str(e)) from e
+        return [_answered(r) if isinstance(r, ArtcloudError) else r for r in results], f"{name}@{served_step}"
 
     # ------------------------------------------------------------------------------------- reports
 
@@ -397,3 +401,13 @@ def _started(requests: list[GenerationRequest], served_as: str) -> None:
     for r in requests:
         if r.sink is not None:
             r.sink.started(served_as)
+
+
+def _answered(e: ArtcloudError) -> Exception:
+    """A sampler's error about a request, as its answer: 503 for a sampler that cannot answer now, 400 for a request
+    an engine refused; anything else as it is (an engine's failure: 500)."""
+    if isinstance(e, SamplerUnavailable):
+        return ApiError(503, "sampler_unavailable", str(e))
+    if isinstance(e, RequestRefused):
+        return ApiError(400, "request_refused", str(e))
+    return e

@@ -41,6 +41,7 @@ from artcloud.errors import InvalidArgument
 from artcloud.server.api_errors import ApiError
 from artcloud.server.engines.base import (
     GenerationRequest,
+    RequestRefused,
     Sampler,
     SamplingParams,
     TokenSink,
@@ -195,9 +196,10 @@ def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: st
                 out = s.call(s.sampler.generate, slot, requests)
                 state["served"] += len(requests)
                 put({"done": [[asdict(c) for c in cs] for cs in out]})
-            except Exception as e:  # noqa: BLE001 - said to the head, which takes this replica out
-                log.exception("generation failed")
-                put({"error": {"code": getattr(e, "code", "engine_failed"), "message": str(e)[:500]}})
+            except Exception as e:  # noqa: BLE001 - said to the head: a refusal fails the requests, else it takes this replica out
+                refused = isinstance(e, RequestRefused)
+                (log.warning if refused else log.exception)("generation failed: %s", e)
+                put({"error": {"code": getattr(e, "code", "engine_failed"), "message": str(e)[:500], "refused": refused}})
             put(None)
 
         async def lines():

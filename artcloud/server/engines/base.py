@@ -169,7 +169,8 @@ class Sampler(abc.ABC):
     @abc.abstractmethod
     def generate(self, slot: str | None, requests: list[GenerationRequest]) -> list[list[Completion]]:
         """Sample `n` completions for each request. `slot=None` is the bare base model. Each completion
-        carries its token ids and their logprobs (see `Completion`)."""
+        carries its token ids and their logprobs (see `Completion`). A sampler that answers several requests
+        independently (ReplicaSet) may put an ArtcloudError in a request's place: that request's own failure."""
 
     @abc.abstractmethod
     def serve_adapter(self, slot: str, lora: LoraConfig, folder: Path) -> None:
@@ -197,6 +198,13 @@ class SamplerUnavailable(ArtcloudError):
     retry. The server answers 503 with it."""
 
     code = "sampler_unavailable"
+
+
+class RequestRefused(ArtcloudError):
+    """An engine refused a request as invalid (a 4xx of vLLM's, or of an inference replica's): the request fails,
+    answered as a 400 with the engine's words; the engine is fine, and nothing takes it out of service."""
+
+    code = "request_refused"
 
 
 class EngineError(ArtcloudError, RuntimeError):

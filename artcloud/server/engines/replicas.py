@@ -8,9 +8,10 @@ to the least loaded replica (ties broken by a hash of the prompt, so that the sp
 timing). A replica with SPILL samples more in flight than the least loaded one takes no more of its own.
 
 Adapters: every committed step is served on every live replica. A replica that fails (its process died,
-its node went, it answered an error) leaves the rotation at once; its requests go to the others, except a
-streamed request that has already sent tokens (those cannot be taken back): it fails with 503 and the
-client retries it, so no rollout is lost silently. A background check asks each replica that left whether
+its node went, it answered a 5xx) leaves the rotation at once; its requests go to the others, except a
+streamed request that has already sent tokens (those cannot be taken back): that one request fails with 503 and
+the client retries it, so no rollout is lost silently. A request a replica refuses as bad (a 4xx: RequestRefused)
+fails alone, with 400, and the replica stays. A background check asks each replica that left whether
 it answers again (its node's supervisor restarts it); one that does gets every served adapter again and
 rejoins.
 """
@@ -35,6 +36,7 @@ from artcloud.server.engines.base import (
     Completion,
     EngineError,
     GenerationRequest,
+    RequestRefused,
     Sampler,
     SamplerUnavailable,
     TokenSink,
@@ -174,8 +176,9 @@ class ReplicaSet(Sampler):
 
     # ------------------------------------------------------------------------------------- sampling
 
-    def generate(self, slot: str | None, requests: list[GenerationRequest]) -> list[list[Completion]]:
-        results: list[list[Completion] | None] = [None] * len(requests)
+    def generate(self, slot: str | None, requests: list[GenerationRequest]) -> list[Any]:
+        """Each request's completions, or its own failure (an ArtcloudError in its place)."""
+        results: list[Any] = [None] * len(requests)
         watched = [_Watched(r.sink) if r.sink is not None else None for r in requests]
         originals = [r.sink for r in requests]
         for r, w in zip(requests, watched):
@@ -201,14 +204,21 @@ class ReplicaSet(Sampler):
                 for replica, future in futures.items():
                     idx = groups[replica]
                     try:
-                        out = future.result()  # anything but a replica's failure (a bad request) is the caller's
+                        out = future.result()  # anything but a replica's failure or a refusal is the caller's
+                    except RequestRefused as e:  # these requests are bad, not the replica (code review 3, F6)
+                        for i in idx:
+                            results[i] = e
+                        continue
                     except FAILURES as e:
                         self._fail(replica, e)
-                        if any(watched[i] is not None and watched[i].sent for i in idx):
-                            raise SamplerUnavailable(f"the inference replica serving this streamed request failed "
-                                                     f"after its first tokens ({e}): send the request again") from e
-                        self.moved += len(idx)
-                        pending.extend(idx)
+                        for i in idx:  # each request on its own (F5): a streamed one that sent tokens fails alone
+                            if watched[i] is not None and watched[i].sent:
+                                results[i] = SamplerUnavailable(f"the inference replica serving this streamed request "
+                                                                f"failed after its first tokens ({e}): send the "
+                                                                "request again")
+                            else:
+                                self.moved += 1
+                                pending.append(i)
                         continue
                     if len(out) != len(idx):
                         raise EngineError(f"replica {replica.name} answered {len(out)} results for {len(idx)} requests")
@@ -359,8 +369,9 @@ class RemoteSampler(Sampler):
             raise SamplerUnavailable(f"replica {self.url} does not answer ({type(e).__name__}: {e})") from e
         if response.status_code >= 500:
             raise SamplerUnavailable(f"replica {self.url} answered {response.status_code}: {response.text[:200]}")
-        if response.status_code >= 400:
-            raise EngineError(f"replica {self.url} refused {method} {path}: {response.status_code} {response.text[:300]}")
+        if response.status_code >= 400:  # bad input of ours, not a broken replica
+            raise RequestRefused(f"replica {self.url} refused {method} {path}: {response.status_code} "
+                                 f"{response.text[:300]}")
         try:
             return response.json()
         except ValueError as e:
@@ -403,7 +414,7 @@ class RemoteSampler(Sampler):
                     said = f"replica {self.url} answered {response.status_code}: {response.text[:300]}"
                     if response.status_code >= 500 or response.status_code == 404:  # 404: it restarted, lost adapters
                         raise SamplerUnavailable(said)
-                    raise EngineError(said)
+                    raise RequestRefused(said)
                 for line in response.iter_lines():
                     if all(r.gone for r in requests):
                         break  # nobody waits for them: closing the stream stops them on the replica
@@ -418,7 +429,10 @@ class RemoteSampler(Sampler):
                     elif "done" in item:
                         return [[_completion(c) for c in cs] for cs in item["done"]]
                     elif "error" in item:
-                        raise EngineError(f"replica {self.url}: {item['error'].get('message')}")
+                        said = f"replica {self.url}: {item['error'].get('message')}"
+                        if item["error"].get("refused"):
+                            raise RequestRefused(said)
+                        raise EngineError(said)
         except httpx.HTTPError as e:
             raise SamplerUnavailable(f"replica {self.url} went away mid-answer ({type(e).__name__}: {e})") from e
         except (ValueError, KeyError, TypeError) as e:

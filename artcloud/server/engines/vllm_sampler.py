@@ -49,6 +49,7 @@ from artcloud.server.engines.base import (
     Completion,
     EngineError,
     GenerationRequest,
+    RequestRefused,
     Sampler,
     SamplerUnavailable,
     TokenSink,
@@ -332,8 +333,11 @@ class VLLMSampler(Sampler):
             raise self._lost(e) from e
         finally:
             conn.close()
-        if r.status >= 400:
-            raise EngineError(f"vLLM /v1/completions answered {r.status}: {body[:500].decode(errors='replace')}")
+        said = f"vLLM /v1/completions answered {r.status}: {body[:500].decode(errors='replace')}"
+        if 400 <= r.status < 500:  # this request, as vLLM validates it (code review 3, F6): not a broken engine
+            raise RequestRefused(said)
+        if r.status >= 500:
+            raise EngineError(said)
         return json.loads(body)
 
     def _check_ready(self, force: bool = False) -> None:
