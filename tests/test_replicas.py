@@ -192,6 +192,40 @@ def test_a_request_a_replica_refuses_fails_alone_and_the_replica_stays():
         replicas.close()
 
 
+def test_replicas_out_of_the_rotation_are_checked_at_once():
+    """One replica loading its model again (minutes on a GPU; held here) does not keep another that answers out of
+    the rotation meanwhile (security review 3, N10: they were checked one after another)."""
+    class Loading(Scripted):
+        def __init__(self, name):
+            super().__init__(name)
+            self.armed, self.loading, self.loaded = False, threading.Event(), threading.Event()
+
+        def status(self):
+            if self.armed:
+                self.loading.set()
+                assert self.loaded.wait(30)
+            return super().status()
+
+    a, b = Loading("a"), Scripted("b")
+    replicas = ReplicaSet([a, b], names=["a", "b"], recheck_s=3600)
+    try:
+        for r in replicas.replicas:
+            replicas._fail(r, SamplerUnavailable(f"{r.name} restarted"))
+        a.armed = True
+        back: list[list[str]] = []
+        checking = threading.Thread(target=lambda: back.append(replicas.check()))
+        checking.start()
+        assert a.loading.wait(30)
+        wait_for("b back in the rotation while a loads", lambda: [r["live"] for r in replicas.status()["replicas"]]
+                 == [False, True], 30)
+        a.loaded.set()
+        checking.join(30)
+        assert back == [["a", "b"]]
+    finally:
+        a.loaded.set()
+        replicas.close()
+
+
 def test_a_sampler_sharing_the_trainers_weights_is_refused():
     shared = Scripted("a")
     shared.shares_trainer_weights = True
