@@ -466,3 +466,44 @@ def test_retention_never_deletes_a_step_while_a_slow_s3_uploads_it(seaweed, star
         assert "FileNotFoundError" not in s.log.read_text() and "failed" not in s.log.read_text().split("shutdown requested")[0]
     finally:
         proxy.close()
+
+
+RNG_BARRIER = """
+import os, pathlib, time
+from artcloud.server.engines import engine
+
+_rng, _where = engine.Engine.rng_state, pathlib.Path(os.environ["ARTCLOUD_TEST_BARRIER"])
+
+def rng_state(self):
+    if (_where / "arm").exists():
+        (_where / "at-rng").touch()
+        while not (_where / "go-rng").exists():
+            time.sleep(0.05)
+    return _rng(self)
+
+engine.Engine.rng_state = rng_state
+"""
+
+
+def test_the_rng_state_of_a_commit_is_read_off_the_event_loop(start_server, tmp_path):
+    """A commit reads the engine's RNG state, which the sharded trainer asks of its ranks (a socket round trip, or a
+    group restart of up to 10 min): held there (a barrier), the server still answers (code review 3, R5: it was
+    read on the event loop, which froze /health, heartbeats and every request)."""
+    hook, barrier = tmp_path / "hook", tmp_path / "barrier"
+    hook.mkdir(), barrier.mkdir()
+    (hook / "sitecustomize.py").write_text(RNG_BARRIER)
+    env = {"ARTCLOUD_TEST_BARRIER": str(barrier),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))}
+    s = start_server(tmp_path / "srv", env=env)
+    with s.client() as c:
+        assert c.post("/artcloud/models", json={"name": "agent", "project": "p", "base_model": TINY}).status_code == 200
+        groups = rollout_groups(c, "agent", ["x", "y"], n=4)
+        (barrier / "arm").touch()
+        job = c.post("/artcloud/models/agent/train", json={"groups": groups}).json()["job_id"]
+        wait_for("the commit reading the RNG state", (barrier / "at-rng").exists, 120)
+        assert c.get("/health", timeout=5).json()["status"] == "ok"
+        assert c.get("/artcloud/status", timeout=5).status_code == 200
+        (barrier / "go-rng").touch()
+        ended = wait_for("the job to end", lambda: (j := c.get(f"/artcloud/jobs/{job}").json())["status"] != "running"
+                         and j, 60)
+        assert ended["status"] == "succeeded", ended

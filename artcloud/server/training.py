@@ -134,8 +134,8 @@ class ModelTrainer:
                 remote_history = await self.pusher.read_history()
             model.history = await asyncio.to_thread(history.restore, folder, model.folder, step, state, remote_history)
             model.temperature = state.get("temperature", 1.0)
-            if "rng" in state:
-                model.engine.set_rng_state(state["rng"])
+            if "rng" in state:  # on the engine's thread: the sharded trainer's is a call to its ranks (code review 3, R5)
+                await model.host.call(model.engine.set_rng_state, state["rng"])
             if self.pusher is not None and (remote is None or step > remote):
                 self.pusher.schedule(folder)  # this machine got further than S3 (its last push failed)
             elif self.pusher is not None and self.pusher.pushed_step is None:
@@ -449,7 +449,7 @@ class ModelTrainer:
     async def _commit(self, step: int) -> Any:
         model = self.model
         records = list(model.history)  # as of this commit: a log may append while the files are written
-        state = {"rng": model.engine.rng_state(), "base_model": model.spec.base_model,
+        state = {"rng": await model.host.call(model.engine.rng_state), "base_model": model.spec.base_model,
                  "lora": model.spec.lora.model_dump(), "temperature": model.temperature}
         save = partial(model.engine.save_adapter, model.slot, optimizer=True)
 
