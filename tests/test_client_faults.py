@@ -244,3 +244,34 @@ def test_a_request_is_never_retried_on_the_server_that_replaced_its_own():
 
     asyncio.run(main())
     assert sent == ["https://127.0.0.1:9"]  # one attempt, on the first server only
+
+
+def test_one_liveness_check_answers_for_every_request_that_failed_before_it_began():
+    """A blip under many rollouts: each failed request asks `recover_if_lost`, and each asked the provider (three
+    SkyPilot API calls of seconds each), one after another (code review 3, R6). A check begun after a request failed
+    answers for it: ten failures, the first check held while the nine others fail, make two checks."""
+    from artcloud.backends.remote import RemoteBackend
+
+    class Provider(RemoteBackend):
+        def __init__(self) -> None:
+            super().__init__("https://127.0.0.1:9", token="t" * 32, ca_cert=None, check_hostname=False)
+            self.checks = 0
+            self.checking, self.release = asyncio.Event(), asyncio.Event()
+
+        async def _check_alive(self) -> None:
+            self.checks += 1
+            self.checking.set()
+            await self.release.wait()  # alive
+
+    async def main() -> tuple[Provider, list[bool]]:
+        backend = Provider()
+        blip = ServerGone("connection reset")
+        first = asyncio.ensure_future(backend.recover_if_lost(blip, 0))
+        await backend.checking.wait()
+        others = [asyncio.ensure_future(backend.recover_if_lost(blip, 0)) for _ in range(9)]
+        await asyncio.sleep(0)  # each has noted when it failed, and waits for the lock
+        backend.release.set()
+        return backend, [await first, *await asyncio.gather(*others)]
+
+    backend, answers = asyncio.run(main())
+    assert answers == [False] * 10 and backend.checks == 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from contextvars import ContextVar
 from dataclasses import replace
@@ -100,6 +101,7 @@ class RemoteBackend:
         # Replacing a lost server (a preempted spot machine): each replacement bumps the generation, so
         # requests that failed on the old server know to go again; what was registered is registered again.
         self._replacing: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self._found_alive: tuple[int, float] | None = None  # (generation, when a liveness check that said so began)
         self._registrations: dict[str, dict[str, Any]] = {}
         # Per model: the steps committed on the server that S3 does not hold yet, with the train request that
         # made each. The server pushes a step after it commits it (and model.train returns): a machine lost in
@@ -261,13 +263,19 @@ class RemoteBackend:
         replacement in flight: checked meanwhile, the new machine (still starting) would look dead."""
         if self.generation != generation:
             return True
+        failed_at = time.monotonic()
         async with self._replacing_lock():
             if self.generation != generation:
                 return True
+            last = self._found_alive
+            if last is not None and last[0] == generation and last[1] >= failed_at:
+                return False  # a check begun after this failure found the server alive: one answers for all (R6)
+            began = time.monotonic()
             try:
                 await self._check_alive()
             except ServerGone as gone:
                 return await self._replace_and_register(gone)
+            self._found_alive = (generation, began)
             return False
 
     def _replacing_lock(self) -> asyncio.Lock:
