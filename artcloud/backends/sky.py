@@ -70,7 +70,8 @@ def parse_gpu(gpu: str) -> tuple[str, int]:
     return name, int(count or 1)
 
 
-POD_CLOUDS = frozenset({"kubernetes", "k8s", "ssh"})  # SkyPilot's Kubernetes and its SSH node pools (sky/clouds/ssh.py:28)
+# SkyPilot's Kubernetes, and its SSH node pools (which are Kubernetes: sky/clouds/ssh.py:28).
+POD_CLOUDS = frozenset({"kubernetes", "k8s", "ssh"})
 
 
 def unusable_cloud(cloud: str | None, num_nodes: int = 1) -> tuple[str, str] | None:

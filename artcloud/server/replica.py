@@ -196,10 +196,11 @@ def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: st
                 out = s.call(s.sampler.generate, slot, requests)
                 state["served"] += len(requests)
                 put({"done": [[asdict(c) for c in cs] for cs in out]})
-            except Exception as e:  # noqa: BLE001 - said to the head: a refusal fails the requests, else it takes this replica out
+            except Exception as e:  # noqa: BLE001 - said to the head (a refusal fails the requests, else the replica goes)
                 refused = isinstance(e, RequestRefused)
                 (log.warning if refused else log.exception)("generation failed: %s", e)
-                put({"error": {"code": getattr(e, "code", "engine_failed"), "message": str(e)[:500], "refused": refused}})
+                put({"error": {"code": getattr(e, "code", "engine_failed"), "message": str(e)[:500],
+                               "refused": refused}})
             put(None)
 
         async def lines():

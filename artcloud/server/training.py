@@ -134,7 +134,7 @@ class ModelTrainer:
                 remote_history = await self.pusher.read_history()
             model.history = await asyncio.to_thread(history.restore, folder, model.folder, step, state, remote_history)
             model.temperature = state.get("temperature", 1.0)
-            if "rng" in state:  # on the engine's thread: the sharded trainer's is a call to its ranks (code review 3, R5)
+            if "rng" in state:  # on the engine's thread: the sharded trainer asks its ranks (code review 3, R5)
                 await model.host.call(model.engine.set_rng_state, state["rng"])
             if self.pusher is not None and (remote is None or step > remote):
                 self.pusher.schedule(folder)  # this machine got further than S3 (its last push failed)

@@ -178,7 +178,8 @@ def test_a_task_of_several_nodes_validates_and_opens_only_the_heads_port(sky, la
     assert task.envs["ARTCLOUD_TRAINER_NODES"] == "1"
     keyed = {**launch_secrets, "ARTCLOUD_TRAINER_KEY": "k" * 64}
     two = load_task(sky, build_task(secrets=keyed, num_nodes=3, trainer_nodes=2, ca_cert="x").config)
-    assert two.envs["ARTCLOUD_TRAINER_NODES"] == "2" and "ARTCLOUD_TRAINER_KEY" in {r.name for r in two.managed_secret_refs}
+    assert two.envs["ARTCLOUD_TRAINER_NODES"] == "2"
+    assert "ARTCLOUD_TRAINER_KEY" in {ref.name for ref in two.managed_secret_refs}
     # The run script learns the secrets' names only (each role keeps those it needs), never their values.
     assert two.envs["ARTCLOUD_SECRET_NAMES"].split() == sorted(keyed) and "k" * 64 not in str(two.envs)
     with pytest.raises(ValueError, match="several trainer nodes need the secret ARTCLOUD_TRAINER_KEY"):

@@ -11,9 +11,9 @@ any trainer (1 -> 2 -> 1 ranks, CPU or GPU). Every method is collective: each ra
 order: `ShardedTrainer`, the server's side, starts the ranks (`python -m artcloud.server.engines.local_group K
 FOLDER -- python -m artcloud.server.engines.sharded ...`: they meet in a FileStore and talk over loopback, with
 nothing listening on the network) and sends rank 0 each call over a Unix socket in that folder of mode 0700; rank 0
-passes it to the others, sealed with the group's key (`Sealed`), and answers. A rank that dies takes its group down (local_group
-stops the others): the call fails, the server rolls the model back with load_adapter, and that call starts a new
-group.
+passes it to the others, sealed with the group's key (`Sealed`), and answers. A rank that dies takes its group down
+(local_group stops the others): the call fails, the server rolls the model back with load_adapter, and that call
+starts a new group.
 
 gloo on a CPU, NCCL on GPUs. gloo has no pre-multiplied sum, so FSDP's default average over ranks stays,
 and the loop scales each rank's loss by the world's size instead.
@@ -21,8 +21,9 @@ and the loop scales each rank's loss by the world's size instead.
 Several nodes (`Rendezvous`): the server's torchrun is node 0 of a static rendezvous on the head, and `follow`
 (`artcloud trainer-node`) runs each other node's torchrun, which joins every group the head starts; its ranks learn
 the model from rank 0. The ranks of every node prove the trainer nodes' shared key (KEY_ENV) to each other before the
-group trains: torchrun's rendezvous lets anyone in. No torchrun sees every node: a rank lost on one node fails the others at their next exchange
-with it (gloo and NCCL see the peer's connection close), and the server's next call starts a new group.
+group trains: torchrun's rendezvous lets anyone in. No torchrun sees every node: a rank lost on one node fails the
+others at their next exchange with it (gloo and NCCL see the peer's connection close), and the server's next call
+starts a new group.
 """
 
 from __future__ import annotations
@@ -116,11 +117,12 @@ class Sealed:
         self.nonce = self._bytes(nonce)
         tags = [self._tensor(bytes(32)) for _ in range(world.size)]
         dist.all_gather(tags, self._tensor(self._mac(b"member", world.rank)))
-        strangers = [r for r, tag in enumerate(tags) if not hmac.compare_digest(self._bytes(tag), self._mac(b"member", r))]
+        strangers = [r for r, tag in enumerate(tags)
+                     if not hmac.compare_digest(self._bytes(tag), self._mac(b"member", r))]
         if strangers:
             self._refuse(f"rank(s) {', '.join(map(str, strangers))} of the trainer group do not hold its key "
-                                f"({KEY_ENV}): the group stops before any sample is sent. Something else reached the "
-                                "rendezvous port, or a trainer node has another key")
+                         f"({KEY_ENV}): the group stops before any sample is sent. Something else reached the "
+                         "rendezvous port, or a trainer node has another key")
 
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0: sends `obj` (and returns it); any other rank: returns rank 0's, checked before it is unpickled."""
