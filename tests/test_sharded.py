@@ -506,3 +506,37 @@ def test_the_trainer_sharded_over_two_nodes_trains_and_a_lost_node_rejoins(start
     finally:
         os.killpg(node.pid, signal.SIGKILL)
         node.wait(30)
+
+
+def test_a_trainer_node_knows_the_next_group_from_the_stale_one_by_its_id():
+    """After its group ends, `artcloud trainer-node` waits while the head's store is that group's (torchrun would join
+    the stale store), and no longer: the head restarts its group at once, and a node that checked only for an open
+    port waited a minute for a store that was already the next group's (code review 3, R4). A real TCPStore, as
+    torchrun's on the head, marked by the group's rank 0."""
+    import socket
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from artcloud.server.engines.sharded import GROUP_KEY, _holds, _until_new_group
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    master = f"127.0.0.1:{port}"
+    assert not _holds(master, "g1")  # no store: the next group's is not up yet, and torchrun waits for it
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    assert not _holds(master, "g1")  # a new store, its group not formed yet
+    assert _holds(master, None)  # a node that never learned its group's id goes by the port
+    store.set(GROUP_KEY, "g1")
+    assert _holds(master, "g1") and not _holds(master, "g2")
+    stop = threading.Event()
+    waiting = threading.Thread(target=_until_new_group, args=(master, "g1", stop), kwargs={"limit_s": 60})
+    waiting.start()
+    waiting.join(1.0)
+    assert waiting.is_alive()  # the stale store: it waits
+    store.set(GROUP_KEY, "g2")  # the head's next group
+    waiting.join(30)
+    assert not waiting.is_alive()
+    del store

@@ -293,6 +293,8 @@ def _full(t: Any) -> Any:
 # ----------------------------------------------------------------------------------------- the server's side
 
 START_TIMEOUT_S = 600.0  # the ranks starting, then each loading the model
+GROUP_KEY = "artcloud/group"  # in torchrun's store on the head: the id of the group it holds (Sealed's nonce)
+GROUP_FILE_ENV = "ARTCLOUD_GROUP_FILE"  # where a trainer node's first rank writes that id, for `follow`
 CALLS = ("create_adapter", "delete_adapter", "train_step", "save_adapter", "load_adapter", "rng_state", "set_rng_state")
 
 
@@ -468,6 +470,7 @@ def serve_rank(control: str, base_model: str, dtype: str, device: str) -> None:
         if conn is not None:  # the server's start fails with this, not a bare "did not start"
             _send(conn, ("error", _portable(e)))
         raise
+    _note_group(world, sealed.nonce.hex())
     base_model, dtype = sealed.broadcast((base_model, dtype))
     trainer = ShardedPeftTrainer(base_model, world, dtype=dtype, device=device, sealed=sealed)
     if conn is not None:
@@ -489,6 +492,22 @@ def serve_rank(control: str, base_model: str, dtype: str, device: str) -> None:
         if conn is not None:
             _send(conn, ("result", result))
     dist.destroy_process_group()
+
+
+def _note_group(world: loop.World, group: str) -> None:
+    """Under torchrun over several nodes: rank 0 marks the head's store with this group's id, and each other node's
+    first rank tells its `follow` which group it joined (so that `follow` knows a stale store from the next one)."""
+    if os.environ.get(local_group.STORE_ENV) or "MASTER_ADDR" not in os.environ:
+        return  # one node (local_group): no store on the network, no `follow`
+    if world.rank == 0:
+        from torch.distributed import TCPStore
+
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=30))
+        store.set(GROUP_KEY, group)
+    where = os.environ.get(GROUP_FILE_ENV)
+    if where and os.environ.get("LOCAL_RANK", "0") == "0":
+        Path(where).write_text(group)
 
 
 def _portable(e: ArtcloudError) -> dict[str, Any]:
@@ -535,37 +554,59 @@ def follow(rendezvous: Rendezvous, node_rank: int, procs: int, device: str, stop
            *, again_s: float = 2.0) -> None:
     """`artcloud trainer-node`: this node's `procs` ranks of every group the head's ShardedTrainer starts, until
     `stop` is set. A group ends when a rank of it dies (torchrun stops the rest) or the server closes it; the
-    next one is joined at once (torchrun waits for the head's at the rendezvous)."""
-    while not stop.is_set():
-        argv = [sys.executable, "-m", "torch.distributed.run", *rendezvous.torchrun(procs, node_rank),
-                "-m", "artcloud.server.engines.sharded", "", "", "", device]
-        env = {**child_env(os.environ), KEY_ENV: rendezvous.key}
-        if device == "cpu":
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // procs)))
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, env=env)
-        log.info("trainer node %d: %d rank(s) waiting for the group at %s", node_rank, procs, rendezvous.master)
-        while proc.poll() is None:
-            if stop.wait(0.5):
-                kill_group(proc.pid, signal.SIGKILL)
-                proc.wait()
-                return
-        log.info("trainer node %d: the group ended (exit code %s): joining the next one", node_rank,
-                 proc.returncode)
-        stop.wait(again_s)
-        _until_closed(rendezvous.master, stop)
+    next one is joined once the head's store holds another group than the one that ended (torchrun waits for the
+    head's at the rendezvous)."""
+    group_file = Path(tempfile.mkdtemp(prefix="artcloud-node-")) / "group"  # mode 0700: this node's first rank's
+    try:
+        while not stop.is_set():
+            argv = [sys.executable, "-m", "torch.distributed.run", *rendezvous.torchrun(procs, node_rank),
+                    "-m", "artcloud.server.engines.sharded", "", "", "", device]
+            env = {**child_env(os.environ), KEY_ENV: rendezvous.key, GROUP_FILE_ENV: str(group_file)}
+            if device == "cpu":
+                env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // procs)))
+            group_file.unlink(missing_ok=True)
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, env=env)
+            log.info("trainer node %d: %d rank(s) waiting for the group at %s", node_rank, procs, rendezvous.master)
+            while proc.poll() is None:
+                if stop.wait(0.5):
+                    kill_group(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return
+            log.info("trainer node %d: the group ended (exit code %s): joining the next one", node_rank,
+                     proc.returncode)
+            ended = group_file.read_text() if group_file.exists() else None
+            stop.wait(again_s)
+            _until_new_group(rendezvous.master, ended, stop)
+    finally:
+        shutil.rmtree(group_file.parent, ignore_errors=True)
 
 
-def _until_closed(master: str, stop: threading.Event, *, limit_s: float = 60.0) -> None:
-    """Wait (up to `limit_s`) until the ended group's rendezvous store on the head is gone: torchrun's static
-    rendezvous would otherwise join that stale store, which knows nothing of the next group."""
-    host, _, port = master.rpartition(":")
+def _until_new_group(master: str, ended: str | None, stop: threading.Event, *, limit_s: float = 60.0) -> None:
+    """Wait (up to `limit_s`) while the head's store is the one of the group that ended (`ended`: its id, None when
+    this node never learned it): torchrun's static rendezvous would join that stale store, which knows nothing of
+    the next group. A store that holds another group, or none yet, or no store, is the next group's to join: the
+    head restarts its group at once, and checking only the port made a node wait out the limit (code review 3, R4)."""
     deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline and not stop.is_set():
-        try:
-            socket.create_connection((host, int(port)), timeout=1.0).close()
-        except OSError:
-            return
+    while time.monotonic() < deadline and not stop.is_set() and _holds(master, ended):
         stop.wait(0.5)
+
+
+def _holds(master: str, group: str | None) -> bool:
+    """Whether the store at `master` is the one of `group` (None: whether there is a store at all)."""
+    from torch.distributed import TCPStore
+
+    host, _, port = master.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+    except OSError:
+        return False  # no store: the next one is not up yet, and torchrun waits for it
+    if group is None:
+        return True
+    try:
+        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
+        return store.check([GROUP_KEY]) and store.get(GROUP_KEY).decode() == group
+    except (RuntimeError, ValueError):  # it closed meanwhile
+        return False
 
 
 if __name__ == "__main__":
