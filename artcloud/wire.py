@@ -575,9 +575,14 @@ class ShutdownModel(ModelInfo):
     error: str | None = Field(None, description="why the final push did not finish")
 
 
+class ShutdownPrompted(PromptedInfo):
+    training: bool = False  # a prompted model never trains
+    error: str | None = Field(None, description="why the final push of its history did not finish")
+
+
 class ShutdownAnswer(_Open):
     ok: bool
-    models: list[ShutdownModel]
+    models: list[ShutdownModel | ShutdownPrompted]
 
 
 # ---------------------------------------------------------------------------------------------- OpenAI

@@ -98,6 +98,11 @@ def test_push_verdicts_judge_each_model_of_a_shutdown_answer():
         model("running", 4, s3={**s3, "pushed_step": 4, "pending": True}),
         model("never", 0, s3={**s3, "pushed_step": None}),
         model("local", 5, s3=None, training=True),
+        # Prompted models (code review 3, R7: they were in no answer): their history is what is pushed.
+        {"name": "judge", "project": "p", "base_model": None, "prompted": True, "step": 0, "history": [],
+         "s3": {**s3, "pushed_step": None}},
+        {"name": "critic", "project": "p", "base_model": None, "prompted": True, "step": 0, "history": [],
+         "s3": {**s3, "pushed_step": None}, "error": "EndpointConnectionError: refused\nmore"},
     ]})
     lines = {v.name: (v.status, v.line(on_sandbox=True)) for v in push_verdicts(answer)}
     assert lines == {
@@ -111,6 +116,8 @@ def test_push_verdicts_judge_each_model_of_a_shutdown_answer():
         "never": ("not_pushed", "last checkpoint NOT pushed (never@0): no step of it reached S3; nothing of it is on S3"),
         "local": ("no_s3", "no S3 for local@5: its checkpoints stayed on the server's disk and go with the sandbox; "
                            "a training step in flight was dropped"),
+        "judge": ("pushed", "history pushed (judge)"),
+        "critic": ("not_pushed", "history NOT pushed (critic): EndpointConnectionError: refused"),
     }
 
 

@@ -18,7 +18,7 @@ import pytest
 from helpers import rollout_groups, train, wait_for
 from test_s3_server import s3_env
 
-from artcloud.backends.client import ServerGone
+from artcloud.backends.client import ServerGone, push_verdicts
 from artcloud.backends.remote import RemoteBackend
 from artcloud.storage.s3 import OWNER, CheckpointStore, S3Config
 from tests.seaweed import ACCESS_KEY, SECRET_KEY
@@ -33,6 +33,10 @@ def test_shutdown_pushes_the_last_checkpoint_answers_and_exits_0(seaweed, start_
     with s.client() as c:
         assert c.post("/artcloud/models", json={"name": "agent", "project": "bye", "base_model": TINY}).status_code == 200
         train(c, "agent", rollout_groups(c, "agent", ["x", "y"], n=4), learning_rate=1e-3)
+        # A prompted model (served elsewhere, its history kept here): its final push is in the answer too.
+        assert c.post("/artcloud/models", json={"name": "judge", "project": "bye", "base_model": None}).status_code == 200
+        r = c.post("/artcloud/models/judge/log", json={"split": "val", "metrics": {"accuracy": 0.5}})
+        assert r.status_code == 200, r.text
 
     async def shut() -> tuple[Any, float]:
         remote = RemoteBackend(s.url, token=s.token, ca_cert=s.ca, heartbeat_every_s=0)
@@ -45,7 +49,9 @@ def test_shutdown_pushes_the_last_checkpoint_answers_and_exits_0(seaweed, start_
 
     answer, took = asyncio.run(shut())
     assert answer.ok is True and took < 30
-    [model] = answer.models
+    model, judge = answer.models
+    assert (judge.name, judge.prompted, judge.error) == ("judge", True, None) and judge.s3.last_error is None
+    assert [v.line() for v in push_verdicts(answer)] == ["last checkpoint pushed (agent@1)", "history pushed (judge)"]
     assert (model.name, model.project, model.step, model.training) == ("agent", "bye", 1, False)
     assert model.s3.pushed_step == 1 and not model.s3.pending and model.s3.last_error is None
     assert model.s3.uri == f"s3://{bucket}/runs"

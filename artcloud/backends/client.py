@@ -35,6 +35,7 @@ from artcloud.wire import (
     Pruned,
     SFTAccepted,
     ShutdownAnswer,
+    ShutdownPrompted,
     Status,
     parse,
 )
@@ -156,6 +157,7 @@ class PushVerdict:
     on_s3: int | None = None  # the newest step that IS on S3 (None: none yet, or no S3)
     reason: str | None = None  # why a push is not confirmed
     dropped_training: bool = False  # a step still computing at shutdown was dropped (never committed)
+    prompted: bool = False  # a prompted model: no checkpoints, its history is what is pushed
 
     @property
     def confirmed(self) -> bool:
@@ -164,6 +166,10 @@ class PushVerdict:
     def line(self, on_sandbox: bool = False) -> str:
         """One line for a person: what is safe where."""
         label = f"{self.name}@{self.step}"
+        if self.prompted:
+            return {"pushed": f"history pushed ({self.name})",
+                    "no_s3": f"no S3 for {self.name}: its history stayed on the server's disk"}.get(
+                self.status, f"history NOT pushed ({self.name}): {self.reason}")
         if self.status == "pushed":
             text = f"last checkpoint pushed ({label})"
         elif self.status == "no_s3":
@@ -183,10 +189,16 @@ def push_verdicts(answer: ShutdownAnswer) -> list[PushVerdict]:
     verdicts = []
     for model in answer.models:
         name, step, s3, dropped = model.name, model.step, model.s3, model.training
+        prompted = isinstance(model, ShutdownPrompted)  # no steps: its history is what it pushes
         if s3 is None:
-            verdicts.append(PushVerdict(name, step, "no_s3", dropped_training=dropped))
+            verdicts.append(PushVerdict(name, step, "no_s3", dropped_training=dropped, prompted=prompted))
             continue
         pushed = s3.pushed_step
+        if prompted:
+            failed = model.error or s3.last_error or ("a push was still running" if s3.pending else None)
+            verdicts.append(PushVerdict(name, step, "not_pushed" if failed else "pushed", on_s3=pushed,
+                                        reason=first_line(failed) if failed else None, prompted=True))
+            continue
         # The first reason that applies, most telling first (a failed push also leaves it pending).
         if model.error:
             reason = f"the final push failed: {first_line(model.error)}"

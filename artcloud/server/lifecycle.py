@@ -108,8 +108,11 @@ class Lifecycle:
         for trainer in trainers:
             await trainer.freeze()
         errors = await self.push_all()
-        return [{**trainer.info(), "training": trainer.busy, **({"error": error} if error else {})}
-                for trainer, error in zip(trainers, errors)]
+        # Prompted models too, after the trained ones (push_all's order): a failed push of a history is said as well
+        # (code review 3, R7: it was in no answer, and `artcloud down` exited 0).
+        models = [*trainers, *self._prompted()]
+        return [{**m.info(), "training": getattr(m, "busy", False), **({"error": error} if error else {})}
+                for m, error in zip(models, errors)]
 
     async def push_all(self, close: bool = False) -> list[str | None]:
         """The final pushes: every model's newest committed step and every prompted model's history, all at once,
