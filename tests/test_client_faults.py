@@ -201,11 +201,14 @@ def test_a_replacement_is_published_only_once_its_models_are_back(tmp_path, monk
             backend.provisioner.path = tmp_path / "new-machine"  # a new machine's disk: nothing on it
             backend.provisioner.log_file = backend.provisioner.path / "server.log"
             os.kill(backend.provisioner.proc.pid, signal.SIGKILL)
+            # Gone for good before the rollout asks: its port closes before it can be reaped, and a liveness check in
+            # between would find a machine that still runs (a LocalBackend's race, not the one tested here).
+            await asyncio.to_thread(backend.provisioner.proc.wait, 30)
             first = asyncio.ensure_future(rollout())  # fails on the lost server, and replaces it
-            await held["registering"].wait()
+            await _first_of(held["registering"].wait(), first)  # (a rollout that failed instead says why)
             assert (backend.base_url, backend.generation) == (lost_url, 0)  # nothing published yet
             second = asyncio.ensure_future(rollout())  # a rollout that starts in the window
-            await held["second"].wait()  # it failed on the lost server too, and waits for the replacement
+            await _first_of(held["second"].wait(), second)  # it failed on the lost server too, and waits
             assert not second.done()
             held["go"].set()
             assert await asyncio.gather(first, second) == ["agent@0", "agent@0"]
@@ -214,6 +217,15 @@ def test_a_replacement_is_published_only_once_its_models_are_back(tmp_path, monk
             await backend.down()
 
     asyncio.run(main())
+
+
+async def _first_of(barrier, task: asyncio.Future) -> None:
+    """Wait at `barrier`; if `task` ends first, its error (or result) fails the test instead of a hang."""
+    waiting = asyncio.ensure_future(barrier)
+    await asyncio.wait({waiting, task}, timeout=120, return_when=asyncio.FIRST_COMPLETED)
+    if not waiting.done():
+        waiting.cancel()
+        raise AssertionError(f"the barrier was never reached: {task.exception() if task.done() else 'a timeout'}")
 
 
 def test_a_request_is_never_retried_on_the_server_that_replaced_its_own():
