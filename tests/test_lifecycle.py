@@ -57,7 +57,8 @@ def test_final_pushes_of_every_model_run_at_once(path):
             answer = await asyncio.wait_for(lifecycle.shutdown(), 10)
             assert answer == [{"name": "a", "training": False}, {"name": "b", "training": False,
                                                                  "error": "TimedOut: b did not finish"},
-                              {"name": "c", "training": False}]
+                              {"name": "c", "training": False},
+                              {"name": "history", "training": False}]  # a prompted model's too (code review 3, R7)
             assert all(t.frozen for t in trainers) and lifecycle.stopping
         else:
             await asyncio.wait_for(lifecycle.push_all(close=True), 10)
