@@ -45,14 +45,15 @@ MIN_CASES = 2000
 FUZZ_SEED = 14
 # Per operation and generation mode; hypothesis stops earlier when an operation has fewer distinct
 # requests (GET /health has one). More for the routes that reach the engine.
-# (Here: 2,124 stateless cases, then whole stateful runs until 800 calls, 1,318: 3,442 in 70 s on one core, about
-# three times that beside the rest of `make test` on two.)
-STATELESS_EXAMPLES = {"chat_completions": 250, "train": 120}
+# A training case costs ~100 ms (its body's generation; half of them train a step), a stateful run of ~650 calls 15 s.
+# Here: 2,004 stateless cases, then stateful runs until 600 calls and every link answered (2 runs, 1,318): 3,322 in
+# 69 s alone on 2 cores, four to five times that beside the rest of `make test`.
+STATELESS_EXAMPLES = {"chat_completions": 250, "train": 60}
 STATELESS_DEFAULT = 60
 # Stateful scenarios of up to STATEFUL_STEPS calls each, until STATEFUL_CASES calls were made.
 STATEFUL_SCENARIOS = 80
 STATEFUL_STEPS = 12
-STATEFUL_CASES = 800
+STATEFUL_CASES = 600
 # A request that takes longer than this is a hang.
 REQUEST_TIMEOUT_S = 60
 # n x max_tokens of a chat request (artcloud serve --max-request-tokens). The fuzzer asks for up to
