@@ -148,6 +148,8 @@ CATALOG: tuple[GPUOffer, ...] = tuple(GPUOffer(*row) for row in (
     ("gcp", "g2-standard-8", "L4", 1, 0.85, 0.28, "us-central1"),
     ("aws", "g4dn.xlarge", "T4", 1, 0.526, 0.21, "us-east-1"),
     ("gcp", "n1-highmem-4", "T4", 1, 0.59, 0.17, "us-central1"),
+    # A cluster of one's own: the price its admin configured, else 0, spot the same (kubernetes_catalog.py:325-346).
+    ("kubernetes", "k8s-h100-1", "H100", 1, 0.0, 0.0, "in-cluster"),
 ))
 
 _CHECK_HINTS = {
@@ -609,12 +611,15 @@ class LocalSky:
 
     def _refresh(self, cluster_name: str) -> dict[str, Any] | None:
         """A refresh (backend_utils.refresh_cluster_record): look at the cloud, update the cached record. A node
-        found broken whose head is dead gets its autostop cancelled (backend_utils.py:3120-3183); with the head
-        alive, or while autostopping, it keeps it."""
+        found broken: SkyPilot tries to cancel the autostop on the head (backend_utils.py:3150-3183). With the
+        head alive, or while autostopping, it keeps it; with the head dead the cancel fails, on a VM cloud with
+        SSH's 255 and the local autostop is kept ("likely autodowned", :3166-3172), on Kubernetes with kubectl's
+        own error and it is set to -1 (:3177-3179)."""
         def look(data: dict[str, Any]) -> None:
             autostop = data.get("autostop") or {}
+            on_pods = "kubernetes" in str(data.get("resources") or "").lower()
             if (data.get("status") == "UP" and data.get("health") == "unhealthy" and not data.get("head_alive", True)
-                    and not data.get("autostopping") and autostop.get("idle_minutes", -1) >= 0):
+                    and on_pods and not data.get("autostopping") and autostop.get("idle_minutes", -1) >= 0):
                 data["autostop"] = {"idle_minutes": -1, "to_down": False, "set_at": time.time()}
 
         record = _observed(_update(self._dir(cluster_name), look))
@@ -787,6 +792,27 @@ class LocalSky:
             raise ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
         if not head_alive:
             _kill_all(self.root, cluster_name, data.get("supervisor_pid"))
+
+    def preempt_node(self, cluster_name: str, rank: int) -> None:
+        """What a cloud does to one spot VM of a multi-node cluster, with no notice: that node's processes gone at
+        once, the others running on. A refresh then finds the cluster INIT 'unhealthy' (backend_utils.py:3112), its
+        head alive or not, its autostop kept on a VM cloud (see _refresh). The job's task for the lost node is
+        retried by Ray into its placement-group bundle (STRICT_SPREAD: task_codegen.py:465-475), which cannot be
+        placed on a node that is gone: its future never resolves, so the job neither fails nor ends while the rest
+        run (get_or_fail, task_codegen.py:362-402, waits on it; see supervise). Losing the head loses its skylet,
+        the only one (instance_setup.py: only the head starts it), so nothing autodowns the other nodes: here the
+        supervisor, which plays both the head's skylet and the job's driver, dies with it."""
+        def change(data: dict[str, Any]) -> None:
+            data["lost_nodes"] = sorted({*data.get("lost_nodes", []), rank})
+            data["health"], data["head_alive"] = "unhealthy", 0 not in data["lost_nodes"]
+
+        data = _update(self._dir(cluster_name), change)
+        if data is None:
+            raise ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
+        if rank == 0 and data.get("supervisor_pid"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(data["supervisor_pid"], signal.SIGKILL)
+        _kill_node(self.root, cluster_name, rank)
 
     def check_cloud(self, cloud: str) -> str | None:
         """None if enabled, else a reason in `sky check`'s words ('  AWS: disabled' and its Reason: check.py:
@@ -1110,15 +1136,23 @@ def supervise(root: Path, name: str, job_id: int) -> int:
                                            "SKYPILOT_NODE_RANK": str(node["rank"]), ENV_NODE: str(node["rank"])})
                      for node in nodes]
             failed: int | None = None
-            while any(p.poll() is None for p in procs):
-                bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            while True:
+                now = _read_json(folder / "cluster.json")
+                if now is None or now.get("instance_id") != machine:
+                    return None
+                lost = set(now.get("lost_nodes") or ())  # preempt_node: their tasks are pending for ever
+                live = [(node, p) for node, p in zip(nodes, procs) if node["rank"] not in lost]
+                running = [p.poll() is None for _, p in live]
+                bad = [p.returncode for _, p in live if p.returncode not in (None, 0)]
                 if bad and failed is None:
                     failed = bad[0]
                     for node, p in zip(nodes, procs):
                         if p.poll() is None:
                             _kill_node(root, name, node["rank"])
+                if not any(running) and (failed is not None or not lost):  # a failure cancels the pending ones too
+                    break
                 time.sleep(0.1)
-            codes = [p.returncode for p in procs]
+            codes = [p.returncode for _, p in live]
         return failed if failed is not None else next((c for c in codes if c != 0), 0)
 
     # task_codegen.py:535-537: a failed setup ends the job FAILED_SETUP; the run never starts.

@@ -204,3 +204,26 @@ def test_a_retention_run_started_by_a_push_is_kept_until_it_ends(tmp_path):
             task.cancel()
 
     asyncio.run(main())
+
+
+def test_a_prompted_model_whose_final_push_failed_still_gives_its_claim_up(tmp_path):
+    """Code review 3, R7: its claim was kept to time out, and the next server's register was a 409 `model_locked`
+    for 15 min, for a model nobody trains. The failed push is in the shutdown's answer instead."""
+    from artcloud.server.prompted import PromptedModel
+    from artcloud.wire import RegisterRequest
+
+    class Pusher:  # the pusher's two calls close makes, the push failing as S3 down makes it
+        def __init__(self):
+            self.calls = []
+
+        async def final_push(self):
+            self.calls.append("final_push")
+            return "EndpointConnectionError: S3 is down"
+
+        async def release(self):
+            self.calls.append("release")
+
+    pusher = Pusher()
+    model = PromptedModel(RegisterRequest(name="judge", project="p", base_model=None), tmp_path, pusher)
+    asyncio.run(model.close())
+    assert pusher.calls == ["final_push", "release"]

@@ -144,11 +144,15 @@ def test_a_stopped_cluster_is_gone_and_torn_down(sky_env, tmp_path):
     assert LocalSky().status("stopped") is None and StateDir().load("stopped").state == "down"
 
 
-def test_an_unhealthy_cluster_whose_head_is_dead_fails_the_client_at_once_and_is_torn_down(sky_env, tmp_path):
-    """SkyPilot's refresh cancels the autostop of a broken cluster whose head is down: nothing would take it down."""
+def test_an_unhealthy_cluster_whose_head_is_dead_fails_the_client_at_once_and_is_torn_down(sky_env, monkeypatch,
+                                                                                          tmp_path):
+    """A broken cluster whose head is down, on Kubernetes: SkyPilot's refresh cancels its autostop (kubectl's error is
+    not SSH's 255: backend_utils.py:3157-3179), and nothing would take it down. (On a VM cloud the autostop is kept:
+    tests/test_sky_node_loss.py, where the head's silent port tells.)"""
     from artcloud.backends.client import ServerGone
 
-    backend = detached(tmp_path, "broken")
+    monkeypatch.setenv("ARTCLOUD_STANDIN_CLOUDS", "kubernetes")
+    backend = detached(tmp_path, "broken", cloud="kubernetes")
     LocalSky().break_cluster("broken", head_alive=False)
     assert refreshed("broken", "INIT").autostop_minutes == -1
     with pytest.raises(ServerGone) as raised:
@@ -164,7 +168,8 @@ def test_a_dead_cluster_torn_down_by_its_liveness_check_is_launched_anew_at_the_
     from artcloud.backends.client import ServerGone
 
     recording(monkeypatch)
-    backend = detached(tmp_path, "reborn")
+    monkeypatch.setenv("ARTCLOUD_STANDIN_CLOUDS", "kubernetes")
+    backend = detached(tmp_path, "reborn", cloud="kubernetes")
     LocalSky().break_cluster("reborn", head_alive=False)
     refreshed("reborn", "INIT")
     with pytest.raises(ServerGone):
@@ -203,10 +208,20 @@ def test_only_a_stopped_cluster_or_one_whose_head_is_down_is_dead():
     dead = SkyProvisioner.dead
     assert dead(ClusterInfo("x", "INIT", autostop_minutes=-1, init_kind="launching")) is None
     assert dead(ClusterInfo("x", "INIT", autostop_minutes=10, init_kind="unhealthy")) is None
+    assert dead(ClusterInfo("x", "INIT", autostop_minutes=10, init_kind="unhealthy"), head_answers=True) is None
+    # The autostop SkyPilot could not cancel on a dead head (backend_utils.py:3157-3176): dead once the head is silent.
+    assert "not answering" in dead(ClusterInfo("x", "INIT", autostop_minutes=10, init_kind="unhealthy"),
+                                   head_answers=False)
+    assert dead(ClusterInfo("x", "INIT", autostop_minutes=10, init_kind="launching"), head_answers=False) is None
     assert "head node down" in dead(ClusterInfo("x", "INIT", autostop_minutes=-1, init_kind="unhealthy"))
     assert dead(ClusterInfo("x", "UP", autostop_minutes=10)) is None
     assert dead(ClusterInfo("x", "AUTOSTOPPING", autostop_minutes=10)) is None
     assert "stopped" in dead(ClusterInfo("x", "STOPPED"))
+    nodes = SkyProvisioner.nodes
+    assert nodes(ClusterInfo("x", "UP", resources="2x AWS(p5.48xlarge, {'H100': 8})")) == 2
+    assert nodes(ClusterInfo("x", "UP", resources="3x[Spot](gpus=H100:1, cpus=26)")) == 3  # SkyPilot 0.14.1's own
+    assert nodes(ClusterInfo("x", "UP", resources="1x GCP(a2-highgpu-1g)")) == 1
+    assert nodes(ClusterInfo("x", "UP")) == nodes(ClusterInfo("x", "UP", resources="AWS(m6i)")) == 1
 
 
 # ----------------------------------------------------------------------------------------- credentials

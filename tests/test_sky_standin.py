@@ -31,6 +31,7 @@ from tests.sky_standin import (
     ENV_CLOUDS,
     ENV_FAULT,
     ENV_MINUTE,
+    ENV_NODE,
     ENV_ROOT,
     REPO_ROOT,
     ClusterDoesNotExist,
@@ -39,6 +40,7 @@ from tests.sky_standin import (
     ResourcesUnavailableError,
     StandinError,
     StandinLaunchError,
+    _marker_of,
     cluster_pids,
     down_all,
     leftover_processes,
@@ -120,7 +122,7 @@ def test_clouds_and_catalog(sky, monkeypatch):
 
     h100 = sky.gpu_offers("H100")
     assert {(o.cloud, o.count) for o in h100} >= {("local", 1), ("aws", 8), ("gcp", 1), ("gcp", 8)}
-    assert all(o.price and o.spot_price and o.spot_price < o.price for o in h100)
+    assert all(o.price and o.spot_price and o.spot_price < o.price for o in h100 if o.cloud != "kubernetes")
     assert {(o.cloud, o.count) for o in sky.gpu_offers("l4")} >= {("local", 1)}
     assert sky.gpu_offers("A100-80GB") and sky.gpu_offers("T4")
     assert sky.gpu_offers("H200") == []
@@ -330,18 +332,54 @@ def test_autostopping_still_answers_and_then_goes(sky, root, monkeypatch):
     assert leftover_processes(root) == {}
 
 
-@pytest.mark.parametrize("head_alive", [True, False], ids=["head-alive", "head-dead"])
-def test_a_broken_node_is_init_unhealthy_and_loses_its_autostop_only_with_its_head(sky, root, head_alive):
-    sky.launch(small_task("sleep 60"), secrets={}, cluster_name="b", idle_minutes=5)
+@pytest.mark.parametrize("head_alive, cloud, autostop", [(True, "aws", 5), (False, "aws", 5), (False, "kubernetes", -1)],
+                         ids=["head-alive", "head-dead", "head-dead-k8s"])
+def test_a_broken_node_is_init_unhealthy_and_loses_its_autostop_only_with_its_head_on_pods(sky, root, monkeypatch,
+                                                                                          head_alive, cloud, autostop):
+    """backend_utils.py:3150-3183: the refresh's cancel of the autostop goes to the head; a dead VM head fails it
+    with SSH's 255 and the autostop is kept, kubectl's error on Kubernetes has it set to -1."""
+    monkeypatch.setenv(ENV_CLOUDS, "aws,kubernetes")
+    task = small_task("sleep 60")
+    task["resources"] = {"cloud": cloud, "ports": 8443}  # a CPU machine: the catalog has no Kubernetes GPU
+    sky.launch(task, secrets={}, cluster_name="b", idle_minutes=5)
     wait_for("job running", lambda: sky.job_status("b", 1) == "RUNNING", timeout=10)
     sky.break_cluster("b", head_alive=head_alive)
     time.sleep(2.0)
     info = sky.status("b", refresh=True)
     assert (info.status, info.init_kind) == ("INIT", "unhealthy")
-    assert info.autostop_minutes == (5 if head_alive else -1)  # backend_utils.py:3136-3183
+    assert info.autostop_minutes == autostop
     assert sky.job_status("b", 1) is None  # INIT: not answered
     assert bool(leftover_processes(root)) is head_alive  # a dead head runs nothing; its disks still bill
     assert sky.down("b") is True and sky.status("b") is None
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_preempted_node_of_several_leaves_the_job_running_and_the_autostop_kept(sky, root, rank):
+    """One node of two taken: INIT 'unhealthy', the autostop kept (a VM cloud), the other node running on, and the
+    job never ends while the lost node's task waits for a bundle that cannot be placed; losing the head loses
+    the skylet, so even the survivor's end brings no autodown. Only `down` ends it."""
+    stop = root / "stop"
+    task = small_task('while [ ! -e "$STOP" ]; do sleep 0.1; done', STOP=str(stop))
+    sky.launch({**task, "num_nodes": 2}, secrets={}, cluster_name="n", idle_minutes=0)
+    wait_for("job running", lambda: sky.job_status("n", 1) == "RUNNING", timeout=10)
+    survivor = str(1 - rank)
+    sky.preempt_node("n", rank)
+    wait_for("refreshed", lambda: sky.status("n", refresh=True).status != "UP", timeout=10)  # AUTO: 2 s old
+    info = sky.status("n", refresh=True)
+    assert (info.status, info.init_kind, info.autostop_minutes) == ("INIT", "unhealthy", 0)
+    left = leftover_processes(root)
+    skylet = {pid for pid, line in left.items() if "sky_standin supervise" in line}  # the head's skylet and driver
+    tasks = set(left) - skylet
+    assert len(skylet) == (rank != 0) and tasks, left
+    assert all(_marker_of(pid, ENV_NODE) == survivor for pid in tasks), left
+    data = json.loads((root / "clusters" / "n" / "cluster.json").read_text())
+    assert data["jobs"]["1"]["status"] == "RUNNING" and data["lost_nodes"] == [rank]
+    stop.touch()  # the survivor's task ends well (exit 0): the job still waits on the lost one, nothing autodowns
+    wait_for("the survivor's task ended", lambda: not set(leftover_processes(root)) - skylet, timeout=10)
+    time.sleep(2.0)
+    assert json.loads((root / "clusters" / "n" / "cluster.json").read_text())["jobs"]["1"]["status"] == "RUNNING"
+    assert sky.status("n", refresh=True).status == "INIT"
+    assert sky.down("n") is True and sky.status("n") is None and leftover_processes(root) == {}
 
 
 # ---------------------------------------------------------------------------------------------- the node's Python

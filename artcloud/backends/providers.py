@@ -88,6 +88,11 @@ class Provisioner:
         """Whether `cause` means the machine itself is gone (so a new one should take its place)."""
         return False
 
+    async def node_lost(self) -> str | None:
+        """Why a node of a multi-node machine is lost while its head may serve on (nothing fails at the transport
+        then), or None."""
+        return None
+
     async def going(self) -> bool:
         """Whether the server announced its end (a cloud's preemption notice): it pushes its last checkpoints,
         closes its port, then exits."""

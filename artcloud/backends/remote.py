@@ -379,6 +379,13 @@ class RemoteBackend:
                 await self._public.heartbeat()  # everyone's server (a task started in a replacement would see its own)
             except Exception as e:  # noqa: BLE001 - any failure: the next beat tries again, the lease needs it
                 log.warning("heartbeat to %s failed: %s", self.base_url, e)
+            try:
+                await self._after_beat()
+            except Exception as e:  # noqa: BLE001 - the next beat looks again
+                log.warning("checking %s's machines failed: %s", self.base_url, e)
+
+    async def _after_beat(self) -> None:
+        """What a backend that owns its machines looks at on each beat (a bare URL: nothing)."""
 
     # ------------------------------------------------------------------------------------- models
 
@@ -392,7 +399,12 @@ class RemoteBackend:
         return info
 
     async def model_info(self, name: str) -> ModelInfo | PromptedInfo:
-        return await self.client.model_info(name)
+        try:
+            return await self.client.model_info(name)
+        except ServerGone as e:  # a read that met a replacement: the new server answers it
+            if e.code != "server_replaced":
+                raise
+            return await self.client.model_info(name)
 
     async def log(self, name: str, body: dict[str, Any]) -> HistoryRecord:
         return await self.client.log(name, body)

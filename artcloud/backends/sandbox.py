@@ -66,6 +66,8 @@ class SandboxBackend(RemoteBackend):
     # the models resume from S3. SkyBackend(use_spot=True, s3=...) turns it on.
     relaunch_on_loss = False
     max_relaunches = 5
+    _said_node_lost = False  # a lost node that is not replaced is said once
+    _node_recovery: asyncio.Task | None = None  # the replacement a lost node started (from a heartbeat)
 
     @property
     def sandbox_name(self) -> str:
@@ -317,6 +319,29 @@ class SandboxBackend(RemoteBackend):
         self._start_heartbeats()
         log.warning("%s is back at %s", self.sandbox_name, self.base_url)
         return lost
+
+    async def _after_beat(self) -> None:
+        """A node of several lost while the head serves on: its replica's rollouts, or the trainer group, are gone
+        for good and the cluster bills until downed. Replaced as a lost machine where this backend replaces them;
+        otherwise said once."""
+        if self._node_recovery is not None and not self._node_recovery.done():
+            return
+        reason = await self.provisioner.node_lost()
+        if reason is None:
+            return
+        if self.relaunch_on_loss:  # a task of its own: the replacement drops this heartbeat task and starts another
+            self._node_recovery = asyncio.get_running_loop().create_task(
+                self._recover_node(ServerGone(reason, code="node_lost"), self.generation), name="artcloud-node-lost")
+        elif not self._said_node_lost:
+            self._said_node_lost = True
+            log.warning("%s: the head serves on without it; `artcloud down %s` ends the cluster (spot=True with s3= "
+                        "replaces it)", reason, self.sandbox_name)
+
+    async def _recover_node(self, cause: ServerGone, generation: int) -> None:
+        try:
+            await self.recover(cause, generation)
+        except Exception as e:  # noqa: BLE001 - the next request meets the lost cluster and says so
+            log.error("replacing %s after %s failed: %s", self.sandbox_name, first_line(cause), e)
 
     async def _check_alive(self) -> None:
         await self.provisioner.alive(answered=self.client.version_checked)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import secrets as _secrets
 import shutil
 import tempfile
@@ -54,6 +55,7 @@ PREEMPTION_LINE = "preemption notice ("  # what the server logs when its cloud a
 # install failed (setup runs inside the job: execution.py:924).
 FAILED_JOB = ("FAILED", "FAILED_SETUP", "FAILED_DRIVER", "CANCELLED", "SUCCEEDED")
 STARTING_JOB = ("INIT", "PENDING", "SETTING_UP")  # submitted, not yet running the task's `run`
+HEAD_PROBE_S = 5.0  # how long a TCP connect to the head's port may take before the head counts as not answering
 
 
 class SkyError(ArtcloudError):
@@ -311,7 +313,7 @@ class SkyProvisioner(Provisioner):
             return False
         ours = record is not None and record.provider == PROVIDER
         if ours:
-            reason = self.dead(info)
+            reason = await self._dead(info, record)
             if reason is not None:  # a new one is launched in its place
                 await self._reap(reason)
                 return False
@@ -415,17 +417,66 @@ class SkyProvisioner(Provisioner):
     # ------------------------------------------------------------------------------------- liveness
 
     @staticmethod
-    def dead(info: ClusterInfo) -> str | None:
+    def dead(info: ClusterInfo, *, head_answers: bool | None = None) -> str | None:
         """Why a cluster that exists serves nothing and nothing will take it down, or None. STOPPED: every node
         stopped (a stopped node runs no skylet, so autodown never fires while its disks bill). INIT 'unhealthy'
-        with its autostop cancelled: SkyPilot's refresh cancels it only when the head node is not alive
-        (backend_utils.py:3120-3183). INIT otherwise is a launch in progress, or a node that is unwell while its
-        head runs (its autostop stands): not dead (AUTOSTOPPING neither: it is on its way down)."""
+        with its autostop cancelled: SkyPilot's refresh cancels it when the head node is not alive
+        (backend_utils.py:3120-3183). INIT 'unhealthy' whose head does not answer (`head_answers` False): on a VM
+        cloud the refresh's cancel goes to the dead head, fails with SSH 255 and the autostop is kept
+        (backend_utils.py:3157-3176), while the head's skylet, the only one that autodowns, is gone with it: the
+        other nodes bill with nobody to end them. INIT otherwise is a launch in progress, or a node that is unwell
+        while its head runs (its autostop stands): not dead (AUTOSTOPPING neither: it is on its way down)."""
         if info.status == "STOPPED":
             return "stopped (its disks still bill, and a stopped cluster never autodowns)"
-        if info.status == "INIT" and info.init_kind == "unhealthy" and (info.autostop_minutes is None
-                                                                        or info.autostop_minutes < 0):
-            return "unhealthy, its head node down (SkyPilot's status is INIT and its autostop is cancelled)"
+        if info.status == "INIT" and info.init_kind == "unhealthy":
+            if info.autostop_minutes is None or info.autostop_minutes < 0:
+                return "unhealthy, its head node down (SkyPilot's status is INIT and its autostop is cancelled)"
+            if head_answers is False:
+                return ("unhealthy, its head node not answering (SkyPilot's status is INIT; the autostop it could not "
+                        "cancel is kept, but with the head gone nothing runs it)")
+        return None
+
+    @staticmethod
+    def nodes(info: ClusterInfo) -> int:
+        """The cluster's node count, from SkyPilot's resources line ('2x(gpus=H100:1, ...)': f'{launched_nodes}x...'
+        in resources_utils.py:456); 1 when it does not say."""
+        count = re.match(r"\s*(\d+)x", info.resources or "")
+        return max(1, int(count.group(1))) if count else 1
+
+    async def _dead(self, info: ClusterInfo, record: SandboxRecord | None = None) -> str | None:
+        """dead(), the head probed where SkyPilot's record alone cannot tell (INIT 'unhealthy', autostop kept)."""
+        kept = info.autostop_minutes is not None and info.autostop_minutes >= 0
+        if info.status == "INIT" and info.init_kind == "unhealthy" and kept:
+            return self.dead(info, head_answers=await self._head_answers(record or self.record))
+        return self.dead(info)
+
+    @staticmethod
+    async def _head_answers(record: SandboxRecord | None) -> bool | None:
+        """Whether anything accepts a TCP connection at the head's port (nothing is sent: no token is needed); a
+        lost VM's address answers nothing, or refuses. None when no address is known (a detached run serves none)."""
+        url = record.url if record is not None else None
+        if not url:
+            return None
+        from urllib.parse import urlsplit
+
+        where = urlsplit(url)
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(where.hostname, where.port or 443), HEAD_PROBE_S)
+        except (OSError, asyncio.TimeoutError):
+            return False
+        writer.close()
+        return True
+
+    async def node_lost(self) -> str | None:
+        """Why a node of this multi-node cluster is lost, or None: SkyPilot's refreshed status INIT 'unhealthy'
+        after it was UP. SkyPilot never brings a node back into a cluster, and the job's task for a lost node is
+        retried by Ray into a bundle that cannot be placed (task_codegen.py:465-475), so the job never ends and
+        autodown never fires: the cluster stays so, billing, until someone downs it."""
+        if self.spec.num_nodes <= 1:
+            return None
+        info = await asyncio.to_thread(self.api.status, self.name, refresh=True)
+        if info is not None and info.status == "INIT" and info.init_kind == "unhealthy" and self.nodes(info) > 1:
+            return f"a node of {self.name} was lost (SkyPilot's status is INIT 'unhealthy')"
         return None
 
     async def _reap(self, reason: str) -> None:
@@ -441,7 +492,7 @@ class SkyProvisioner(Provisioner):
         if info is None:
             raise ServerGone(f"the cluster {name} is gone (torn down, preempted or autodowned): "
                              "launch again; training resumes from the last checkpoint pushed to S3", code="cluster_gone")
-        reason = self.dead(info)
+        reason = await self._dead(info)
         if reason is not None:
             tail = await self._tail_text()
             await self._reap(reason)
@@ -481,11 +532,14 @@ class SkyProvisioner(Provisioner):
             delay = min(delay * 1.5, longest)
 
     async def lost(self, cause: BaseException) -> bool:
-        """The cluster is gone or dead, or its server exited on the cloud's preemption notice (the machine goes
-        a little later). A server that failed on a machine that is still fine is not replaced."""
+        """The cluster is gone or dead, a node of any rank of it was lost, or its server exited on the cloud's
+        preemption notice (the machine goes a little later). A server that failed on a machine that is still fine
+        is not replaced."""
         info = await asyncio.to_thread(self.api.status, self.name, refresh=True)
-        if info is None or self.dead(info) is not None:
+        if info is None or await self._dead(info) is not None:
             return True
+        if info.status == "INIT" and info.init_kind == "unhealthy" and self.nodes(info) > 1:
+            return True  # see node_lost: such a cluster never heals
         return await self.going()
 
     async def going(self) -> bool:
@@ -498,7 +552,7 @@ class SkyProvisioner(Provisioner):
         info = await asyncio.to_thread(self.api.status, self.name, refresh=True)
         if info is None:
             return True
-        reason = self.dead(info)
+        reason = await self._dead(info)
         if reason is None or not ours:
             return False
         await self._reap(reason)

@@ -122,8 +122,10 @@ def _requests(body: Any) -> tuple[str | None, list[GenerationRequest], list[bool
     return slot, out, stream
 
 
-def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: str, folder: Path):
-    """The replica's app; `load(base_model, engine_args)` makes its sampler on the first POST /replica/models."""
+def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: str, folder: Path,
+                       contacted: threading.Event | None = None):
+    """The replica's app; `load(base_model, engine_args)` makes its sampler on the first POST /replica/models.
+    `contacted` is set once the head has asked for this replica's status (its check, every few seconds)."""
     from artcloud.server.lease import Lease
     from artcloud.server.middleware import TokenAuth
 
@@ -169,6 +171,8 @@ def create_replica_app(load: Callable[[str, dict[str, Any]], Sampler], token: st
 
     @app.get("/replica/status")
     def status() -> dict[str, Any]:
+        if contacted is not None:
+            contacted.set()
         s = state["sampler"] and state["sampler"].sampler
         return {"epoch": state["epoch"], "base_model": state["base_model"],
                 "max_context": s.max_context if s is not None else None,
@@ -327,9 +331,11 @@ class HeadWatch(threading.Thread):
     `refused`: nothing listens, `unanswered`: anything else)."""
 
     def __init__(self, url: str, ca: str | None, stop: Callable[[], None], *, every_s: float, misses: int,
-                 unreachable_s: float, never_seen_s: float, timeout_s: float):
+                 unreachable_s: float, never_seen_s: float, timeout_s: float,
+                 contacted: threading.Event | None = None):
         super().__init__(daemon=True, name="watch-head")
         self.url, self.ca, self.stop = url.rstrip("/"), ca, stop
+        self.contacted = contacted or threading.Event()  # the head reached this node: it has been seen too
         self.every_s, self.misses, self.timeout_s = every_s, misses, timeout_s
         self.unreachable_s, self.never_seen_s = unreachable_s, never_seen_s
         self.answered = self.refused = self.unanswered = 0
@@ -350,12 +356,14 @@ class HeadWatch(threading.Thread):
                     self.refused += refused
                     self.unanswered += not refused
                     refused_in_a_row = refused_in_a_row + 1 if refused else 0
-                    why = None
-                    if not self.answered and time.monotonic() - started >= self.never_seen_s:
+                    why, seen = None, self.answered or self.contacted.is_set()
+                    if seen and not self.answered and last_answer == started:
+                        last_answer = time.monotonic()  # seen through its requests: unreachable from now on
+                    if not seen and time.monotonic() - started >= self.never_seen_s:
                         why = f"it has not answered in {self.never_seen_s:.0f} s"
-                    elif self.answered and refused_in_a_row >= self.misses:
+                    elif seen and refused_in_a_row >= self.misses:
                         why = f"nothing listens on its port ({refused_in_a_row} polls in a row)"
-                    elif self.answered and time.monotonic() - last_answer >= self.unreachable_s:
+                    elif seen and time.monotonic() - last_answer >= self.unreachable_s:
                         why = f"it has not answered for {self.unreachable_s:.0f} s"
                     if why:
                         log.warning("the head's server at %s is gone (%s): this node stops", self.url, why)
@@ -376,13 +384,14 @@ def _refused(e: BaseException) -> bool:
 
 def watch_head(url: str, ca: str | None, stop: Callable[[], None], *, every_s: float = HEAD_POLL_S,
                misses: int = HEAD_MISSES, unreachable_s: float = HEAD_UNREACHABLE_S,
-               never_seen_s: float = HEAD_NEVER_SEEN_S, timeout_s: float = 10.0) -> HeadWatch:
+               never_seen_s: float = HEAD_NEVER_SEEN_S, timeout_s: float = 10.0,
+               contacted: threading.Event | None = None) -> HeadWatch:
     """Call `stop` once the head's server is gone: it ended (its lease, max_duration, a `down`) and nothing listens
     on its port for `misses` polls in a row; or its machine went (no answer of any kind for `unreachable_s`); or it
     never answered in `never_seen_s`. A head that answers slowly or with an error is busy, not gone (security review
     3, N8: a head blocked for 30 s stopped its replicas and trainer nodes for good)."""
     watch = HeadWatch(url, ca, stop, every_s=every_s, misses=misses, unreachable_s=unreachable_s,
-                      never_seen_s=never_seen_s, timeout_s=timeout_s)
+                      never_seen_s=never_seen_s, timeout_s=timeout_s, contacted=contacted)
     watch.start()
     return watch
 
@@ -418,13 +427,14 @@ def serve(*, host: str, port: int, path: Path, tls_cert: str | None, tls_key: st
 
     sock = bind(host, port)
     announce(f"artcloud replica serving on https://{host}:{sock.getsockname()[1]} (HTTPS only, the launch's token)")
-    app = create_replica_app(load, tls.token, folder)
+    contacted = threading.Event()
+    app = create_replica_app(load, tls.token, folder, contacted)
     config = uvicorn.Config(app, loop="asyncio", log_level=log_level, timeout_keep_alive=30)
     config.load()
     wrap_uvicorn_protocol(config, server_context(str(tls.cert), str(tls.key)), hint="", connections=Connections(by_peer=True))
     server = uvicorn.Server(config)
     if head:
-        watch_head(head, ca, lambda: setattr(server, "should_exit", True))
+        watch_head(head, ca, lambda: setattr(server, "should_exit", True), contacted=contacted)
     server.run(sockets=[sock])
 
 
