@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 import artcloud
@@ -52,14 +53,29 @@ def test_three_nodes_two_train_two_serve_rollouts_and_a_lost_replica_comes_back(
             assert (engine["trainer"]["ranks"], engine["trainer"]["nodes"]) == (2, 2), engine["trainer"]
 
             # Each role holds only the secrets it needs (security review 3, N5): the trainer node the trainer key, the
-            # replica the server's token and TLS pair; the head all of them.
+            # replica a token and TLS pair of its own (under a CA of its own), not the head's; the head its own, the
+            # trainer key and the replicas' token (to call them).
             (trainer_node,) = role_pids(sky_env, "three", "1", "trainer-node")
             (replica,) = replica_pids(sky_env, "three")
             (server,) = role_pids(sky_env, "three", "0", "serve")
-            held = {pid: {n for n in ("ARTCLOUD_TOKEN", "ARTCLOUD_TLS_KEY", "ARTCLOUD_TRAINER_KEY")
-                          if _marker_of(pid, n) is not None} for pid in (trainer_node, replica, server)}
-            assert held == {trainer_node: {"ARTCLOUD_TRAINER_KEY"}, replica: {"ARTCLOUD_TOKEN", "ARTCLOUD_TLS_KEY"},
-                            server: {"ARTCLOUD_TOKEN", "ARTCLOUD_TLS_KEY", "ARTCLOUD_TRAINER_KEY"}}, held
+            names = ("ARTCLOUD_TOKEN", "ARTCLOUD_TLS_KEY", "ARTCLOUD_TRAINER_KEY", "ARTCLOUD_REPLICA_TOKEN",
+                     "ARTCLOUD_REPLICA_TLS_KEY", "ARTCLOUD_REPLICA_TLS_CERT")
+            held = {pid: {n: _marker_of(pid, n) for n in names if _marker_of(pid, n) is not None}
+                    for pid in (trainer_node, replica, server)}
+            assert set(held[trainer_node]) == {"ARTCLOUD_TRAINER_KEY"}, held
+            assert set(held[replica]) == {"ARTCLOUD_TOKEN", "ARTCLOUD_TLS_KEY"}, held
+            assert set(held[server]) == {"ARTCLOUD_TOKEN", "ARTCLOUD_TLS_KEY", "ARTCLOUD_TRAINER_KEY",
+                                         "ARTCLOUD_REPLICA_TOKEN"}, held
+            assert held[replica]["ARTCLOUD_TOKEN"] == held[server]["ARTCLOUD_REPLICA_TOKEN"]
+            assert held[replica]["ARTCLOUD_TOKEN"] != held[server]["ARTCLOUD_TOKEN"]
+            assert held[replica]["ARTCLOUD_TLS_KEY"] != held[server]["ARTCLOUD_TLS_KEY"]
+            # The replica's certificate is no head's to a client: the launch's CA, which the client trusts, refuses it.
+            from artcloud.tls import client_ssl_context
+
+            with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                async with httpx.AsyncClient(verify=client_ssl_context(backend.client.endpoint.ca,
+                                                                       check_hostname=False)) as http:
+                    await http.get(f"{(await replicas())[1]['url']}/health")
 
             head, worker = await replicas()
             assert head["live"] and worker["live"] and worker["url"].endswith(f":{REPLICA_PORT}")

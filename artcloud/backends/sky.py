@@ -40,7 +40,15 @@ from artcloud.backends.launch import check_s3, user_secrets
 from artcloud.backends.providers import Claim, Credentials, Provisioner
 from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
 from artcloud.backends.sky_api import ClusterInfo, GPUOffer, Launched, SkyAPI, sky_api
-from artcloud.backends.sky_task import RESERVED, SERVER_PORT, TRAINER_KEY, ServerTask, build_task, describe
+from artcloud.backends.sky_task import (
+    REPLICA_SECRETS,
+    RESERVED,
+    SERVER_PORT,
+    TRAINER_KEY,
+    ServerTask,
+    build_task,
+    describe,
+)
 from artcloud.backends.spec import SandboxSpec, renamed
 from artcloud.backends.state import SandboxRecord, StateDir
 from artcloud.errors import ArtcloudError, InvalidArgument
@@ -285,7 +293,8 @@ class SkyProvisioner(Provisioner):
                     max_duration_s=self.spec.max_duration, note=note, num_nodes=self.spec.num_nodes)
 
     def task(self, *, launch_secrets: dict[str, str], wheel: Path | None, run_args: list[str] | None = None,
-             workdir: Path | None = None, preload: str | None = None, ca_cert: str | None = None) -> ServerTask:
+             workdir: Path | None = None, preload: str | None = None, ca_cert: str | None = None,
+             replica_ca: str | None = None) -> ServerTask:
         spec, env = self.spec, dict(self.env)
         region = os.environ.get("ARTCLOUD_S3_REGION") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if spec.s3 and region:
@@ -299,7 +308,7 @@ class SkyProvisioner(Provisioner):
             disk_size=spec.disk, image=spec.image, engine=spec.engine, lease_s=spec.lease,
             max_duration_s=spec.max_duration, s3=spec.s3, s3_endpoint_url=os.environ.get("ARTCLOUD_S3_ENDPOINT_URL"),
             env=env, wheel=wheel, run_args=run_args, workdir=workdir, num_nodes=spec.num_nodes, ca_cert=ca_cert,
-            trainer_nodes=self.trainer_nodes,
+            replica_ca=replica_ca, trainer_nodes=self.trainer_nodes,
         )
 
     # ------------------------------------------------------------------------------------- this cluster
@@ -328,6 +337,21 @@ class SkyProvisioner(Provisioner):
         self.record, self.price_per_hour, self.resources = record, record.price_per_hour, record.extra.get("resources")
         return Credentials(token=creds[1], ca=creds[0])
 
+    def make_secrets(self, user_secrets: Mapping[str, str]) -> tuple[Any, dict[str, str], str | None]:
+        """A launch's secrets: its TLS (the client's trust), then the task's secrets: the server's token and TLS
+        pair, the trainer key where several nodes train, the replicas' own token and TLS pair where nodes serve as
+        replicas (their CA, public, comes back apart), and the user's."""
+        tls = make_launch_secrets()
+        launch_secrets = {"ARTCLOUD_TOKEN": tls.token, "ARTCLOUD_TLS_CERT": tls.server_cert,
+                          "ARTCLOUD_TLS_KEY": tls.server_key, **user_secrets}
+        if self.trainer_nodes > 1:  # what the trainer nodes share instead of the token
+            launch_secrets[TRAINER_KEY] = _secrets.token_hex(32)
+        if self.spec.num_nodes <= self.trainer_nodes:
+            return tls, launch_secrets, None
+        replicas = make_launch_secrets()  # a CA of their own: a replica's certificate is no head's to the client
+        launch_secrets.update(zip(REPLICA_SECRETS, (replicas.token, replicas.server_cert, replicas.server_key)))
+        return tls, launch_secrets, replicas.ca_cert
+
     async def launch(self, job: tuple[Path, Callable[[float | None], list[str]]] | None, *, preload: str | None,
                      deadline: float, claim: Claim) -> Credentials:
         from artcloud import bootstrap_health
@@ -336,11 +360,7 @@ class SkyProvisioner(Provisioner):
         name, spec = self.name, self.spec
         user_secrets = self.launch_secrets()
         await asyncio.to_thread(self.preflight)
-        tls = make_launch_secrets()
-        launch_secrets = {"ARTCLOUD_TOKEN": tls.token, "ARTCLOUD_TLS_CERT": tls.server_cert,
-                          "ARTCLOUD_TLS_KEY": tls.server_key, **user_secrets}
-        if self.trainer_nodes > 1:  # what the trainer nodes share instead of the token
-            launch_secrets[TRAINER_KEY] = _secrets.token_hex(32)
+        tls, launch_secrets, replica_ca = self.make_secrets(user_secrets)
         self._reaped = False
         record = SandboxRecord(
             name=name, provider=PROVIDER, gpu=spec.gpu, cloud=spec.cloud, price_per_hour=self.price_per_hour,
@@ -358,7 +378,7 @@ class SkyProvisioner(Provisioner):
                 run_args = [job[0].name, *job[1](self.price_per_hour)]
             task = self.task(launch_secrets=launch_secrets, wheel=wheel, run_args=run_args,
                              workdir=Path(tmp) if job is not None else None, preload=None if job else preload,
-                             ca_cert=tls.ca_cert)
+                             ca_cert=tls.ca_cert, replica_ca=replica_ca)
             log.info("launching %s: %s", name, describe(task))
             self.record = record
             claim(record, tls.ca_cert, tls.token)

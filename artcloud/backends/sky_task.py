@@ -33,7 +33,10 @@ SECRET_NAMES = ("ARTCLOUD_TOKEN", "ARTCLOUD_TLS_CERT", "ARTCLOUD_TLS_KEY")
 # The trainer nodes' shared secret (server/engines/children.py KEY_ENV), not the client's token: each rank of the
 # sharded trainer proves it before the group trains, torchrun's rendezvous having no secret of its own.
 TRAINER_KEY = "ARTCLOUD_TRAINER_KEY"
-RESERVED = (*SECRET_NAMES, TRAINER_KEY)  # artcloud's own secrets: a user's may not take these names
+# The replicas' own token, certificate and key (their CA apart from the launch's): a replica node's secrets let no one
+# act as the head's server, nor call it (security review 3, N5). The head holds the token, to call them.
+REPLICA_SECRETS = ("ARTCLOUD_REPLICA_TOKEN", "ARTCLOUD_REPLICA_TLS_CERT", "ARTCLOUD_REPLICA_TLS_KEY")
+RESERVED = (*SECRET_NAMES, TRAINER_KEY, *REPLICA_SECRETS)  # artcloud's own secrets: a user's may not take these names
 HOOK_CLOUDS = ("kubernetes", "k8s", "ssh")  # where SkyPilot runs the template's preemption hook (a pod's SIGTERM)
 REDACTED = "<redacted>"
 
@@ -90,6 +93,7 @@ def build_task(
     workdir: Path | None = None,
     num_nodes: int = 1,
     ca_cert: str | None = None,
+    replica_ca: str | None = None,
     trainer_nodes: int = 1,
 ) -> ServerTask:
     """Fill the template. `secrets` must hold the token and the server's certificate and key (PEM);
@@ -112,6 +116,9 @@ def build_task(
                               "train, the head first", field="trainer_nodes")
     if num_nodes > 1 and not ca_cert:
         raise InvalidArgument("several nodes need the launch's CA certificate (ca_cert): the head checks its replicas with it")
+    if num_nodes > trainer_nodes and not (replica_ca and all(secrets.get(n) for n in REPLICA_SECRETS)):
+        raise InvalidArgument(f"nodes that serve as replicas need their own CA (replica_ca) and the secrets "
+                              f"{', '.join(REPLICA_SECRETS)}: the launch's are the head's alone", field="secrets")
     if trainer_nodes > 1 and len(secrets.get(TRAINER_KEY, "")) < 32:
         raise InvalidArgument(f"several trainer nodes need the secret {TRAINER_KEY} (32 characters or more), which "
                               "their ranks prove to each other", field="secrets")
@@ -159,10 +166,11 @@ def build_task(
         config["workdir"] = str(workdir)
     if num_nodes > 1:
         envs["ARTCLOUD_TLS_CA"] = str(ca_cert)
+        envs["ARTCLOUD_REPLICA_CA"] = str(replica_ca or "")
         envs["ARTCLOUD_TRAINER_NODES"] = str(trainer_nodes)
         envs["ARTCLOUD_TRAINER_PORT"] = str(TRAINER_PORT)
         # Only the names, for the run script: SkyPilot exports every secret on every node, and each role keeps those
-        # it needs (the trainer nodes the trainer key, the replicas the server's token and TLS pair).
+        # it needs (the trainer nodes the trainer key, the replicas their own token and TLS pair).
         envs["ARTCLOUD_SECRET_NAMES"] = " ".join(sorted(secrets))
     if run_args is not None:  # same shell (venv, timeout belt), another command: `artcloud run`
         envs["ARTCLOUD_RUN_ARGS"] = shlex.join(run_args)

@@ -177,15 +177,14 @@ def _dry_run(backend, out, teardown: str) -> None:
     from artcloud.backends.sky_task import SERVER_PORT
     from artcloud.backends.wheel import build_wheel
     from artcloud.durations import format_duration
-    from artcloud.tls import make_launch_secrets
 
     plan = backend.provisioner.preflight()
-    placeholder = make_launch_secrets()  # thrown away: only the names show
-    launch_secrets = {"ARTCLOUD_TOKEN": placeholder.token, "ARTCLOUD_TLS_CERT": placeholder.server_cert,
-                      "ARTCLOUD_TLS_KEY": placeholder.server_key, **backend.provisioner.launch_secrets()}
+    # Thrown away: only the names show.
+    placeholder, launch_secrets, replica_ca = backend.provisioner.make_secrets(backend.provisioner.launch_secrets())
     with tempfile.TemporaryDirectory(prefix="artcloud-wheel-") as tmp:
         wheel = None if backend.image else build_wheel(Path(tmp))
-        task = backend.provisioner.task(launch_secrets=launch_secrets, wheel=wheel, ca_cert=placeholder.ca_cert)
+        task = backend.provisioner.task(launch_secrets=launch_secrets, wheel=wheel, ca_cert=placeholder.ca_cert,
+                                        replica_ca=replica_ca)
         checked = _validate_with_skypilot(task.config)
         shipped = (f"image {backend.image}" if backend.image else
                    f"this machine's artcloud as {wheel.name} ({wheel.stat().st_size // 1024} kB) + artcloud[gpu]")

@@ -28,6 +28,7 @@ log = logging.getLogger("artcloud.server")
 
 ENV_TOKEN = "ARTCLOUD_TOKEN"
 ENV_CERT = "ARTCLOUD_TLS_CERT"
+ENV_REPLICA_TOKEN = "ARTCLOUD_REPLICA_TOKEN"  # the token the head calls its replicas with, where they have their own
 ENV_KEY = "ARTCLOUD_TLS_KEY"
 ENV_S3 = "ARTCLOUD_S3"
 # A peer that stops acknowledging (a laptop that slept, a cut network) is dropped after this long
@@ -197,7 +198,9 @@ def _replica_links(urls: list[str], ca: str | None, tls: TLSFiles | None, token:
     if ca_path is None or not ca_path.is_file():
         raise ServeError("--replica needs the CA that signed the replicas' certificate: pass --replica-ca FILE (the "
                          "launch's ca.pem)")
-    return ReplicaLinks(tuple(urls), tls.token if tls is not None else str(token), ca_path)
+    # The replicas' own token where the launch gave them one (security review 3, N5), else this server's.
+    own = os.environ.get(ENV_REPLICA_TOKEN) or (tls.token if tls is not None else str(token))
+    return ReplicaLinks(tuple(urls), own, ca_path)
 
 
 def _rendezvous(nodes: int, master: str | None):

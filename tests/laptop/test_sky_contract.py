@@ -167,27 +167,33 @@ def test_header_usage_is_a_valid_sky_launch(sky, launch_secrets, tmp_path, monke
 
 def test_a_task_of_several_nodes_validates_and_opens_only_the_heads_port(sky, launch_secrets):
     """num_nodes reaches SkyPilot's Task; the replicas' port stays out of `ports` (the cluster's own network)."""
-    from artcloud.backends.sky_task import REPLICA_PORT
+    from artcloud.backends.sky_task import REPLICA_PORT, REPLICA_SECRETS
 
-    config = build_task(secrets=launch_secrets, num_nodes=3, ca_cert="-----BEGIN CERTIFICATE-----\nx\n").config
+    with pytest.raises(ValueError, match="nodes that serve as replicas need their own CA"):  # security review 3, N5
+        build_task(secrets=launch_secrets, num_nodes=3, ca_cert="x")
+    launch_secrets = {**launch_secrets, **{name: f"{name.lower()}-value" for name in REPLICA_SECRETS}}
+    config = build_task(secrets=launch_secrets, num_nodes=3, ca_cert="-----BEGIN CERTIFICATE-----\nx\n",
+                        replica_ca="-----BEGIN CERTIFICATE-----\nreplicas\n").config
     task = load_task(sky, config)
+    assert task.envs["ARTCLOUD_REPLICA_CA"].endswith("replicas\n") and "ARTCLOUD_REPLICA_CA" not in task.secrets
+    assert {ref.name for ref in task.managed_secret_refs} >= set(REPLICA_SECRETS)
     (res,) = task.resources
     assert task.num_nodes == 3 and res.ports == ["8080"] and str(REPLICA_PORT) not in res.ports
     assert task.envs["ARTCLOUD_REPLICA_PORT"] == str(REPLICA_PORT) and task.envs["ARTCLOUD_TLS_CA"].startswith("-----BEGIN")
     assert "ARTCLOUD_TLS_CA" not in task.secrets  # public: a certificate, not its key
     assert task.envs["ARTCLOUD_TRAINER_NODES"] == "1"
     keyed = {**launch_secrets, "ARTCLOUD_TRAINER_KEY": "k" * 64}
-    two = load_task(sky, build_task(secrets=keyed, num_nodes=3, trainer_nodes=2, ca_cert="x").config)
+    two = load_task(sky, build_task(secrets=keyed, num_nodes=3, trainer_nodes=2, ca_cert="x", replica_ca="y").config)
     assert two.envs["ARTCLOUD_TRAINER_NODES"] == "2"
     assert "ARTCLOUD_TRAINER_KEY" in {ref.name for ref in two.managed_secret_refs}
     # The run script learns the secrets' names only (each role keeps those it needs), never their values.
     assert two.envs["ARTCLOUD_SECRET_NAMES"].split() == sorted(keyed) and "k" * 64 not in str(two.envs)
     with pytest.raises(ValueError, match="several trainer nodes need the secret ARTCLOUD_TRAINER_KEY"):
-        build_task(secrets=launch_secrets, num_nodes=3, trainer_nodes=2, ca_cert="x")
+        build_task(secrets=launch_secrets, num_nodes=3, trainer_nodes=2, ca_cert="x", replica_ca="y")
     with pytest.raises(ValueError, match="one node"):
-        build_task(secrets=launch_secrets, num_nodes=2, ca_cert="x", run_args=["train.py"])
+        build_task(secrets=launch_secrets, num_nodes=2, ca_cert="x", replica_ca="y", run_args=["train.py"])
     with pytest.raises(ValueError, match="trainer_nodes is 1 to num_nodes"):
-        build_task(secrets=launch_secrets, num_nodes=2, ca_cert="x", trainer_nodes=3)
+        build_task(secrets=launch_secrets, num_nodes=2, ca_cert="x", replica_ca="y", trainer_nodes=3)
 
 
 # ----------------------------------------------------------------------------------------- the shell scripts
@@ -270,13 +276,17 @@ def test_this_is_a_laptop_install_without_the_server_stack():
     assert [m for m in ("torch", "transformers", "peft", "vllm") if importlib.util.find_spec(m)] == []
 
 
-def test_launch_dry_run_is_validated_by_skypilot_and_shows_no_secret(sky, tmp_path):
+@pytest.mark.parametrize("nodes", [[], ["--nodes", "3", "--trainer-nodes", "2"]], ids=["one-node", "three-nodes"])
+def test_launch_dry_run_is_validated_by_skypilot_and_shows_no_secret(sky, tmp_path, nodes):
     env = _cli_env(tmp_path, ARTCLOUD_STANDIN_CLOUDS="local,aws", MY_SECRET="hunter2-do-not-print")
     result = subprocess.run(
         [sys.executable, "-m", "artcloud", "launch", "--gpu", "H100:1", "--cloud", "aws", "--region", "us-east-1",
-         "--spot", "--secret", "MY_SECRET", "--name", "plan", "--dry-run"],
+         "--spot", "--secret", "MY_SECRET", "--name", "plan", "--dry-run", *nodes],
         env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+    if nodes:  # the trainer key and the replicas' own secrets are made for the plan too, and shown as names only
+        for name in ("ARTCLOUD_TRAINER_KEY", "ARTCLOUD_REPLICA_TOKEN", "ARTCLOUD_REPLICA_TLS_KEY"):
+            assert f"{name}: <redacted>" in result.stdout, result.stdout
     assert "passes sky.Task.validate() (skypilot 0.14.1)" in result.stdout
     assert "nothing was launched" in result.stdout and "MY_SECRET: <redacted>" in result.stdout
     assert "hunter2" not in result.stdout + result.stderr and "PRIVATE KEY" not in result.stdout
