@@ -296,8 +296,6 @@ class Client:
                     _raise_for(response)
                     return _answer(response)
         except httpx.TransportError as e:
-            if self.check_alive is not None:  # why, where the backend can tell (a dead cluster is torn down, and says so)
-                await self.check_alive()
             raise ServerGone(f"the artcloud server at {self.endpoint.url} does not answer ({type(e).__name__}: {e})",
                              code="server_unreachable") from e
         raise AssertionError("unreachable")

@@ -52,7 +52,7 @@ from artcloud.backends.sky_task import (
 from artcloud.backends.spec import SandboxSpec, renamed
 from artcloud.backends.state import SandboxRecord, StateDir
 from artcloud.errors import ArtcloudError, InvalidArgument
-from artcloud.tls import make_launch_secrets
+from artcloud.tls import LaunchSecrets, make_launch_secrets
 
 log = logging.getLogger("artcloud.sky")
 
@@ -337,7 +337,7 @@ class SkyProvisioner(Provisioner):
         self.record, self.price_per_hour, self.resources = record, record.price_per_hour, record.extra.get("resources")
         return Credentials(token=creds[1], ca=creds[0])
 
-    def make_secrets(self, user_secrets: Mapping[str, str]) -> tuple[Any, dict[str, str], str | None]:
+    def make_secrets(self, user_secrets: Mapping[str, str]) -> tuple[LaunchSecrets, dict[str, str], str | None]:
         """A launch's secrets: its TLS (the client's trust), then the task's secrets: the server's token and TLS
         pair, the trainer key where several nodes train, the replicas' own token and TLS pair where nodes serve as
         replicas (their CA, public, comes back apart), and the user's."""
