@@ -63,6 +63,9 @@ unexport PYTHONDONTWRITEBYTECODE
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
+# A wheel cut off mid-download is resumed, up to 20 times (pip's default of 5 once failed a clean clone here, on a
+# 146 MB CUDA library); a pip too old to know the setting ignores it.
+export PIP_RESUME_RETRIES := 20
 
 .PHONY: lock install test pythons-built test-main test-kernels test-engines test-laptop test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-sft bench-s3 bench-client bench-load bench-cold-start clean
 

@@ -8,7 +8,7 @@ ending (the lost node's task waits for a bundle that cannot be placed), and no s
 - A lost trainer node inside a step (held there by a barrier): the cluster is replaced, and the step the train call
   was in is trained once, on the new cluster.
 - A lost head: the worker's replica ends itself (its head watch); the VM it ran on would bill with no autodown, so
-  the client's next request finds the head silent, tears the cluster down and says why.
+  the liveness check of the client's next failed rollouts finds the head silent, tears the cluster down and logs why.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from tests.test_sky_spot import HOLD_STEP
 
 def _refreshed_unhealthy(name: str) -> None:
     """Until SkyPilot's refresh has seen the loss (an AUTO refresh skips a record younger than 2 s)."""
-    wait_for(f"{name} INIT", lambda: (LocalSky().status(name, refresh=True) or None).status == "INIT", 20, every=0.5)
+    wait_for(f"{name} INIT", lambda: getattr(LocalSky().status(name, refresh=True), "status", None) == "INIT", 20,
+             every=0.5)
 
 
 @pytest.mark.slow
