@@ -59,8 +59,8 @@ SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # two workers' shares came within 21 s of each other, against about a minute with xdist's own order). Order
 # only: a file missing here runs after these, in its usual place.
 LONGEST_FIRST = (
-    "tests/test_sharded.py", "tests/test_sky_spot.py", "tests/test_fuzz.py", "tests/conformance/test_engines.py",
-    "tests/test_vllm_server.py", "tests/test_sky.py", "tests/test_run.py", "tests/test_run_cloud.py",
+    "tests/test_sharded.py", "tests/test_sky_spot.py", "tests/test_sky_node_loss.py", "tests/test_fuzz.py",
+    "tests/conformance/test_engines.py", "tests/test_vllm_server.py", "tests/test_sky.py", "tests/test_run.py", "tests/test_run_cloud.py",
     "tests/test_sft.py", "tests/test_server_faults.py", "tests/test_sdk.py", "tests/test_modal.py",
     "tests/test_s3_server.py", "tests/test_art_examples.py", "tests/test_s3.py", "tests/test_sky_nodes.py",
     "tests/test_replicas.py", "tests/test_sky_standin.py", "tests/test_final_push.py", "tests/test_cli.py",
