@@ -290,6 +290,8 @@ class Client:
         try:
             async for attempt in attempts:
                 with attempt:
+                    if method == "GET":  # a read: whichever server answers it, the one it was sent to or the next
+                        generation = self.endpoint.generation
                     self._same_server(generation, f"{method} {path}")
                     response = await self._client().request(method, path, json=json_body, params=params,
                                                             **({"timeout": httpx.Timeout(timeout, connect=30.0)} if timeout else {}))

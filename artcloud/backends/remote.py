@@ -399,12 +399,7 @@ class RemoteBackend:
         return info
 
     async def model_info(self, name: str) -> ModelInfo | PromptedInfo:
-        try:
-            return await self.client.model_info(name)
-        except ServerGone as e:  # a read that met a replacement: the new server answers it
-            if e.code != "server_replaced":
-                raise
-            return await self.client.model_info(name)
+        return await self.client.model_info(name)
 
     async def log(self, name: str, body: dict[str, Any]) -> HistoryRecord:
         return await self.client.log(name, body)

@@ -344,7 +344,7 @@ class HeadWatch(threading.Thread):
         import httpx
 
         started = last_answer = time.monotonic()
-        refused_in_a_row = 0
+        refused_in_a_row, heard = 0, False
         with httpx.Client(verify=ca_context(self.ca) if self.ca else True, timeout=self.timeout_s) as http:
             while True:
                 try:
@@ -356,9 +356,10 @@ class HeadWatch(threading.Thread):
                     self.refused += refused
                     self.unanswered += not refused
                     refused_in_a_row = refused_in_a_row + 1 if refused else 0
-                    why, seen = None, self.answered or self.contacted.is_set()
-                    if seen and not self.answered and last_answer == started:
-                        last_answer = time.monotonic()  # seen through its requests: unreachable from now on
+                    if self.contacted.is_set():  # the head reached this node since the last poll: an answer too
+                        self.contacted.clear()
+                        heard, last_answer = True, time.monotonic()
+                    why, seen = None, self.answered or heard
                     if not seen and time.monotonic() - started >= self.never_seen_s:
                         why = f"it has not answered in {self.never_seen_s:.0f} s"
                     elif seen and refused_in_a_row >= self.misses:
