@@ -108,7 +108,7 @@ install: $(STAMP) $(LAPTOP_STAMP) $(VLLM_STAMP)
 test:
 	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-main pythons-built
-	$(MAKE) --no-print-directory -j4 --output-sync=target test-engines test-pythons test-laptop test-kernels
+	$(MAKE) --no-print-directory -j5 --output-sync=target test-engines test-pythons test-laptop test-kernels
 
 # The venvs test-main does not need, one after another.
 pythons-built:
@@ -145,8 +145,13 @@ test-laptop: $(LAPTOP_STAMP)
 # The conformance suite on the vLLM pairs (the CPU engine's run is part of the .venv run above), in eager mode as
 # bench/gpu_check.sh runs it: the contract it checks is artcloud's engine, not vLLM's compiled graphs (which
 # tests/test_vllm_server.py's server runs); each pair starts in 31 s instead of 36 and samples ~25% faster here.
-test-engines: $(VLLM_STAMP)
-	$(ONE_THREAD) $(VLLM_ONE_PROCESS) ARTCLOUD_ENGINE_ARGS='{"enforce_eager": true}' ARTCLOUD_CONFORMANCE_ENGINES=$(VLLM_PAIRS) \
+# One pytest per pair, side by side (each pair is one engine in one process, on one thread): as one run, the second pair
+# ran alone for its last 2 min while the rest of stage 3 had ended and a core idled.
+comma := ,
+ENGINE_PAIRS := $(addprefix test-engines-,$(subst $(comma), ,$(VLLM_PAIRS)))
+test-engines: $(ENGINE_PAIRS)
+test-engines-%: $(VLLM_STAMP)
+	$(ONE_THREAD) $(VLLM_ONE_PROCESS) ARTCLOUD_ENGINE_ARGS='{"enforce_eager": true}' ARTCLOUD_CONFORMANCE_ENGINES=$* \
 		$(VLLM_VENV)/bin/python -m pytest -q -ra tests/conformance
 
 test-fast: $(STAMP) $(LAPTOP_STAMP)
