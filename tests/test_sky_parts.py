@@ -15,6 +15,7 @@ from artcloud.backends.sky_api import GPUOffer
 from artcloud.backends.state import SandboxRecord, StateDir, check_name
 from artcloud.backends.wheel import build_wheel
 from artcloud.durations import format_duration, parse_duration
+from artcloud.errors import InvalidArgument
 
 
 @pytest.mark.parametrize("text,seconds", [("90s", 90), ("15m", 900), ("8h", 28800), ("1d", 86400), (" 2.5h ", 9000),
@@ -193,6 +194,22 @@ def test_pick_offer_never_quotes_a_cloud_without_autodown_nor_one_node_for_sever
                                              r"artcloud's server runs on the first: use num_nodes=1 there") as raised:
             pick_offer(pods, "H100:1", cloud=pinned, use_spot=False, num_nodes=2)
         assert raised.value.code == "cloud_single_node"
+
+
+def test_lambdas_us_south_1_where_skypilot_opens_no_port_is_never_quoted_nor_launched_in():
+    """SDK contract 3, N6: SkyPilot skips opening ports in Lambda's us-south-1 with a warning only
+    (sky/provision/lambda_cloud/instance.py:270-283; pinned in tests/laptop/test_sky_pins.py), so a server there is
+    never reached."""
+    south = GPUOffer("lambda", "gpu_1x_h100", "H100", 1, 1.99, None, "us-south-1")
+    east = GPUOffer("lambda", "gpu_1x_h100", "H100", 1, 2.49, None, "us-east-1")
+    assert pick_offer([south, east], "H100:1", cloud=None, use_spot=False).region == "us-east-1"
+    assert pick_offer([south, east], "H100:1", cloud="lambda", use_spot=False).region == "us-east-1"
+    with pytest.raises(InvalidArgument, match=r"SkyPilot opens no port in lambda's us-south-1 \(no firewall rules "
+                                              r"there\), and artcloud reaches its server on one: pin another region "
+                                              r"of it") as raised:
+        SkyBackend(gpu="H100:1", cloud="lambda", region="us-south-1", api=object())
+    assert raised.value.field == "region"
+    assert SkyBackend(gpu="H100:1", cloud="Lambda", region="us-east-1", api=object()).region == "us-east-1"
 
 
 def test_no_enabled_cloud_names_the_extra_that_brings_a_clouds_sdk():

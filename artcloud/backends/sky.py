@@ -39,7 +39,7 @@ from artcloud.backends.client import ServerGone
 from artcloud.backends.launch import check_s3, user_secrets
 from artcloud.backends.providers import Claim, Credentials, Provisioner
 from artcloud.backends.sandbox import SandboxBackend, heartbeat_every
-from artcloud.backends.sky_api import ClusterInfo, GPUOffer, Launched, SkyAPI, sky_api
+from artcloud.backends.sky_api import NO_PORT_REGIONS, ClusterInfo, GPUOffer, Launched, SkyAPI, sky_api
 from artcloud.backends.sky_task import (
     REPLICA_SECRETS,
     RESERVED,
@@ -117,6 +117,11 @@ def unusable_cloud(cloud: str | None, num_nodes: int = 1) -> tuple[str, str] | N
     return None
 
 
+def port_closed(cloud: str | None, region: str | None) -> bool:
+    """Whether SkyPilot opens no port in this cloud's region (NO_PORT_REGIONS: SDK contract 3, N6)."""
+    return bool(cloud and region) and region.lower() in NO_PORT_REGIONS.get(cloud.lower(), ())
+
+
 def pick_offer(offers: list[GPUOffer], gpu: str, *, cloud: str | None, use_spot: bool,
                enabled: list[str] | None = None, num_nodes: int = 1) -> GPUOffer | None:
     """The cheapest offer for `gpu` (on `cloud` if given, else among the `enabled` clouds when known), as
@@ -130,7 +135,7 @@ def pick_offer(offers: list[GPUOffer], gpu: str, *, cloud: str | None, use_spot:
     unusable = unusable_cloud(cloud, num_nodes)
     if unusable:
         raise InvalidArgument(unusable[1], code=unusable[0], field="cloud")
-    usable = [o for o in offers if unusable_cloud(o.cloud, num_nodes) is None]
+    usable = [o for o in offers if unusable_cloud(o.cloud, num_nodes) is None and not port_closed(o.cloud, o.region)]
     if not usable:
         needs = "an open port and autodown" + (f", on {num_nodes} nodes" if num_nodes > 1 else "")
         raise InvalidArgument(f"{name} is only on {', '.join(sorted({o.cloud for o in offers}))}, where SkyPilot "
@@ -642,6 +647,9 @@ class SkyBackend(SandboxBackend):
             parse_gpu(spec.gpu)
         if spec.region and not spec.cloud:  # SkyPilot's regions belong to a cloud (Modal's do not)
             raise InvalidArgument("region= needs cloud= too (e.g. cloud='aws', region='us-east-1')", field="region")
+        if port_closed(spec.cloud, spec.region):
+            raise InvalidArgument(f"SkyPilot opens no port in {spec.cloud}'s {spec.region} (no firewall rules there), "
+                                  "and artcloud reaches its server on one: pin another region of it", field="region")
         if idle_minutes < 0:
             raise InvalidArgument(f"idle_minutes must be 0 or more, not {idle_minutes}", field="idle_minutes")
         if spec.image is not None and not str(spec.image).startswith("docker:"):

@@ -36,6 +36,9 @@ NO_OPEN_PORTS = frozenset({"hyperbolic", "ibm", "mithril", "slurm", "verda", "vs
 NO_AUTODOWN = frozenset({"hyperbolic", "primeintellect", "verda", "yotta"})
 NO_MULTI_NODE = frozenset({"hyperbolic", "primeintellect", "runpod", "seeweb", "shadeform", "vast", "verda", "vsphere",
                            "yotta"})
+# Regions of a ports cloud where SkyPilot opens no port, with a warning only (Lambda's us-south-1 has no firewall
+# rules: sky/provision/lambda_cloud/instance.py:270-283): a launch there comes up with its server unreachable.
+NO_PORT_REGIONS = {"lambda": frozenset({"us-south-1"})}
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from packaging.requirements import Requirement
 
 from artcloud.backends.deps import _SKY_CLOUD_ALIASES, SKY_CLOUD_EXTRAS
 from artcloud.backends.sky import FAILED_JOB
-from artcloud.backends.sky_api import NO_AUTODOWN, NO_MULTI_NODE, NO_OPEN_PORTS
+from artcloud.backends.sky_api import NO_AUTODOWN, NO_MULTI_NODE, NO_OPEN_PORTS, NO_PORT_REGIONS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,6 +44,30 @@ def test_no_open_ports_is_every_cloud_skypilot_cannot_open_a_port_on(sky, monkey
                    if feature in cloud._unsupported_features_for_resources(sky.Resources(), None)}
         assert lacking == pinned, feature
     assert {"aws", "gcp", "kubernetes", "lambda", "runpod"} <= set(registry.CLOUD_REGISTRY) - closed
+
+
+def test_no_port_regions_are_where_skypilot_opens_no_port(sky, monkeypatch):
+    """NO_PORT_REGIONS: SkyPilot's Lambda provisioner returns from open_ports in us-south-1 before asking Lambda's API
+    for a firewall rule (sky/provision/lambda_cloud/instance.py:270-283), and asks for one in another region."""
+    from sky.provision.lambda_cloud import instance
+
+    asked = []
+
+    class Client:
+        def list_firewall_rules(self):
+            asked.append("list")
+            return []
+
+        def create_firewall_rule(self, port_range, protocol):
+            asked.append((tuple(port_range), protocol))
+
+    monkeypatch.setattr(instance.lambda_utils, "LambdaCloudClient", Client)
+    assert NO_PORT_REGIONS == {"lambda": frozenset({"us-south-1"})}
+    for region in NO_PORT_REGIONS["lambda"]:
+        instance.open_ports("c", ["8080"], {"region": region})
+        assert asked == [], region
+    instance.open_ports("c", ["8080"], {"region": "us-east-1"})
+    assert asked == ["list", ((8080, 8080), "tcp")]
 
 
 def _extra_requirements(extra: str) -> set[str]:
