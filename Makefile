@@ -29,10 +29,10 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 VLLM_PAIRS ?= vllm+peft,vllm+unsloth
 # Tests run in this many pytest-xdist workers, one test file each at a time (module fixtures stay whole);
 # much of a test's time is a server process starting or waiting: with 2 workers the 2 cores were ~30% idle, and
-# 3 workers ran the .venv suite in 14:54 instead of 16:51 here; with 4 workers (1,289 tests, 2026-12-07) the cores
-# were idle under 2% of the time, the suite took 16:25, and 14.7 GB of 24 stayed free. Files go out in collection
-# order, the longest first (tests/conftest.py: LONGEST_FIRST).
-TEST_WORKERS ?= 4
+# 3 workers ran the .venv suite in 14:54 instead of 16:51 here. 4 workers gained nothing on a clean clone (18:03 against
+# 18:20 with 3, 2026-12-07): the cores were already busy. Files go out in collection order, the longest first
+# (tests/conftest.py: LONGEST_FIRST).
+TEST_WORKERS ?= 3
 PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # One torch (OpenMP) thread per process while processes run side by side: the workers, their servers and ranks
 # are the parallelism. With torch's default (a thread per core) every process's threads spun on cores the others
