@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-import os
-import signal
 import threading
 import time
 
@@ -205,11 +203,12 @@ def _latest_pointer(request) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_preemption_at_any_phase_loses_no_step_and_trains_none_twice(sky_env, monkeypatch, seaweed, caplog):
+def test_a_preemption_at_any_phase_loses_no_step_and_trains_none_twice(sky_env, monkeypatch, seaweed, caplog,
+                                                                       tmp_path):
     """The machine goes, with no notice, at each phase of a step, each one reached by a barrier on every run:
     1. between steps, step 1's manifest on S3 but not yet the LATEST pointer that follows it (held at the network):
        a rollout request finds it gone, and the new machine resumes from step 1 (committed by its manifest);
-    2. inside the train call, before the step is committed (the machine frozen at the step's first gradient step,
+    2. inside the train call, before the step is committed (held in the engine before its first gradient step,
        checked not committed): the train call finds it gone and trains the same groups on the new machine;
     3. after the step committed and model.train returned, before any of it reached S3 (its upload held at the
        network): a rollout finds it gone, and the new machine trains that step again from the kept request;
@@ -225,6 +224,10 @@ def test_a_preemption_at_any_phase_loses_no_step_and_trains_none_twice(sky_env, 
     monkeypatch.setenv("ARTCLOUD_STANDIN_STATUS_REFRESH_S", "3600")
     store = CheckpointStore(S3Config.from_uri(s3))  # straight to SeaweedFS
     home = sky_env / "clusters" / "spot" / "home"
+    # On the machine: a training step waits in the engine while HOLD_STEP_DIR/hold exists.
+    hook, hold_dir = tmp_path / "hook", tmp_path / "hold"
+    hook.mkdir(), hold_dir.mkdir()
+    (hook / "sitecustomize.py").write_text(HOLD_STEP)
 
     def on_s3(step: int) -> bool:
         return step in store.committed_steps("spot", "agent")
@@ -258,28 +261,16 @@ def test_a_preemption_at_any_phase_loses_no_step_and_trains_none_twice(sky_env, 
         assert len(backend.replacements) == 1 and (await backend.model_info("agent")).step == 1
         assert (await model.train(batch, config=config, progress=False)).step == 2
 
-        # 2. Inside the train call of step 3, step 2 on S3: frozen at its first gradient step (of 64).
+        # 2. Inside the train call of step 3, step 2 on S3: held in the engine before its first gradient step (a
+        # barrier on the machine: HOLD_STEP), so that it cannot commit before the machine goes, however slow the
+        # client is to hear of it.
         await asyncio.to_thread(wait_for, "step 2 on S3", lambda: on_s3(2), 60)
-        frozen = asyncio.Event()
-        original = backend.follow_job
-
-        async def follow(job_id, on_event=None, **kw):
-            def seen(event):
-                if event.type == "step" and not frozen.is_set():
-                    for pid in cluster_pids(sky_env, "spot"):
-                        os.kill(pid, signal.SIGSTOP)
-                    frozen.set()
-                if on_event is not None:
-                    on_event(event)
-            return await original(job_id, on_event=seen, **kw)
-
-        backend.follow_job = follow
-        training = asyncio.ensure_future(model.train(await groups(), config=artcloud.TrainConfig(
-            learning_rate=1e-3, gradient_steps=64), progress=False))
-        await frozen.wait()
-        backend.follow_job = original
+        (hold_dir / "hold").touch()
+        training = asyncio.ensure_future(model.train(await groups(), config=config, progress=False))
+        await asyncio.to_thread(wait_for, "step 3 held in the engine", (hold_dir / "in-step").exists, 120)
         assert not committed_on_the_machine(3), "the step committed before the machine went: not phase 2"
         await asyncio.to_thread(go_now)
+        (hold_dir / "hold").unlink()  # the new machine trains the step unheld
         assert (await training).step == 3 and len(backend.replacements) == 2
 
         # 3. Step 4 committed and returned; its upload held before any of it reached S3.
@@ -310,7 +301,8 @@ def test_a_preemption_at_any_phase_loses_no_step_and_trains_none_twice(sky_env, 
         assert [h["step"] for h in history if h.get("source", "train") == "train"] == list(range(1, 8))
 
     async def main() -> SkyBackend:
-        backend = SkyBackend(gpu="H100:1", use_spot=True, cluster_name="spot", s3=s3, idle_minutes=1)
+        backend = SkyBackend(gpu="H100:1", use_spot=True, cluster_name="spot", s3=s3, idle_minutes=1,
+                             env={"PYTHONPATH": str(hook), "HOLD_STEP_DIR": str(hold_dir)})
         async with backend:
             try:
                 await phases(backend)
