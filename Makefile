@@ -29,9 +29,9 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 VLLM_PAIRS ?= vllm+peft,vllm+unsloth
 # Tests run in this many pytest-xdist workers, one test file each at a time (module fixtures stay whole);
 # much of a test's time is a server process starting or waiting: with 2 workers the 2 cores were ~30% idle, and
-# 3 workers ran the .venv suite in 14:54 instead of 16:51 here. 4 workers gained nothing on a clean clone (18:03 against
-# 18:20 with 3, 2026-12-07): the cores were already busy. Files go out in collection order, the longest first
-# (tests/conftest.py: LONGEST_FIRST).
+# 3 workers ran the .venv suite in 14:54 instead of 16:51 here. 4 workers gained 17 s on a clean clone (18:03 against
+# 18:20 with 3, 2026-12-07: the cores were already busy), and tests that were green with 3 failed. Files go out in
+# collection order, the longest first (tests/conftest.py: LONGEST_FIRST).
 TEST_WORKERS ?= 3
 PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # One torch (OpenMP) thread per process while processes run side by side: the workers, their servers and ranks
@@ -147,7 +147,7 @@ test-laptop: $(LAPTOP_STAMP)
 # bench/gpu_check.sh runs it: the contract it checks is artcloud's engine, not vLLM's compiled graphs (which
 # tests/test_vllm_server.py's server runs); each pair starts in 31 s instead of 36 and samples ~25% faster here.
 # One pytest per pair, side by side (each pair is one engine in one process, on one thread): as one run, the second pair
-# ran alone for its last 2 min while the rest of stage 3 had ended and a core idled.
+# ran alone for its last 2 min while the rest of stage 3 had ended and a core idled (stage 3 here: 335 s, not 407).
 comma := ,
 ENGINE_PAIRS := $(addprefix test-engines-,$(subst $(comma), ,$(VLLM_PAIRS)))
 test-engines: $(ENGINE_PAIRS)
