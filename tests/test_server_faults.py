@@ -296,6 +296,9 @@ def test_a_rollback_that_fails_stops_serving_the_model_until_a_reload_works(tmp_
     class BadDisk(CPUEngine):  # the real engine; step 1's publish fails once, then two adapter loads do
         loads_to_fail = 0
         refused = False
+        # The load that works waits for this: the test sees the model unserved on every run, however long it takes
+        # to ask after the background reload's first try (RELOAD_EVERY_S), not only when it is quick.
+        may_reload = threading.Event()
 
         def publish(self, slot, lora, folder):
             if folder.name == "1" and not BadDisk.refused:
@@ -307,6 +310,8 @@ def test_a_rollback_that_fails_stops_serving_the_model_until_a_reload_works(tmp_
             if BadDisk.loads_to_fail:
                 BadDisk.loads_to_fail -= 1
                 raise OSError(errno.EIO, "Input/output error")
+            if BadDisk.refused and not BadDisk.may_reload.wait(60):
+                raise TimeoutError("the test never let the reload go on")
             return super().load_adapter(*args, **kwargs)
 
     with _in_process(tmp_path, BadDisk) as (c, registry, groups):
@@ -318,6 +323,7 @@ def test_a_rollback_that_fails_stops_serving_the_model_until_a_reload_works(tmp_
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "model_unavailable", answer.text
         health = c.get("/health").json()
         assert health["status"] == "degraded" and health["detail"].startswith("training: a failed step could not be undone")
+        BadDisk.may_reload.set()
         wait_for("the model reloaded", lambda: c.get("/health").json()["status"] == "ok", 30)
         assert BadDisk.loads_to_fail == 0
         assert chat(c, "agent")["model"] == "agent@0"
