@@ -313,12 +313,19 @@ def _marker_of(pid: int, name: str = ENV_MARKER) -> str | None:
 
 
 def _kill_node(root: Path, name: str, rank: int) -> None:
-    """SIGKILL every process of one node of the cluster (a task SkyPilot cancels)."""
+    """SIGKILL every process of one node of the cluster (a task SkyPilot cancels). Scanned again until none is left:
+    a child the node's shell forks after one scan (its loop's `sleep`) would outlive it (cc22)."""
     marker = _marker(root, name)
-    for pid in _live_pids():
-        if _marker_of(pid) == marker and _marker_of(pid, ENV_NODE) == str(rank) and pid != os.getpid():
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        found = [pid for pid in _live_pids()
+                 if _marker_of(pid) == marker and _marker_of(pid, ENV_NODE) == str(rank) and pid != os.getpid()]
+        if not found:
+            return
+        for pid in found:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
 
 
 def _session_of(pid: int) -> int | None:
