@@ -314,7 +314,7 @@ def _marker_of(pid: int, name: str = ENV_MARKER) -> str | None:
 
 def _kill_node(root: Path, name: str, rank: int) -> None:
     """SIGKILL every process of one node of the cluster (a task SkyPilot cancels). Scanned again until none is left:
-    a child the node's shell forks after one scan (its loop's `sleep`) would outlive it (cc22)."""
+    a child the node's shell forks after one scan (its loop's `sleep`) would outlive it."""
     marker = _marker(root, name)
     deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline:
