@@ -219,6 +219,91 @@ def test_a_replacement_is_published_only_once_its_models_are_back(tmp_path, monk
     asyncio.run(main())
 
 
+def test_a_read_sent_while_a_replacement_is_in_flight_waits_for_it_and_asks_the_new_server(tmp_path, monkeypatch):
+    """A read (GET) is retried for seconds; a replacement takes minutes (a new machine, the models registered again).
+    A read the lost server fails meanwhile must wait for the replacement and go to the new server, not raise
+    ServerGone when its retries run out (a clean make test: `backend.model_info` right after a lost node's
+    replacement began). The replacement is held in its register until the read has failed and asked the backend's
+    liveness check (barriers)."""
+    from artcloud.backends.remote import RemoteBackend
+
+    register = RemoteBackend.register
+    held = {"registering": asyncio.Event(), "go": asyncio.Event(), "read_waits": asyncio.Event()}
+
+    async def held_register(self, *args, take_over: bool = False, **kwargs):
+        if take_over:  # the replacement's
+            held["registering"].set()
+            await held["go"].wait()
+        return await register(self, *args, take_over=take_over, **kwargs)
+
+    monkeypatch.setattr(RemoteBackend, "register", held_register)
+
+    async def main() -> None:
+        backend = artcloud.LocalBackend(tmp_path / "machine", lease="10m")
+        backend.relaunch_on_loss = True  # what SkyBackend(spot=True, s3=...) sets
+
+        async def lost(cause: BaseException) -> bool:  # SkyProvisioner.lost: the machine is gone
+            return True
+
+        backend.provisioner.lost = lost
+        try:
+            model = artcloud.TrainableModel(name="agent", project="p", base_model=TINY)
+            await model.register(backend)
+            backend.client.retries = 2  # the read's own retries run out long before the replacement ends
+            alive_or_replaced = backend.client.check_alive
+
+            async def noted() -> None:
+                if asyncio.current_task() is reading:
+                    held["read_waits"].set()
+                await alive_or_replaced()
+
+            backend.client.check_alive = noted
+            lost_url = backend.base_url
+            backend.provisioner.path = tmp_path / "new-machine"
+            backend.provisioner.log_file = backend.provisioner.path / "server.log"
+            os.kill(backend.provisioner.proc.pid, signal.SIGKILL)
+            await asyncio.to_thread(backend.provisioner.proc.wait, 30)
+            replacing = asyncio.ensure_future(backend.recover(ServerGone("the node is gone"), backend.generation))
+            await _first_of(held["registering"].wait(), replacing)
+            reading = asyncio.ensure_future(backend.model_info("agent"))
+            await _first_of(held["read_waits"].wait(), reading)  # its retries failed on the lost server
+            await asyncio.sleep(0.2)
+            assert not reading.done(), reading  # it waits for the replacement, it did not give up
+            held["go"].set()
+            assert await replacing is True
+            info = await reading
+            assert info.name == "agent" and info.step == 0
+            assert backend.generation == 1 and backend.base_url != lost_url
+        finally:
+            await backend.down()
+
+    asyncio.run(main())
+
+
+def test_a_liveness_check_that_asks_the_server_itself_asks_it_once():
+    """RunnerBackend's liveness check asks the server's /health through the same client: a read that fails
+    inside it must not ask the check again (it recursed for ever under `artcloud run`, a clean make test)."""
+    from artcloud.backends.client import Client, Endpoint
+
+    client = Client(Endpoint("https://127.0.0.1:9", "t" * 32, None, False), retries=2)  # port 9: nothing listens
+    checks: list[int] = []
+
+    async def check_alive() -> None:
+        checks.append(1)
+        await client.call("GET", "/health")  # fails: ServerGone, raised from the check
+
+    client.check_alive = check_alive
+
+    async def main() -> None:
+        with pytest.raises(ServerGone) as e:
+            await client.call("GET", "/artcloud/models/agent")
+        assert e.value.code == "server_unreachable"
+        await client.drop_connection()
+
+    asyncio.run(main())
+    assert checks == [1]
+
+
 async def _first_of(barrier, task: asyncio.Future) -> None:
     """Wait at `barrier`; if `task` ends first, its error (or result) fails the test instead of a hang."""
     waiting = asyncio.ensure_future(barrier)

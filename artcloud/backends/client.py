@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -51,6 +52,12 @@ HEALTH_PROBE_TIMEOUT_S = 10.0
 # The server answers POST /artcloud/shutdown within FINAL_PUSH_DEADLINE_S (all models' pushes at once, after
 # any wait for training); a client waits a minute more, so that it hears the verdict instead of giving up just before.
 FINAL_PUSH_WAIT_S = FINAL_PUSH_DEADLINE_S + 60.0
+
+# A read follows at most this many replacements of its server (each one waited out by the backend's liveness check).
+MAX_FOLLOWED_REPLACEMENTS = 2
+# Set while a call asks the backend's liveness check, which may itself ask the server (RunnerBackend._check_alive):
+# a read that fails inside it does not ask again.
+_CHECKING_ALIVE: ContextVar[bool] = ContextVar("artcloud_checking_alive", default=False)
 
 
 REGISTER_TIMEOUT_S = 1800.0
@@ -279,7 +286,36 @@ class Client:
                    params: dict[str, Any] | None = None, timeout: float | None = None) -> dict[str, Any]:
         """One request and its answer's JSON object, raw (the typed calls below parse it); retried, unless
         retry=False, on a lost connection or a 5xx (and a busy 429 with `busy`). A server that does not answer
-        at all is ServerGone."""
+        at all is ServerGone.
+
+        A read (a retried GET) that the server stopped answering asks the backend's liveness check, which waits out
+        a replacement in flight (a lost spot machine, RemoteBackend.recover): once the new server is published,
+        the read goes there. Without that, a read sent while a replacement brings up a machine (minutes) failed
+        when its retries (seconds) ran out."""
+        followed = 0
+        while True:
+            generation = self.endpoint.generation
+            try:
+                return await self._call(method, path, json_body=json_body, retry=retry, busy=busy, params=params,
+                                        timeout=timeout)
+            except ServerGone as gone:
+                if not (method == "GET" and retry and gone.code == "server_unreachable" and self.check_alive
+                        is not None and not _CHECKING_ALIVE.get() and followed < MAX_FOLLOWED_REPLACEMENTS):
+                    raise
+                scope = _CHECKING_ALIVE.set(True)  # a check that asks the server itself (RunnerBackend) asks it once
+                try:
+                    await self.check_alive()  # ServerGone when the server is known dead
+                finally:
+                    _CHECKING_ALIVE.reset(scope)
+                if self.endpoint.generation == generation:
+                    raise  # alive as far as its provider knows, and not replaced: the transport error stands
+                followed += 1
+                log.warning("%s %s: the server was replaced meanwhile; asking the new one at %s", method, path,
+                            self.endpoint.url)
+
+    async def _call(self, method: str, path: str, *, json_body: Any, retry: bool, busy: bool,
+                    params: dict[str, Any] | None, timeout: float | None) -> dict[str, Any]:
+        """call's request on the server as it is, retried; a server that does not answer is ServerGone."""
         attempts = AsyncRetrying(
             stop=stop_after_attempt(self.retries if retry else 1),
             wait=wait_exponential_jitter(initial=0.5, max=15.0),
