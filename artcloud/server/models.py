@@ -82,6 +82,9 @@ class EngineHost:
                 # group's key, N2): not a bug, and worth a retry
                 raise ApiError(503, e.code, f"{e}: retry the register", "base_model") from e
             if isinstance(e, (OSError, ValueError)):  # e.g. a name too long for the filesystem, a broken config.json
+                # Its traceback in the server's log: an OSError that is not the name's fault (a file of the engine's
+                # own gone) is otherwise told from one that is only by its message.
+                log.warning("loading base model %r failed", self.base_model, exc_info=True)
                 raise ApiError(400, "base_model_not_found",
                                f"cannot load base model {self.base_model!r} ({type(e).__name__}: {e})", "base_model") from e
             raise
