@@ -287,8 +287,20 @@ def test_fuzz_live_server(fuzz_server):
         return [f"{status} from {label}" for label, status in linked
                 if fuzz.answered(label, status, since=stateless_statuses) == 0]
 
+    def drain() -> None:
+        """Every training job the fuzzer started has ended: each walk starts on an idle server, whatever the machine's
+        load. Jobs left queued by the stateless phase (or the walk before) made a walk's trains 429 too_many_jobs on
+        a loaded machine, so the walk never followed a link to a job (a clean make test, 8 walks)."""
+        deadline = time.monotonic() + 600
+        with fuzz_server.client() as c:
+            for job_id in sorted(fuzz.jobs):
+                while (status := c.get(f"/artcloud/jobs/{job_id}").json()["status"]) in ("queued", "running"):
+                    assert time.monotonic() < deadline, f"job {job_id} still {status} after 600 s"
+                    time.sleep(0.2)
+
     attempt = 0
     while fuzz.cases - stateless < STATEFUL_CASES or unreached():
+        drain()
         assert attempt < 8, (f"the stateful phase sent {fuzz.cases - stateless} cases in {attempt} runs; never got "
                              f"{', '.join(unreached()) or 'nothing missing'}\n{fuzz.summary()}")
         try:
