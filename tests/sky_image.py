@@ -76,6 +76,18 @@ _BLOCKED_ENSUREPIP = '''raise ModuleNotFoundError("No module named 'ensurepip'",
 '''
 
 
+# sudo as SkyPilot's images give it, without a password (sky/templates/aws-ray.yml.j2:119). Powering off goes to the
+# stand-in's cloud (tests/sky_standin.py poweroff), which ends that node only: never to this machine.
+_SUDO = """#!/bin/sh
+while [ "${{1#-}}" != "$1" ]; do shift; done  # sudo's own options (-n)
+case "${{1##*/}}" in
+  shutdown|poweroff) shift; PYTHONPATH={repo} exec {python} -m tests.sky_standin poweroff "$@" ;;
+  halt|reboot|init|systemctl|telinit) echo "sudo: $1 is not modelled by the stand-in" >&2; exit 1 ;;
+esac
+exec "$@"
+"""
+
+
 @dataclass(frozen=True)
 class Image:
     """A built image: `bin/python3` (the chosen interpreter) and `blocked/` (no ensurepip, as without python3-venv)."""
@@ -208,6 +220,9 @@ def build(root: Path, python: str | None = None) -> Image:
         (tmp / "bin").mkdir()
         for name in ("python3", f"python{info['version']}"):  # no bare `python`, as on Ubuntu
             os.symlink(info["base"], tmp / "bin" / name)
+        (tmp / "bin" / "sudo").write_text(_SUDO.format(python=shlex.quote(sys.executable),
+                                                       repo=shlex.quote(str(REPO_ROOT))))
+        (tmp / "bin" / "sudo").chmod(0o755)
         (tmp / "blocked" / "ensurepip").mkdir(parents=True)
         (tmp / "blocked" / "ensurepip" / "__init__.py").write_text(_BLOCKED_ENSUREPIP)
         (tmp / "blocked" / "venv").mkdir()

@@ -1222,10 +1222,54 @@ def _autodown(root: Path, name: str, machine: str | None) -> None:
     os._exit(0)  # the few files left under ROOT/trash are not worth a window with a live process
 
 
+def poweroff(args: list[str]) -> int:
+    """`sudo shutdown -h now|+M` (or `sudo poweroff`) on a node (the image's sudo: tests/sky_image.py): what its cloud
+    does to a VM that shuts itself down. AWS stops an on-demand instance (its default shutdown behaviour: SkyPilot's
+    node_config, sky/templates/aws-ray.yml.j2:70-104, asks for no other) and terminates a one-time spot one; GCP's
+    goes TERMINATED. Either way the node's processes end and SkyPilot's refresh finds the cluster abnormal, INIT
+    (backend_utils.py:2984-2987), its autostop kept while the head lives (:3141-3144). A node task that was still
+    running is retried by Ray into a bundle that cannot be placed, as for a preempted node (`preempt_node`).
+    `+M` is systemd's scheduled shutdown: the command returns at once, the node goes M (stand-in) minutes later.
+    A Kubernetes pod has no systemd: the command fails there."""
+    folder, rank = Path(os.environ[ENV_MARKER]), int(os.environ[ENV_NODE])
+    root, name = folder.parent.parent, folder.name
+    data = _read_json(folder / "cluster.json")
+    if data is None:
+        return 1
+    if "kubernetes" in str(data.get("resources") or "").lower():
+        print("System has not been booted with systemd as init system (PID 1). Can't operate.", file=sys.stderr)
+        return 1
+    when = next((a for a in args if a == "now" or a.startswith("+")), "now")
+    delay = 0.0 if when == "now" else float(when[1:]) * float(data.get("minute_s", 60))
+    machine = data.get("instance_id")  # a later cluster of the same name is another machine
+    if delay:
+        if os.fork():
+            print(f"Shutdown scheduled in {when[1:]} minute(s), use 'shutdown -c' to cancel.", flush=True)
+            return 0
+        os.setsid()
+        time.sleep(delay)
+
+    def change(d: dict[str, Any]) -> None:
+        if d.get("instance_id") != machine:
+            return
+        d["stopped_nodes"] = sorted({*d.get("stopped_nodes", []), rank})
+        d["lost_nodes"] = sorted({*d.get("lost_nodes", []), rank})
+        d["health"], d["head_alive"] = "unhealthy", d.get("head_alive", True) and rank != 0
+        _kill_node(root, name, rank)  # under the cluster's lock: no new cluster of the name comes up meanwhile
+
+    _update(folder, change)
+    if delay:
+        os._exit(0)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if len(argv) == 4 and argv[0] == "supervise":
         return supervise(Path(argv[1]), argv[2], int(argv[3]))
-    print("usage: python -m tests.sky_standin supervise ROOT NAME JOB_ID", file=sys.stderr)
+    if argv[:1] == ["poweroff"]:
+        return poweroff(argv[1:])
+    print("usage: python -m tests.sky_standin supervise ROOT NAME JOB_ID | poweroff [-h] [now|+MINUTES]",
+          file=sys.stderr)
     return 2
 
 

@@ -7,13 +7,16 @@ ending (the lost node's task waits for a bundle that cannot be placed), and no s
   whole cluster; the model comes back at its step and trains on, nothing lost or trained twice.
 - A lost trainer node inside a step (held there by a barrier): the cluster is replaced, and the step the train call
   was in is trained once, on the new cluster.
-- A lost head: the worker's replica ends itself (its head watch); the VM it ran on would bill with no autodown, so
-  the liveness check of the client's next failed rollouts finds the head silent, tears the cluster down and logs why.
+- A lost head: the worker's replica ends itself (its head watch) and its node powers itself off (the stand-in's
+  `sudo shutdown`): with the head went the only skylet that autodowns. Where that cannot stop the billing (a pod, an
+  Azure VM), the liveness check of the client's next failed rollouts finds the head silent, tears the cluster down
+  and logs why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import pytest
@@ -140,14 +143,19 @@ def test_a_lost_head_leaves_workers_that_end_themselves_and_a_cluster_the_client
             assert role_pids(sky_env, "headless", "1", "replica")
             await asyncio.to_thread(LocalSky().preempt_node, "headless", 0)
 
-            # The worker's replica finds nothing listening at the head and ends, and its node's loop with it; its
-            # VM is still there (INIT 'unhealthy', the autostop kept), and nothing on it would ever autodown.
+            # The worker's replica finds nothing listening at the head and ends, and its node's loop with it, which
+            # powers the node off a (stand-in) minute later: nothing else would end it (the head's skylet, the only
+            # one that autodowns, is gone). Until its last process ends, the node is not off.
             try:
                 await asyncio.to_thread(wait_for, "the worker's processes ended",
                                         lambda: not cluster_pids(sky_env, "headless"), 120)
             except AssertionError:
                 log = (sky_env / "clusters" / "headless" / "job.log").read_text()[-3000:]
                 raise AssertionError(f"{[_cmdline(p)[:80] for p in cluster_pids(sky_env, 'headless')]}\n{log}") from None
+            cluster = json.loads((sky_env / "clusters" / "headless" / "cluster.json").read_text())
+            assert cluster.get("stopped_nodes") == [1], cluster  # it powered itself off
+            assert "node 1 ended (its head is gone" in (sky_env / "clusters" / "headless" / "job.log").read_text()
+            # SkyPilot's view: INIT 'unhealthy' (a node stopped, the head gone), its autostop kept.
             await asyncio.to_thread(_refreshed_unhealthy, "headless")
             info = LocalSky().status("headless", refresh=True)
             assert info.autostop_minutes == 1 and info.init_kind == "unhealthy"  # kept: backend_utils.py:3166-3172

@@ -382,6 +382,35 @@ def test_a_preempted_node_of_several_leaves_the_job_running_and_the_autostop_kep
     assert sky.down("n") is True and sky.status("n") is None and leftover_processes(root) == {}
 
 
+@pytest.mark.parametrize("cloud", ["aws", "kubernetes"])
+def test_a_node_that_shuts_itself_down_is_stopped_by_its_cloud_but_a_pod_cannot(sky, root, monkeypatch, cloud):
+    """The image's sudo (passwordless, as on SkyPilot's images) hands `shutdown` to the stand-in's cloud, never to
+    this machine: `-h +1` returns at once and the node goes a (stand-in) minute later, its processes ended, the
+    head running on; SkyPilot's refresh then says INIT 'unhealthy', the autostop kept (the head lives). A Kubernetes
+    pod has no systemd: the command fails and the pod runs on."""
+    monkeypatch.setenv(ENV_CLOUDS, "aws,kubernetes")
+    task = small_task('if [ "$SKYPILOT_NODE_RANK" = 1 ]; then sudo -n shutdown -h +1 && echo "scheduled"'
+                      ' || echo "failed $?"; fi; sleep 600')
+    task["resources"] = {"cloud": cloud, "ports": 8443}
+    sky.launch({**task, "num_nodes": 2}, secrets={}, cluster_name="off", idle_minutes=5)
+    log = root / "clusters" / "off" / "job.log"
+    wait_for("the shutdown asked", lambda: log.exists() and ("scheduled" in log.read_text()
+                                                              or "failed" in log.read_text()), timeout=30)
+    if cloud == "kubernetes":
+        assert "failed 1" in log.read_text() and "booted with systemd" in log.read_text()
+        time.sleep(1.0)  # two stand-in minutes: nothing happens
+        assert {_marker_of(pid, ENV_NODE) for pid in leftover_processes(root)} >= {"0", "1"}
+    else:
+        cluster = root / "clusters" / "off" / "cluster.json"
+        wait_for("node 1 off", lambda: json.loads(cluster.read_text()).get("stopped_nodes") == [1], timeout=10)
+        left = leftover_processes(root)
+        assert left and all(_marker_of(pid, ENV_NODE) != "1" for pid in left), left  # the head runs on
+        wait_for("refreshed", lambda: sky.status("off", refresh=True).status != "UP", timeout=10)  # AUTO: 2 s old
+        info = sky.status("off", refresh=True)
+        assert (info.status, info.init_kind, info.autostop_minutes) == ("INIT", "unhealthy", 5)
+    assert sky.down("off") is True and sky.status("off") is None and leftover_processes(root) == {}
+
+
 # ---------------------------------------------------------------------------------------------- the node's Python
 
 
