@@ -152,16 +152,13 @@ def test_a_liveness_check_waits_for_a_replacement_in_flight():
     assert backend.launches == 1 and backend.checked_while_launching == 0 and len(backend.replacements) == 1
 
 
-def test_a_replacement_is_published_only_once_its_models_are_back(tmp_path, monkeypatch):
-    """A lost machine (a preempted spot VM, played by a SIGKILLed LocalBackend server and a fresh, empty disk) is
-    replaced while rollouts go on. The new server must not be reached before the models are registered on it again
-    (code review 3, F2: 23 of ~370 rollouts got 404 model_not_found in that window). The replacement is held in its
-    register (a barrier); a rollout started then waits, and both rollouts answer once it is done."""
+def _hold_the_replacements_register(monkeypatch) -> dict[str, asyncio.Event]:
+    """A barrier in a replacement: its register (RemoteBackend.register with take_over) sets "registering", then
+    waits for "go". The test adds its own events to the dict."""
     from artcloud.backends.remote import RemoteBackend
 
-    register, recover_if_lost = RemoteBackend.register, RemoteBackend.recover_if_lost
-    held: dict[str, asyncio.Event] = {}
-    asked: list[int] = []
+    register = RemoteBackend.register
+    held = {"registering": asyncio.Event(), "go": asyncio.Event()}
 
     async def held_register(self, *args, take_over: bool = False, **kwargs):
         if take_over:  # the replacement's
@@ -169,24 +166,57 @@ def test_a_replacement_is_published_only_once_its_models_are_back(tmp_path, monk
             await held["go"].wait()
         return await register(self, *args, take_over=take_over, **kwargs)
 
+    monkeypatch.setattr(RemoteBackend, "register", held_register)
+    return held
+
+
+def _replaceable_backend(tmp_path) -> artcloud.LocalBackend:
+    """A LocalBackend whose lost server is replaced, as SkyBackend(spot=True, s3=...) replaces its machine."""
+    backend = artcloud.LocalBackend(tmp_path / "machine", lease="10m")
+    backend.relaunch_on_loss = True  # what SkyBackend(spot=True, s3=...) sets
+
+    async def lost(cause: BaseException) -> bool:  # SkyProvisioner.lost: the machine is gone
+        return True
+
+    backend.provisioner.lost = lost
+    return backend
+
+
+async def _lose_the_machine(backend: artcloud.LocalBackend, tmp_path) -> str:
+    """The machine goes (a preempted spot VM): its server SIGKILLed, and the next one on a new machine's disk, with
+    nothing on it. The lost server's URL."""
+    lost_url = backend.base_url
+    backend.provisioner.path = tmp_path / "new-machine"
+    backend.provisioner.log_file = backend.provisioner.path / "server.log"
+    os.kill(backend.provisioner.proc.pid, signal.SIGKILL)
+    # Gone for good before anyone asks: its port closes before it can be reaped, and a liveness check in between
+    # would find a machine that still runs (a LocalBackend's race, not the one tested here).
+    await asyncio.to_thread(backend.provisioner.proc.wait, 30)
+    return lost_url
+
+
+def test_a_replacement_is_published_only_once_its_models_are_back(tmp_path, monkeypatch):
+    """A lost machine (a preempted spot VM, played by a SIGKILLed LocalBackend server and a fresh, empty disk) is
+    replaced while rollouts go on. The new server must not be reached before the models are registered on it again
+    (code review 3, F2: 23 of ~370 rollouts got 404 model_not_found in that window). The replacement is held in its
+    register (a barrier); a rollout started then waits, and both rollouts answer once it is done."""
+    from artcloud.backends.remote import RemoteBackend
+
+    recover_if_lost = RemoteBackend.recover_if_lost
+    held = _hold_the_replacements_register(monkeypatch)
+    asked: list[int] = []
+
     async def counted(self, error, generation):
         asked.append(generation)
         if len(asked) == 2:
             held["second"].set()
         return await recover_if_lost(self, error, generation)
 
-    monkeypatch.setattr(RemoteBackend, "register", held_register)
     monkeypatch.setattr(RemoteBackend, "recover_if_lost", counted)
 
     async def main() -> None:
-        held.update(registering=asyncio.Event(), go=asyncio.Event(), second=asyncio.Event())
-        backend = artcloud.LocalBackend(tmp_path / "machine", lease="10m")
-        backend.relaunch_on_loss = True  # what SkyBackend(spot=True, s3=...) sets
-
-        async def lost(cause: BaseException) -> bool:  # SkyProvisioner.lost: the machine is gone
-            return True
-
-        backend.provisioner.lost = lost
+        held["second"] = asyncio.Event()
+        backend = _replaceable_backend(tmp_path)
         try:
             model = artcloud.TrainableModel(name="agent", project="p", base_model=TINY)
             await model.register(backend)
@@ -197,13 +227,7 @@ def test_a_replacement_is_published_only_once_its_models_are_back(tmp_path, monk
                                                          messages=[{"role": "user", "content": "hi"}])
                 return r.model
 
-            lost_url = backend.base_url
-            backend.provisioner.path = tmp_path / "new-machine"  # a new machine's disk: nothing on it
-            backend.provisioner.log_file = backend.provisioner.path / "server.log"
-            os.kill(backend.provisioner.proc.pid, signal.SIGKILL)
-            # Gone for good before the rollout asks: its port closes before it can be reaped, and a liveness check in
-            # between would find a machine that still runs (a LocalBackend's race, not the one tested here).
-            await asyncio.to_thread(backend.provisioner.proc.wait, 30)
+            lost_url = await _lose_the_machine(backend, tmp_path)
             first = asyncio.ensure_future(rollout())  # fails on the lost server, and replaces it
             await _first_of(held["registering"].wait(), first)  # (a rollout that failed instead says why)
             assert (backend.base_url, backend.generation) == (lost_url, 0)  # nothing published yet
@@ -225,27 +249,11 @@ def test_a_read_sent_while_a_replacement_is_in_flight_waits_for_it_and_asks_the_
     ServerGone when its retries run out (a clean make test: `backend.model_info` right after a lost node's
     replacement began). The replacement is held in its register until the read has failed and asked the backend's
     liveness check (barriers)."""
-    from artcloud.backends.remote import RemoteBackend
-
-    register = RemoteBackend.register
-    held = {"registering": asyncio.Event(), "go": asyncio.Event(), "read_waits": asyncio.Event()}
-
-    async def held_register(self, *args, take_over: bool = False, **kwargs):
-        if take_over:  # the replacement's
-            held["registering"].set()
-            await held["go"].wait()
-        return await register(self, *args, take_over=take_over, **kwargs)
-
-    monkeypatch.setattr(RemoteBackend, "register", held_register)
+    held = _hold_the_replacements_register(monkeypatch)
 
     async def main() -> None:
-        backend = artcloud.LocalBackend(tmp_path / "machine", lease="10m")
-        backend.relaunch_on_loss = True  # what SkyBackend(spot=True, s3=...) sets
-
-        async def lost(cause: BaseException) -> bool:  # SkyProvisioner.lost: the machine is gone
-            return True
-
-        backend.provisioner.lost = lost
+        held["read_waits"] = asyncio.Event()
+        backend = _replaceable_backend(tmp_path)
         try:
             model = artcloud.TrainableModel(name="agent", project="p", base_model=TINY)
             await model.register(backend)
@@ -258,11 +266,7 @@ def test_a_read_sent_while_a_replacement_is_in_flight_waits_for_it_and_asks_the_
                 await alive_or_replaced()
 
             backend.client.check_alive = noted
-            lost_url = backend.base_url
-            backend.provisioner.path = tmp_path / "new-machine"
-            backend.provisioner.log_file = backend.provisioner.path / "server.log"
-            os.kill(backend.provisioner.proc.pid, signal.SIGKILL)
-            await asyncio.to_thread(backend.provisioner.proc.wait, 30)
+            lost_url = await _lose_the_machine(backend, tmp_path)
             replacing = asyncio.ensure_future(backend.recover(ServerGone("the node is gone"), backend.generation))
             await _first_of(held["registering"].wait(), replacing)
             reading = asyncio.ensure_future(backend.model_info("agent"))
