@@ -60,15 +60,13 @@ def test_a_vanished_followers_event_stream_does_not_hold_the_lease(start_server,
     """The client follows a long training job through a network that then goes silent (no FIN, no RST:
     a laptop lid closed, a partition). Its heartbeats stop arriving; its event stream stays open on the
     server. The server must still end by its lease, long before the job would have."""
-    from test_sky_spot import HOLD_STEP
+    from test_sky_spot import hold_step
 
-    hook, held = tmp_path / "hook", tmp_path / "held"
-    hook.mkdir(), held.mkdir()
-    (hook / "sitecustomize.py").write_text(HOLD_STEP)  # the step waits while held/hold exists: a job that lasts
-    (held / "hold").touch()
+    hook_env, held = hold_step(tmp_path)
+    (held / "hold").touch()  # the step waits while held/hold exists: a job that lasts
     lease_s = 3.0
     s = start_server(None, "--lease", f"{lease_s:g}s", env={
-        "HOLD_STEP_DIR": str(held), "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))})
+        **hook_env, "PYTHONPATH": os.pathsep.join(filter(None, [hook_env["PYTHONPATH"], os.environ.get("PYTHONPATH")]))})
     port = int(s.url.rsplit(":", 1)[1])
     proxy = TCPProxy("127.0.0.1", port)
     through = dict(base_url=f"https://localhost:{proxy.port}", verify=s.ssl_context(),

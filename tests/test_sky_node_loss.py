@@ -28,7 +28,7 @@ from tests.helpers import gather_groups, wait_for
 from tests.sky_standin import LocalSky, _cmdline, cluster_pids
 from tests.test_sky import TINY, use_s3
 from tests.test_sky_nodes import role_pids
-from tests.test_sky_spot import HOLD_STEP
+from tests.test_sky_spot import hold_step
 
 
 def _refreshed_unhealthy(name: str) -> None:
@@ -87,14 +87,11 @@ def test_a_trainer_node_lost_inside_a_step_is_replaced_and_the_step_trained_once
     s3 = use_s3(monkeypatch, seaweed, "duo")
     store = CheckpointStore(S3Config.from_uri(s3))
     # On the cluster: a training step waits in the engine while HOLD_STEP_DIR/hold exists (tests/test_sky_spot.py).
-    hook, hold = tmp_path / "hook", tmp_path / "hold"
-    hook.mkdir(), hold.mkdir()
-    (hook / "sitecustomize.py").write_text(HOLD_STEP)
+    hook_env, hold = hold_step(tmp_path)
 
     async def main() -> SkyBackend:
         backend = SkyBackend(gpu="H100:1", num_nodes=2, trainer_nodes=2, use_spot=True, cluster_name="duo", s3=s3,
-                             idle_minutes=1, heartbeat_every_s=1.0,
-                             env={"PYTHONPATH": str(hook), "HOLD_STEP_DIR": str(hold)})
+                             idle_minutes=1, heartbeat_every_s=1.0, env=hook_env)
         async with backend:
             model = artcloud.TrainableModel(name="agent", project="duo", base_model=TINY,
                                             lora=artcloud.LoraConfig(rank=4))

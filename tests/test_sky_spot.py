@@ -14,6 +14,7 @@ import io
 import logging
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -61,6 +62,15 @@ if _engine is not None:
 """
 
 
+def hold_step(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """HOLD_STEP for a server: the environment that loads it (PYTHONPATH, HOLD_STEP_DIR) and its folder, where `hold`
+    holds a training step in the engine (`in-step` says one is held) and `hold-exit` a server's exit."""
+    hook, hold = tmp_path / "hook", tmp_path / "hold"
+    hook.mkdir(), hold.mkdir()
+    (hook / "sitecustomize.py").write_text(HOLD_STEP)
+    return {"PYTHONPATH": str(hook), "HOLD_STEP_DIR": str(hold)}, hold
+
+
 def _preempt_soon(name: str, *, notice_s: float) -> threading.Thread:
     thread = threading.Thread(target=LocalSky().preempt, args=(name,), kwargs={"notice_s": notice_s}, daemon=True)
     thread.start()
@@ -79,13 +89,10 @@ def test_a_preempted_spot_machine_is_replaced_and_training_goes_on(sky_env, monk
 
     # On the cluster (its PYTHONPATH): a training step waits in the engine while HOLD_STEP_DIR/hold exists, so the
     # machine is taken in the middle of one on every run, however fast the step (it used to finish first, now and then).
-    hook, hold = tmp_path / "hook", tmp_path / "hold"
-    hook.mkdir(), hold.mkdir()
-    (hook / "sitecustomize.py").write_text(HOLD_STEP)
+    hook_env, hold = hold_step(tmp_path)
 
     async def main() -> SkyBackend:
-        backend = SkyBackend(gpu="H100:1", use_spot=True, cluster_name="spot", s3=s3, idle_minutes=1,
-                             env={"PYTHONPATH": str(hook), "HOLD_STEP_DIR": str(hold)})
+        backend = SkyBackend(gpu="H100:1", use_spot=True, cluster_name="spot", s3=s3, idle_minutes=1, env=hook_env)
         assert backend.relaunch_on_loss
         async with backend:
             model = artcloud.TrainableModel(name="agent", project="spot", base_model=TINY,
@@ -225,9 +232,7 @@ def test_a_preemption_at_any_phase_loses_no_step_and_trains_none_twice(sky_env, 
     store = CheckpointStore(S3Config.from_uri(s3))  # straight to SeaweedFS
     home = sky_env / "clusters" / "spot" / "home"
     # On the machine: a training step waits in the engine while HOLD_STEP_DIR/hold exists.
-    hook, hold_dir = tmp_path / "hook", tmp_path / "hold"
-    hook.mkdir(), hold_dir.mkdir()
-    (hook / "sitecustomize.py").write_text(HOLD_STEP)
+    hook_env, hold_dir = hold_step(tmp_path)
 
     def on_s3(step: int) -> bool:
         return step in store.committed_steps("spot", "agent")
@@ -301,8 +306,7 @@ def test_a_preemption_at_any_phase_loses_no_step_and_trains_none_twice(sky_env, 
         assert [h["step"] for h in history if h.get("source", "train") == "train"] == list(range(1, 8))
 
     async def main() -> SkyBackend:
-        backend = SkyBackend(gpu="H100:1", use_spot=True, cluster_name="spot", s3=s3, idle_minutes=1,
-                             env={"PYTHONPATH": str(hook), "HOLD_STEP_DIR": str(hold_dir)})
+        backend = SkyBackend(gpu="H100:1", use_spot=True, cluster_name="spot", s3=s3, idle_minutes=1, env=hook_env)
         async with backend:
             try:
                 await phases(backend)
