@@ -386,8 +386,12 @@ def test_a_step_found_committed_after_a_lost_server_is_reported_too(tiny_server,
     result, backend, root = asyncio.run(main())
     assert result.step == 1 and len(backend.replacements) == 1 and result.events == []  # found, not followed
     assert result.metrics["loss"] != 0
-    rows = [row for run_id, rs in wandb_runs(root) if run_id == "wb-lost" for row in rs]
-    train_row = next(r for r in rows if "train/reward" in r)
+    runs = wandb_runs(root)
+    rows = [row for run_id, rs in runs if run_id == "wb-lost" for row in rs]
+    train_rows = [r for r in rows if "train/reward" in r]
+    assert train_rows, (f"no train row in W&B; the step's metrics {result.metrics}; the runs under {root}: "
+                        f"{[(run_id, [sorted(r) for r in rs]) for run_id, rs in runs]}")  # (once on a loaded clone)
+    train_row = train_rows[0]
     assert train_row["training_step"] == 1 and train_row["train/loss"] == pytest.approx(result.metrics["loss"])
     assert train_row["train/reward"] == pytest.approx(0.25) and train_row["train/samples"]["nrows"] == 6
 
