@@ -314,7 +314,11 @@ async def trajectory_group_batches(
     if pbar_total_completion_tokens:
         warnings.warn("pbar_total_completion_tokens is deprecated in ART and does nothing in artcloud",
                       DeprecationWarning, stacklevel=2)
-    unstarted = list(groups)[batch_size * skip_batches:]
+    everything = list(groups)
+    unstarted = everything[batch_size * skip_batches:]
+    for skipped in everything[:batch_size * skip_batches]:
+        if inspect.iscoroutine(skipped):
+            skipped.close()  # never run: closed, not left to warn "never awaited"
     for item in unstarted:
         if not isinstance(item, TrajectoryGroup) and not inspect.isawaitable(item):
             raise WrongType(f"trajectory_group_batches got a {type(item).__name__}: pass TrajectoryGroups, or "
