@@ -119,7 +119,8 @@ venv-then-laptop:
 pythons-built:
 	$(MAKE) --no-print-directory $(LAPTOP_STAMP) $(PYTHON_STAMPS)
 
-# --durations: the slowest tests of each run, for whoever shortens make test next.
+# --durations: the slowest tests of each run, for whoever shortens make test next (and ARTCLOUD_TEST_CPU_LOG=FILE: each
+# test's CPU seconds, tests/conftest.py).
 test-main: $(STAMP)
 	$(ONE_THREAD) $(BIN)/python -m pytest -q -ra $(PYTEST_PAR) --durations=25 --ignore=tests/laptop
 

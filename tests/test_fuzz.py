@@ -92,8 +92,9 @@ SETTINGS = dict(
 class Fuzzer:
     """Sends cases to the live server, checks each response, counts them, and keeps every failure (a
     failure seen once fails the test, even if hypothesis cannot replay it against the server's new
-    state). Half of the valid cases (every training request of a walk) are steered to what exists on this server (the model `agent`,
-    training groups it sampled), so that they get past the 404s into generation and training."""
+    state). Half of the valid cases, and every training request of a stateful walk, are steered to what exists on
+    this server (the model `agent`, training groups it sampled), so that they get past the 404s into generation and
+    training."""
 
     def __init__(self, url: str, token: str, ca: str, groups: list[dict[str, Any]]):
         self.groups = groups

