@@ -46,9 +46,9 @@ ONE_THREAD := OMP_NUM_THREADS=1
 # every message (sched_yield: vllm/distributed/device_communicators/shm_broadcast.py, SpinCondition busy_loop_s=1).
 # Beside the rest of stage 3 those spinners took turns with the processes they waited for: the suite took 7:16 to 7:52
 # there (4:48 alone). VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the worker inside the engine core (vllm/platforms/cpu.py
-# keeps the one-process executor then): 6:15 there, same machine, same neighbours. Its OpenMP threads are bound to the cores as the server binds them
-# (choose.vllm_defaults; until 2026-12-07 a VLLM_CPU_OMP_THREADS_BIND=nobind here was overridden by it, so every timing
-# above ran bound). The served model and what artcloud does with it are the same.
+# keeps the one-process executor then): 6:15 there, same machine, same neighbours. Its OpenMP threads are bound to
+# the cores as the server binds them (choose.vllm_defaults; until 2026-12-07 a VLLM_CPU_OMP_THREADS_BIND=nobind here
+# was overridden by it, so every timing above ran bound). The served model and what artcloud does with it are the same.
 VLLM_ONE_PROCESS := VLLM_ENABLE_V1_MULTIPROCESSING=0
 # One editable install of this checkout at a time, whoever runs it (the lock is pyproject.toml itself: flock is
 # advisory, so reading it is unaffected).
