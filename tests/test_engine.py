@@ -16,7 +16,7 @@ from tolerances import (
 
 from artcloud.server.engines.base import GenerationRequest, SamplingParams, StopStrings, TrainSample
 from artcloud.train import packing
-from artcloud.train.grpo import group_advantages
+from artcloud.train.advantages import group_advantages
 from artcloud.types import LoraConfig, TrainConfig
 
 TINY = "artcloud/tiny-random"

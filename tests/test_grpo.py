@@ -11,7 +11,8 @@ from tolerances import TINY_HIDDEN, assert_close_f32, logprob_bound
 
 from artcloud.server.engines.base import TrainSample
 from artcloud.train import grpo, packing
-from artcloud.train.grpo import Knobs, group_advantages, policy_loss, token_logprobs
+from artcloud.train.advantages import group_advantages
+from artcloud.train.grpo import Knobs, policy_loss, token_logprobs
 
 TINY = "artcloud/tiny-random"
 

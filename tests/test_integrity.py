@@ -18,7 +18,7 @@ from tolerances import TINY_HIDDEN, logprob_bound, ratio_bound
 
 from artcloud.server.chat import render_prompt
 from artcloud.server.engines.base import GenerationRequest, SamplingParams, TrainSample
-from artcloud.train.grpo import group_advantages, logprob_temperature
+from artcloud.train.advantages import group_advantages, logprob_temperature
 from artcloud.train.loop import NonFiniteError
 from artcloud.types import LoraConfig, TrainConfig
 

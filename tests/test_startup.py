@@ -173,6 +173,8 @@ def test_bootstrap_answers_installing_over_tls_with_the_stdlib_alone(tmp_path, s
         reported = c.get("/health").json()
     assert reported["ready"] is True and reported["phase"] == "ready"
     assert reported["phases"]["installing"] == round(saved["ended"] - saved["started"], 3)
+    # Ready without torch (~2 s of CPU at every start; it comes with the first model: train/advantages.py).
+    assert "libtorch" not in Path(f"/proc/{server.proc.pid}/maps").read_text()
 
 
 # ---------------------------------------------------------------------------------------------- the client

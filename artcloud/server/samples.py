@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 from artcloud.server import chat
 from artcloud.server.api_errors import ApiError
 from artcloud.server.engines.base import TrainSample
-from artcloud.train.grpo import group_advantages, logprob_temperature
+from artcloud.train.advantages import group_advantages, logprob_temperature
 from artcloud.wire import Choice, TrainRequest, WireHistory, WireTrajectory
 
 # Advantages become float32 tensors: beyond this they are infinite there.
@@ -34,7 +34,7 @@ class Turn(NamedTuple):
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
-    temperature: float  # the T its logprobs are at (grpo.logprob_temperature: never 0)
+    temperature: float  # the T its logprobs are at (advantages.logprob_temperature: never 0)
     history: int = 0  # 0: the trajectory's own conversation; h: its additional_histories[h - 1]
 
 

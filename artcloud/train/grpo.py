@@ -1,4 +1,4 @@
-"""GRPO on one page: group-relative advantages and the clipped policy-gradient loss.
+"""GRPO on one page: the clipped policy-gradient loss (a group's advantages: advantages.py).
 
 Shapes: B sequences in a batch, C completion tokens (right-padded), V vocabulary.
 Only the tokens the policy sampled carry loss (`mask`); prompts, tool results and padding do not.
@@ -8,7 +8,7 @@ pi_T = softmax(logits / T), so that is the distribution the ratio pi_theta / pi_
 TRL and verl do: the sampler reports log pi_T(token) (and its top_logprobs) and training divides each
 row's logits by the T its tokens were sampled at. An unchanged policy then has a ratio of 1 at any T,
 where logprobs at T = 1 against tokens drawn at T would start every step off-policy. Greedy (T = 0) has no
-distribution to compare against: its logprobs and its training are at T = 1 (`logprob_temperature`).
+distribution to compare against: its logprobs and its training are at T = 1 (advantages.logprob_temperature).
 Top-p truncation is ignored in the ratio (as TRL ignores it): the logprobs are of the whole
 temperature-scaled distribution, before the nucleus is cut, so a token kept by top-p carries its
 untruncated probability and the ratio is not inflated by the renormalisation.
@@ -16,31 +16,12 @@ untruncated probability and the ratio is not inflated by the renormalisation.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from artcloud.errors import InvalidArgument
-
-
-def group_advantages(rewards: list[float], *, scale: bool = True, eps: float = 1e-6) -> list[float] | None:
-    """(r - mean) / std within one group; None when every reward is equal (nothing to learn from)."""
-    n = len(rewards)
-    if n < 2 or max(rewards) - min(rewards) <= eps:
-        return None
-    mean = sum(rewards) / n
-    if not scale:
-        return [r - mean for r in rewards]
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1))  # unbiased, like torch.std
-    return [(r - mean) / (std + eps) for r in rewards]
-
-
-def logprob_temperature(sampling_temperature: float) -> float:
-    """The temperature a sampled token's logprob is taken at (by the sampler and by training): the
-    sampling temperature itself, or 1 for greedy decoding (T = 0)."""
-    return sampling_temperature if sampling_temperature > 0.0 else 1.0
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,

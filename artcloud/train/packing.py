@@ -37,7 +37,7 @@ class PackedBatch:
     completion_mask: torch.Tensor  # (B, C) float: 1 on the completion's tokens, 0 on padding
     old_logprobs: torch.Tensor  # (B, C)
     advantages: torch.Tensor  # (B,)
-    temperatures: torch.Tensor  # (B,) the temperature each row's logprobs are taken at (grpo.logprob_temperature)
+    temperatures: torch.Tensor  # (B,) the temperature each row's logprobs are taken at (advantages.logprob_temperature)
     loss_mask: torch.Tensor  # (B, C) float: 1 on the tokens that carry loss (TrainSample.trained; else completion_mask)
     sequences: torch.Tensor  # (B,) long: each row's trajectory, 0..S-1 (TrainSample.sequence; else a row of its own)
 

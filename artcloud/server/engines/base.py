@@ -72,7 +72,7 @@ class GenerationRequest:
 class Completion:
     token_ids: list[int]
     # The logprob of each sampled token under the distribution it was drawn from: log_softmax(logits / T)
-    # before top-p, T = `temperature` (T = 1 for greedy; see grpo.logprob_temperature). Training
+    # before top-p, T = `temperature` (T = 1 for greedy; see advantages.logprob_temperature). Training
     # divides its logits by the same T, so the importance ratio of an unchanged policy is 1.
     # top_logprobs are of the same distribution.
     logprobs: list[float]

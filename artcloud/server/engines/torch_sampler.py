@@ -16,7 +16,7 @@ import torch
 from artcloud.server.engines.base import Completion, GenerationRequest, Sampler, StopStrings
 from artcloud.server.engines.peft_trainer import PeftTrainer
 from artcloud.train import packing
-from artcloud.train.grpo import logprob_temperature
+from artcloud.train.advantages import logprob_temperature
 from artcloud.types import LoraConfig
 
 
